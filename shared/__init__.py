@@ -1,0 +1,1 @@
+"""HybridGen: an LLM inference server that uses the CPU and the GPU as partners."""
