@@ -12,3 +12,25 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest
+
+from tests.checkpoints import build_checkpoint
+
+KINDS = ("llama3", "qwen2", "mistral", "llama2_linear")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """checkpoint(kind, **options) -> Path, built once per distinct arguments per session."""
+    built: dict[tuple, object] = {}
+
+    def get(kind: str, **options: object):  # type: ignore[no-untyped-def]
+        key = (kind, tuple(sorted(options.items())))
+        if key not in built:
+            name = "-".join([kind, *(f"{k}{v}" for k, v in sorted(options.items()))])
+            built[key] = build_checkpoint(kind, tmp_path_factory.mktemp(name), **options)
+        return built[key]
+
+    return get

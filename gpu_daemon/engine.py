@@ -1,0 +1,297 @@
+"""The in-process engine: requests in, streamed tokens out.
+
+    engine = Engine(EngineConfig(model="tiny-llama"))
+    engine.add_request("r1", "Hello", SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+Each `step` schedules one batch within the token budget, runs one forward pass and returns
+the new tokens of every sequence that produced one.
+"""
+
+from __future__ import annotations
+
+import gc
+import secrets
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.memory import (
+    MIB,
+    BudgetTooSmall,
+    MemoryPlan,
+    plan_memory,
+    workspace_bytes,
+)
+from hybridgen.gpu_daemon.model_runner import ModelRunner
+from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
+from hybridgen.models.loader import LoadedModel, load_model
+from hybridgen.models.rope import max_model_len as model_max_len
+from hybridgen.sampling.params import SamplingParams
+
+log = structlog.get_logger()
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range; the message names the field and the allowed range."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Counters since start."""
+
+    steps: int = 0
+    preemptions: int = 0
+    max_step_tokens: int = 0
+    """Most tokens computed in one step (never above max_num_batched_tokens)."""
+    peak_blocks_used: int = 0
+
+
+@dataclass
+class Completion:
+    """A whole finished request, from `Engine.generate`."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.loaded = loaded or load_model(
+            config.model, self.device, config.torch_dtype(), config.seed
+        )
+        spec = self.spec = self.loaded.model.spec
+        self.plan, self.max_model_len = self._plan_memory()
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, self.plan.budget / total), self.device
+            )
+        graph_batch = min(config.max_graph_batch, config.max_num_seqs) if config.cuda_graphs else 0
+        self.runner = ModelRunner(
+            self.loaded.model,
+            spec,
+            self.plan.num_blocks,
+            config.block_size,
+            self.max_model_len,
+            self.device,
+            graph_batch,
+        )
+        self.pool = BlockPool(self.plan.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.pool,
+        )
+        self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._arrivals = 0
+        log.info(
+            "engine_ready",
+            model=spec.name,
+            synthetic=spec.synthetic,
+            device=str(self.device),
+            dtype=str(spec.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            **self.plan.summary(),
+        )
+
+    def _budget_bytes(self) -> int:
+        if self.config.gpu_memory_mb is not None:
+            return self.config.gpu_memory_mb * MIB
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9) + torch.cuda.memory_reserved(self.device)
+        return 4096 * MIB
+
+    def _plan_memory(self) -> tuple[MemoryPlan, int]:
+        """Fit the longest context the budget allows (or fail naming what to change)."""
+        c, spec = self.config, self.spec
+        length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
+        if c.num_kv_blocks is not None and c.max_model_len is None:
+            length = min(length, c.num_kv_blocks * c.block_size)
+        weights, budget = _weight_bytes(self.loaded.model), self._budget_bytes()
+        while True:
+            graphs = min(c.max_graph_batch, c.max_num_seqs) if c.cuda_graphs else 0
+            work = workspace_bytes(
+                spec,
+                spec.dtype,
+                c.max_num_batched_tokens,
+                c.max_num_seqs,
+                length,
+                graphs if self.device.type == "cuda" else 0,
+            )
+            try:
+                plan = plan_memory(
+                    spec, weights, work, budget, c.block_size, spec.dtype, length, c.num_kv_blocks
+                )
+                return plan, length
+            except BudgetTooSmall:
+                if c.max_model_len is not None or length <= 256:
+                    raise
+                length //= 2
+                log.warning(
+                    "max_model_len_reduced",
+                    max_model_len=length,
+                    reason="KV pool too small for the model's full context",
+                )
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.spec.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("prompt", "is empty: give at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                "prompt",
+                f"has {len(prompt_ids)} tokens; the context allows at most "
+                f"{self.max_model_len - 1} so that one token can be generated",
+            )
+        params.validate(vocab, self.max_model_len)
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_tokens > room:
+            raise InvalidRequest(
+                "max_tokens",
+                f"{params.max_tokens} is beyond the context: the prompt has "
+                f"{len(prompt_ids)} tokens, so allowed 1 <= max_tokens <= {room}",
+            )
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        ids = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(ids, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id, len(ids), ids, params, seed, self._arrivals, self.eos_ids)
+        self._arrivals += 1
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks at once; False if it is unknown."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = FinishReason.ABORTED
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        st = self.stats
+        st.preemptions += len(batch.preempted)
+        if not batch.seqs:
+            return []
+        sampled = self.runner.execute(batch)
+        st.steps += 1
+        st.max_step_tokens = max(st.max_step_tokens, batch.total_tokens)
+        st.peak_blocks_used = max(st.peak_blocks_used, self.pool.num_used)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed_tokens += n
+        outputs = []
+        for s in sampled:
+            seq = s.seq
+            seq.append(s.token_id, self.max_model_len)
+            if s.logprob is not None:
+                seq.logprobs.append(s.logprob)
+            if s.top is not None:
+                seq.top_logprobs.append(s.top)
+            finished = seq.finish_reason is not None
+            if finished:
+                self.scheduler.finish(seq)
+                del self.seqs[seq.request_id]
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    [s.token_id],
+                    finished,
+                    seq.finish_reason,
+                    [s.logprob] if s.logprob is not None else None,
+                    [s.top] if s.top is not None else None,
+                    seq.prompt_len,
+                    seq.num_output_tokens,
+                )
+            )
+        return outputs
+
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        """Run prompts to completion together (continuous batching) and return them in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        logprobs: dict[str, list[float]] = {rid: [] for rid in ids}
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                rid = out.request_id
+                if rid not in tokens:
+                    continue
+                tokens[rid] += out.new_token_ids
+                logprobs[rid] += out.logprobs or []
+                if out.finished:
+                    assert out.finish_reason is not None
+                    done[rid] = Completion(
+                        rid, tokens[rid], out.finish_reason, logprobs[rid] or None
+                    )
+        return [done[r] for r in ids]
+
+    def release(self) -> None:
+        """Free the weights, the KV pool and the graphs, and lift the memory cap; the engine
+        cannot be used afterwards."""
+        del self.runner, self.loaded
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [V] after the whole prompt, in one pass outside the scheduler (for
+        checks against a reference; needs free blocks for the prompt)."""
+        seq = Sequence("prompt_logits", len(prompt_ids), list(prompt_ids), SamplingParams(), 0, -1)
+        seq.block_ids = self.pool.allocate(self.pool.blocks_for(len(prompt_ids)))
+        try:
+            logits, _ = self.runner.logits(ScheduledBatch([seq], [len(prompt_ids)]))
+        finally:
+            self.pool.free(seq.block_ids)
+        assert logits is not None
+        return logits[0]

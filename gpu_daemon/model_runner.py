@@ -1,0 +1,163 @@
+"""Turns a scheduled batch into one forward pass and one sampling call.
+
+Per step the host builds the packed inputs with numpy, copies them to the device in two
+transfers, and reads back only the sampled ids (plus logprobs when asked): that `.tolist()`
+is the step's one synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridgen.gpu_daemon.cuda_graphs import DecodeGraphs
+from hybridgen.gpu_daemon.scheduler import ScheduledBatch
+from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.models.llama import AttentionBatch, CausalLM
+from hybridgen.models.rope import rope_tables
+from hybridgen.models.spec import ModelSpec
+from hybridgen.sampling.sampler import Sampler, SamplingBatch
+
+
+@dataclass
+class Sampled:
+    """One sampled token for a sequence that completed its prompt or decoded."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+
+
+@dataclass
+class StepInputs:
+    """Packed device inputs of one step, and which hidden rows to sample from."""
+
+    input_ids: torch.Tensor
+    batch: AttentionBatch
+    sample_rows: list[int]
+    """Index into the packed tokens of the last token of each sequence that samples."""
+    sample_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        graph_batch: int,
+    ) -> None:
+        self.model, self.spec, self.device = model, spec, device
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        # kv: [L, 2, N, S, Hkv, D]; each layer gets contiguous K and V views.
+        self.kv = torch.empty(
+            (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=device,
+        )
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
+        cos, sin = rope_tables(
+            spec.rope, spec.head_dim, spec.max_position_embeddings, max_model_len
+        )
+        self.rope = (cos.to(device), sin.to(device))
+        self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch and device.type == "cuda":
+            self.graphs = DecodeGraphs(self._decode_logits, graph_batch, self.max_blocks, device)
+
+    def _decode_logits(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        hidden = self.model(input_ids, batch, self.kv_caches, self.rope)
+        return self.model.compute_logits(hidden)
+
+    def prepare(self, sched: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        ids, pos, slots, rows, sample_seqs = [], [], [], [], []
+        qsl, seq_lens = [0], []
+        width = max(len(s.block_ids) for s in sched.seqs)
+        tables = np.zeros((len(sched.seqs), width), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens, strict=True)):
+            c = seq.num_computed_tokens
+            p = np.arange(c, c + n)
+            blocks = np.asarray(seq.block_ids, dtype=np.int64)
+            tables[i, : len(blocks)] = blocks
+            ids.append(np.asarray(seq.token_ids[c : c + n], dtype=np.int64))
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(c + n)
+            if c + n == seq.num_tokens:
+                rows.append(qsl[-1] - 1)
+                sample_seqs.append(seq)
+        longs = torch.from_numpy(np.concatenate(ids + pos + slots)).to(self.device)
+        ints = torch.from_numpy(
+            np.concatenate([np.asarray(seq_lens, np.int32), tables.ravel()])
+        ).to(self.device)
+        t, b = qsl[-1], len(seq_lens)
+        batch = AttentionBatch(
+            positions=longs[t : 2 * t],
+            slot_mapping=longs[2 * t :],
+            block_tables=ints[b:].view(b, width),
+            seq_lens=ints[:b],
+            num_decode=sched.num_decode,
+            query_start_loc=qsl,
+            seq_lens_host=seq_lens,
+        )
+        return StepInputs(longs[:t], batch, rows, sample_seqs)
+
+    @torch.inference_mode()
+    def logits(self, sched: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """One forward pass; logits [N, V] fp32 of the N sequences that sample this step."""
+        inputs = self.prepare(sched)
+        graphs = self.graphs
+        if graphs is not None and sched.num_decode == len(sched) <= graphs.max_batch:
+            logits = graphs.run(inputs.input_ids, inputs.batch)
+            if len(inputs.sample_rows) < len(sched):  # a one-token prompt chunk samples nothing
+                logits = logits[inputs.sample_rows]
+            return logits, inputs.sample_seqs
+        hidden = self.model(inputs.input_ids, inputs.batch, self.kv_caches, self.rope)
+        if not inputs.sample_seqs:
+            return None, []
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs
+
+    @torch.inference_mode()
+    def execute(self, sched: ScheduledBatch) -> list[Sampled]:
+        logits, seqs = self.logits(sched)
+        return [] if logits is None else self._sample(logits, seqs)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        params = [s.params for s in seqs]
+        penalties = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+        )
+        sbatch = SamplingBatch.build(
+            params,
+            seeds=[s.seed for s in seqs],
+            steps=[s.num_output_tokens for s in seqs],
+            prompt_ids=[s.token_ids[: s.prompt_len] for s in seqs] if penalties else None,
+            output_ids=[s.output_ids for s in seqs] if penalties else None,
+            vocab_size=self.spec.vocab_size,
+            device=self.device,
+        )
+        out = self.sampler(logits, sbatch)
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top = None
+        if out.top_logprobs is not None:
+            top = list(zip(out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist(), strict=True))
+        result = []
+        for i, seq in enumerate(seqs):
+            want = seq.params.logprobs is not None
+            lp = logprobs[i] if (want and logprobs is not None) else None
+            tp = None
+            if want and top is not None and seq.params.logprobs:
+                ids, vals = top[i]
+                tp = list(zip(ids[: seq.params.logprobs], vals[: seq.params.logprobs], strict=True))
+            result.append(Sampled(seq, token_ids[i], lp, tp))
+        return result

@@ -1,0 +1,142 @@
+"""Continuous batching with a per-step token budget.
+
+There is no prefill or decode phase: each step, every running sequence asks for the tokens
+it still has to compute (one while decoding, a chunk of its prompt while prefilling), in
+this order:
+1. running sequences that decode (one token each), oldest first;
+2. running sequences part-way through their prompt, oldest first;
+3. waiting sequences, strictly first come first served: if the oldest cannot be admitted,
+   nobody behind it is.
+When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed from its prompt plus what it has generated so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_num_seqs: int = 64
+    """Sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Tokens computed in one step; longer prompts are prefilled in chunks of this size."""
+    max_model_len: int = 4096
+    """Longest sequence, prompt plus output."""
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes. Invariant: decode sequences (1 token) come first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    """Tokens computed for each sequence in this step."""
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for n in self.num_tokens if n == 1)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence that finished or was aborted, and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, batch):
+                continue
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        if not batch.preempted:
+            self._admit(batch, budget)
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_tokens[i] != 1)
+        batch.seqs = [batch.seqs[i] for i in order]
+        batch.num_tokens = [batch.num_tokens[i] for i in order]
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Give `seq` the blocks for `n` more tokens, preempting newer sequences if needed."""
+        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+        while need > self.pool.num_free:
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        seq.block_ids += self.pool.allocate(max(need, 0))
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_tokens[i]
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        # Victims are the newest running sequences but older than anything waiting.
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+            if need > self.pool.num_free:
+                break
+            seq.block_ids += self.pool.allocate(need)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n

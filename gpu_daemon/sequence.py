@@ -1,0 +1,72 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hybridgen.sampling.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    """An EOS or stop token was sampled."""
+    LENGTH = "length"
+    """max_tokens or the model's context length was reached."""
+    ABORTED = "aborted"
+    """The client went away or cancelled."""
+
+
+@dataclass
+class Sequence:
+    """One request. Invariant: num_computed_tokens <= len(token_ids), and the KV of exactly
+    the first num_computed_tokens tokens sits in `block_ids` (in order)."""
+
+    request_id: str
+    prompt_len: int
+    """Tokens of the prompt; token_ids[prompt_len:] are generated."""
+    token_ids: list[int]
+    """Prompt followed by generated tokens."""
+    params: SamplingParams
+    seed: int
+    """Sampling seed: the request's, or one drawn at admission."""
+    arrival: int
+    """Admission order, for FCFS."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """Ids that end the sequence unless ignore_eos."""
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] = field(default_factory=list)
+    """Logprob of each generated token, when requested."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Top-N (id, logprob) of each generated token, when requested."""
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    def append(self, token_id: int, max_model_len: int) -> None:
+        """Record a sampled token and decide whether the sequence is finished."""
+        self.token_ids.append(token_id)
+        p = self.params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
+            self.finish_reason = FinishReason.STOP
+        elif self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Fetch the cp312 manylinux wheels that the H200 benchmark machine lacks into .whl/ (git-ignored).
+# The device image has torch 2.11, transformers, triton, grpcio 1.84.0 and protobuf; these are
+# the packages it does not have, at versions that match its grpcio.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+         manylinux1_x86_64 manylinux_2_5_x86_64; do
+  platforms+=(--platform "$p")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d .whl \
+  structlog==26.1.0 posix-ipc==1.3.2 lz4==4.4.4 \
+  grpcio-reflection==1.84.0 grpcio-health-checking==1.84.0
+ls -1 .whl

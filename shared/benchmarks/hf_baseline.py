@@ -1,0 +1,109 @@
+"""HF transformers on the same shapes and weights as our engine: the benchmark's anchor."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import structlog
+import torch
+
+from hybridgen.models.spec import ModelSpec
+
+log = structlog.get_logger()
+
+
+def hf_config(spec: ModelSpec) -> Any:
+    """A transformers config with the spec's shape (Llama, Mistral or Qwen2)."""
+    import transformers
+
+    rope: dict[str, Any] = {"rope_type": spec.rope.rope_type, "rope_theta": spec.rope.theta}
+    if spec.rope.rope_type == "llama3":
+        rope.update(
+            factor=spec.rope.factor,
+            low_freq_factor=spec.rope.low_freq_factor,
+            high_freq_factor=spec.rope.high_freq_factor,
+            original_max_position_embeddings=spec.rope.original_max_position,
+        )
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[spec.family]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_parameters=rope,
+    )
+    if spec.family == "mistral":
+        kwargs["sliding_window"] = spec.sliding_window or None
+    return cls(**kwargs)
+
+
+class HFBaseline:
+    """A transformers model holding the given HF-named weights, on CUDA in bf16."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device("cuda")
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.bfloat16)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+        if spec.tie_word_embeddings:
+            missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise RuntimeError(f"HF model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.model = model.eval()
+
+    @torch.inference_mode()
+    def _generate(self, ids: torch.Tensor, n: int) -> float:
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig(
+            do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0
+        )
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def timed(self, prompts: list[list[int]], new_tokens: int, runs: int) -> dict[str, float]:
+        """TTFT (a 1-token generate), decode tok/s from the difference to an n-token one."""
+        ids = torch.tensor(prompts, device=self.device)
+        b = len(prompts)
+        self._generate(ids, 2)  # warm-up
+        ttft, decode, total = [], [], []
+        for _ in range(runs):
+            t1 = self._generate(ids, 1)
+            tn = self._generate(ids, new_tokens)
+            ttft.append(t1)
+            decode.append(b * (new_tokens - 1) / (tn - t1))
+            total.append(b * new_tokens / tn)
+        return {
+            "ttft_ms": statistics.median(ttft) * 1e3,
+            "decode_tok_s": statistics.median(decode),
+            "total_tok_s": statistics.median(total),
+            "runs": runs,
+            "new_tokens": new_tokens,
+        }
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """fp32 logits [V] at the last prompt position, in the model's current dtype."""
+        ids = torch.tensor([prompt], device=self.device)
+        return self.model(ids).logits[0, -1].float().cpu()
+
+    def to_fp32(self) -> None:
+        self.model.float()

@@ -1,0 +1,103 @@
+"""Typed configuration of the model engine (the GPU daemon's core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the key."""
+
+
+def _check(ok: bool, key: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is out of range: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to load and run one model."""
+
+    model: str = "tiny-llama"
+    """A checkpoint directory or a synthetic preset name."""
+    device: str = "auto"
+    """auto (cuda if present, else cpu), cpu, cuda or cuda:N."""
+    dtype: str = "auto"
+    """auto (checkpoint dtype; presets: bfloat16 on GPU, float32 on CPU) or a dtype name."""
+    gpu_memory_mb: int | None = None
+    """Hard budget for everything the engine allocates (device_topology.gpu.memory_mb);
+    None: 90 % of the device's free memory (on CPU: 4096)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_num_seqs: int = 64
+    """Sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Tokens per step; longer prompts are prefilled in chunks."""
+    num_kv_blocks: int | None = None
+    """Use exactly this many KV blocks instead of all the budget leaves (must still fit)."""
+    max_model_len: int | None = None
+    """Longest sequence; None: the model's, capped by what the KV pool can hold."""
+    cuda_graphs: bool = True
+    """Replay decode steps from CUDA graphs (CUDA only)."""
+    max_graph_batch: int = 64
+    """Largest decode batch captured in a graph; larger batches run eagerly."""
+    seed: int = 0
+    """Seed of synthetic preset weights."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {list(_DTYPES)}")
+        _check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            self.device,
+            "auto, cpu, cuda or cuda:N",
+        )
+        _check(
+            self.gpu_memory_mb is None or self.gpu_memory_mb >= 64,
+            "gpu_memory_mb",
+            self.gpu_memory_mb,
+            ">= 64",
+        )
+        _check(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "8, 16, 32, 64 or 128",
+        )
+        _check(1 <= self.max_num_seqs <= 4096, "max_num_seqs", self.max_num_seqs, "1..4096")
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            f">= max_num_seqs ({self.max_num_seqs})",
+        )
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            "num_kv_blocks",
+            self.num_kv_blocks,
+            ">= 1",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 16,
+            "max_model_len",
+            self.max_model_len,
+            ">= 16",
+        )
+        _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype | None:
+        return _DTYPES[self.dtype]

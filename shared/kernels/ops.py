@@ -1,0 +1,104 @@
+"""Device dispatch for the model's hot ops.
+
+Each op runs its Triton kernel when the input lives on CUDA and Triton imports, else the torch
+reference (the CPU production path). Prefill attention and the partial merge are torch on every
+device. Note the one aliasing difference: on CUDA, add_rms_norm writes residual_out into the
+`residual` buffer; on the CPU it allocates. Callers must treat `residual` as consumed.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from hybridgen.kernels import reference
+from hybridgen.kernels.reference import merge_attention_partials, paged_prefill_attention
+
+try:
+    from hybridgen.kernels import (
+        triton_activation,
+        triton_norm,
+        triton_paged_decode,
+        triton_rope_cache,
+    )
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs ship without triton
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "add_rms_norm",
+    "merge_attention_partials",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rope_and_cache",
+    "silu_and_mul",
+]
+
+
+def _use_triton(t: Tensor) -> bool:
+    return HAS_TRITON and t.is_cuda
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    # x, residual: [T, H]; weight: [H] -> (out [T, H], residual_out [T, H])
+    if _use_triton(x):
+        return triton_norm.add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    # x: [T, 2I] -> [T, I]
+    if _use_triton(x):
+        return triton_activation.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def rope_and_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
+    # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [N, S, Hkv, D]; q and k are rotated in place.
+    fn = triton_rope_cache.rope_and_cache if _use_triton(q) else reference.rope_and_cache
+    fn(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # q: [B, Hq, D]; caches: [N, S, Hkv, D]; block_tables: [B, M]; seq_lens: [B]
+    fn = (
+        triton_paged_decode.paged_decode_attention
+        if _use_triton(q)
+        else reference.paged_decode_attention
+    )
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window=sliding_window,
+        out=out,
+        return_lse=return_lse,
+        num_splits=num_splits,
+    )

@@ -1,0 +1,253 @@
+"""Paged decode attention, flash-decoding split-K (Triton).
+
+Grid (B, Hkv, num_splits). One program serves all G = Hq // Hkv query heads of one kv head:
+each K/V tile is loaded once and multiplied against a [BLOCK_G, D] query tile (BLOCK_G >= 16,
+tl.dot's minimum), which is what makes GQA decode bandwidth-bound rather than load-bound.
+Keys are walked in tiles of BLOCK_N (independent of the cache block size S) by gathering the
+physical block of every key through the block table. Each split writes an unnormalized partial
+(acc, running max m, running sum l) in the log2 domain; a second kernel merges the splits. With
+one split the first kernel normalizes and writes the output itself.
+
+Everything is launch-shape static (grid, scratch sizes) given B, Hq, M and num_splits, so the
+wrapper is safe inside CUDA graph capture: no host syncs, no data-dependent Python branches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+_MIN_TILES_PER_SPLIT = 4
+_CTAS_PER_SM = 4  # H200 sweep: ~4 resident CTAs per SM saturate HBM best
+_MAX_SPLITS = 64
+_DEFAULT_SMS = 132
+_NO_WINDOW = 1 << 30  # longer than any sequence; keeps the kernel free of a window branch
+# Launch tunables (module-level so a benchmark can sweep them).
+_TILE_KEYS = 64  # keys per inner-loop tile for head dims <= 128 (halved above)
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+_sm_cache: dict[int, int] = {}
+
+
+@triton.jit
+def _natural_lse(m, l_sum):
+    # m: running max of log2-domain scores; l: sum of exp2(s - m). Rows with l == 0 saw no key.
+    has_keys = l_sum > 0
+    lse2 = m + tl.log2(tl.where(has_keys, l_sum, 1.0))
+    return tl.where(has_keys, lse2 * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
+def _decode_epilogue(
+    acc, m_i, l_i, heads, row_ok, d, d_ok, out_row_ptr, so_h, lse_row_ptr, WRITE_LSE: tl.constexpr
+):
+    # acc: [BLOCK_G, BLOCK_D]; m_i, l_i: [BLOCK_G] (log2 domain). Rows with no visible key
+    # (l == 0) become out 0, lse -inf instead of 0/0.
+    has_keys = l_i > 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o_ptrs = out_row_ptr + heads[:, None] * so_h + d[None, :]
+    tl.store(o_ptrs, o.to(out_row_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(lse_row_ptr + heads, _natural_lse(m_i, l_i), mask=row_ok)
+
+
+# fmt: off
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
+    qk_scale, sliding_window, num_splits, n_q_heads, group, head_dim,
+    sq_b, sq_h, skc_n, skc_s, skc_h, svc_n, svc_s, svc_h, s_bt, so_b, so_h,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # fmt: on
+    # q: [B, Hq, D]; caches: [N, S, Hkv, D] with unit stride along D; bt: [B, M]
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Visible keys are [start, seq_len); a zero-length row yields no tiles and reads nothing.
+    start = tl.maximum(seq_len - sliding_window, 0)  # the wrapper maps "no window" to 2**30
+    first_tile = start // BLOCK_N
+    n_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t_lo = first_tile + split * per_split
+    t_hi = tl.minimum(t_lo + per_split, first_tile + n_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = g < group
+    d_ok = d < head_dim
+    heads = kvh * group + g
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q = q.to(tl.float32) if DOT_FP32 else q.to(kc_ptr.dtype.element_ty)
+
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile in range(t_lo, t_hi):
+        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (j >= start) & (j < seq_len)
+        phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = j % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + phys[:, None] * skc_n + off[:, None] * skc_s + kvh * skc_h
+                    + d[None, :], mask=kv_mask, other=0.0)  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # Every tile holds >= 1 visible key, so m_new is finite and no exp2(-inf - -inf) occurs.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + phys[:, None] * svc_n + off[:, None] * svc_s + kvh * svc_h
+                    + d[None, :], mask=kv_mask, other=0.0)  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if DIRECT:
+        _decode_epilogue(acc, m_i, l_i, heads, row_ok, d, d_ok, out_ptr + b * so_b, so_h,
+                         lse_ptr + b * n_q_heads, WRITE_LSE)  # fmt: skip
+    else:
+        # Scratch: acc [B, Hq, NS, BLOCK_D]; m, l [B, Hq, NS].
+        part = (b * n_q_heads + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+
+
+# fmt: off
+@triton.jit
+def _decode_merge_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
+    num_splits, n_q_heads, head_dim, so_b, so_h,
+    SPLITS_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    # fmt: on
+    # Grid (B, Hq): rescales each split's partial to the global max and sums them.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = b * n_q_heads + h
+    sp = tl.arange(0, SPLITS_BLOCK)
+    sp_ok = sp < num_splits
+    d = tl.arange(0, BLOCK_D)
+    m = tl.load(m_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))
+    l_part = tl.load(l_ptr + row * num_splits + sp, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.exp2(m - m_safe)  # empty splits: exp2(-inf) = 0
+    acc = tl.load(acc_ptr + (row * num_splits + sp[:, None]) * BLOCK_D + d[None, :],
+                  mask=sp_ok[:, None], other=0.0)  # fmt: skip
+    l_tot = tl.sum(l_part * w, axis=0)
+    has_keys = l_tot > 0
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(has_keys, l_tot, 1.0)
+    o_ptrs = out_ptr + b * so_b + h * so_h + d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row, _natural_lse(m_safe, l_tot))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_cache:
+        _sm_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_cache[idx]
+
+
+def pick_num_splits(batch: int, n_kv_heads: int, max_keys: int, block_n: int, sms: int) -> int:
+    """Splits per (sequence, kv head) so that the grid holds ~_CTAS_PER_SM programs per SM.
+
+    Bounded so that each split still gets >= _MIN_TILES_PER_SPLIT key tiles of the longest
+    possible sequence (max_keys = M * S, host-known), and by _MAX_SPLITS. Depends on shapes
+    only, never on seq_lens, so it is fixed under CUDA-graph capture.
+    """
+    programs = max(batch * n_kv_heads, 1)
+    want = triton.cdiv(_CTAS_PER_SM * sms, programs)
+    max_tiles = triton.cdiv(max(max_keys, 1), block_n)
+    cap = max(1, max_tiles // _MIN_TILES_PER_SPLIT)
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Returns out [B, Hq, D] (q.dtype) and, with return_lse, lse [B, Hq] fp32 (natural log of the
+    sum of exp(scaled scores)). Rows with seq_len == 0 give out 0 and lse -inf.
+    """
+    # q: [B, Hq, D]; caches: [N, S, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
+    batch, n_q_heads, head_dim = q.shape
+    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = n_q_heads // n_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = _TILE_KEYS if block_d <= 128 else _TILE_KEYS // 2
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.stride(-1) == 1
+    lse = torch.empty(batch, n_q_heads, dtype=torch.float32, device=q.device)
+    if num_splits is None:
+        max_keys = block_tables.shape[1] * block_size
+        num_splits = pick_num_splits(batch, n_kv_heads, max_keys, block_n, _sm_count(q.device))
+    if batch == 0:
+        return (out, lse) if return_lse else out
+    direct = num_splits == 1
+    window = sliding_window if sliding_window > 0 else _NO_WINDOW
+    # CPU tensors only run under the Triton interpreter, whose tl.dot multiplies bf16 operands
+    # as their raw uint16 bits; there the dots run on fp32 copies instead (exact for bf16).
+    dot_fp32 = not q.is_cuda and k_cache.dtype == torch.bfloat16
+    if direct:
+        acc = m = l_ = lse  # never touched: the DIRECT branch is compiled out of the loop
+    else:
+        acc = torch.empty(batch, n_q_heads, num_splits, block_d, dtype=torch.float32,
+                          device=q.device)  # fmt: skip
+        m = torch.empty(batch, n_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+    # fmt: off
+    _decode_split_kernel[(batch, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        acc, m, l_, out, lse,
+        scale * _LOG2E, window, num_splits, n_q_heads, group, head_dim,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
+        DIRECT=direct, WRITE_LSE=return_lse, DOT_FP32=dot_fp32,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    if not direct:
+        _decode_merge_kernel[(batch, n_q_heads)](
+            acc, m, l_, out, lse,
+            num_splits, n_q_heads, head_dim, out.stride(0), out.stride(1),
+            SPLITS_BLOCK=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            WRITE_LSE=return_lse, num_warps=4,
+        )
+    # fmt: on
+    return (out, lse) if return_lse else out

@@ -1,0 +1,174 @@
+"""The Llama decoder, which also covers Mistral (sliding window) and Qwen2 (qkv bias).
+
+Tokens of all sequences in a step are packed into one flat batch of T tokens, so every
+projection is a single matmul; only attention looks at sequence boundaries, through the
+`AttentionBatch` that the runner builds. q/k/v and gate/up are fused into one weight each
+(the loader concatenates HF's separate tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridgen.kernels import ops
+from hybridgen.models.spec import ModelSpec
+
+
+@dataclass
+class AttentionBatch:
+    """Where each token of a step sits in the paged KV cache, and what it attends to.
+
+    Invariant: the first `num_decode` sequences have exactly one query token each and come
+    first in the packed batch; the rest are prefill chunks.
+    """
+
+    positions: torch.Tensor
+    """[T] int64 absolute position of each token."""
+    slot_mapping: torch.Tensor
+    """[T] int64 cache slot (block * block_size + offset) for each token's K/V; -1 skips."""
+    block_tables: torch.Tensor
+    """[B, M] int32 physical block ids of each sequence."""
+    seq_lens: torch.Tensor
+    """[B] int32 keys per sequence after this step (cached context plus new tokens)."""
+    num_decode: int
+    """Sequences with a single query token, which take the paged decode kernel."""
+    query_start_loc: list[int]
+    """Host copy: B + 1 offsets of each sequence's tokens in the packed batch."""
+    seq_lens_host: list[int]
+    """Host copy of seq_lens, used by the prefill path without a device sync."""
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.spec, self.layer = spec, layer
+        self.qkv_proj = nn.Linear(
+            spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias
+        )
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: AttentionBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.reshape(t, s.num_heads, s.head_dim)
+        k = k.reshape(t, s.num_kv_heads, s.head_dim)
+        v = v.reshape(t, s.num_kv_heads, s.head_dim)
+        k_cache, v_cache = kv
+        ops.rope_and_cache(
+            q, k, v, batch.positions, rope[0], rope[1], k_cache, v_cache, batch.slot_mapping
+        )
+        out = torch.empty_like(q)  # [T, Hq, D]
+        nd = batch.num_decode
+        if nd:
+            ops.paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                batch.block_tables[:nd],
+                batch.seq_lens[:nd],
+                self.scale,
+                s.sliding_window,
+                out=out[:nd],
+            )
+        if nd < len(batch.seq_lens_host):
+            first = batch.query_start_loc[nd]
+            out[first:] = ops.paged_prefill_attention(
+                q[first:],
+                k_cache,
+                v_cache,
+                batch.block_tables[nd:],
+                [i - first for i in batch.query_start_loc[nd:]],
+                batch.seq_lens_host[nd:],
+                self.scale,
+                s.sliding_window,
+            )
+        return self.o_proj(out.reshape(t, s.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.eps = spec.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.self_attn = Attention(spec, layer)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.mlp = MLP(spec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: AttentionBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # HF order: residual add in model dtype, then RMSNorm; fused into one op here.
+        x, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        x = self.self_attn(x, batch, kv, rope)
+        x, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; names follow HF minus the fusions."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: AttentionBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids: [T] -> final hidden states [T, H] (normed)."""
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, batch, kv, rope)
+        x, _ = ops.add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] in float32 (the LM head runs in model dtype, as HF)."""
+        return self.lm_head(hidden).float()
+
+
+def empty_model(spec: ModelSpec, device: torch.device) -> CausalLM:
+    """A model with uninitialised weights in spec.dtype, allocated once on `device`."""
+    with torch.device("meta"):
+        net = CausalLM(spec).to(spec.dtype)
+    net = net.to_empty(device=device)
+    if spec.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    return net

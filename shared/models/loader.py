@@ -1,0 +1,180 @@
+"""Load a model from an HF checkpoint directory or a synthetic preset.
+
+HF tensors are copied one at a time straight into the (fused) parameters on the target
+device, so peak host memory is one tensor, not one model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridgen.log import Progress
+from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
+from hybridgen.models.llama import CausalLM, empty_model
+from hybridgen.models.presets import build_synthetic, preset_spec
+from hybridgen.models.spec import ModelSpec, parse_config
+from hybridgen.models.tokenizer import Tokenizer
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+@dataclass
+class LoadedModel:
+    """A model on its device with everything needed to serve it."""
+
+    model: CausalLM
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    generation: GenerationDefaults
+
+
+def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
+    """HF tensor name -> (our parameter name, first row, last row) of the fused parameter."""
+    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
+    if key == "model.embed_tokens.weight":
+        return "embed_tokens.weight", 0, spec.vocab_size
+    if key == "model.norm.weight":
+        return "norm", 0, spec.hidden_size
+    if key == "lm_head.weight":
+        return None if spec.tie_word_embeddings else ("lm_head.weight", 0, spec.vocab_size)
+    m = _LAYER_KEY.fullmatch(key)
+    if not m:
+        return None
+    prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        name, lo, hi = fused[module]
+        return f"{prefix}{name}.{kind}", lo, hi
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return prefix + rest.removesuffix(".weight"), 0, spec.hidden_size
+    if rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        return prefix + rest, 0, -1
+    return None
+
+
+def hf_tensor_names(spec: ModelSpec) -> list[str]:
+    """The HF names of every tensor of a checkpoint with this spec."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if spec.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return names
+
+
+def to_hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Our weights under HF names (views into the fused parameters, no copies)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for key in hf_tensor_names(model.spec):
+        target = _target(model.spec, key)
+        assert target is not None, key
+        name, lo, hi = target
+        out[key] = params[name].detach() if hi < 0 else params[name].detach()[lo:hi]
+    return out
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: invalid index ({e}); expected a 'weight_map'") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        raise ModelLoadError(
+            f"{path}: no weights found; expected model.safetensors or model.safetensors.index.json"
+        )
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"{f} is listed in the index but missing")
+    return files
+
+
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors checkpoint, one at a time, with progress."""
+    files = _shard_files(path)
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as shard:
+            total += len(shard.keys())
+    progress, done = Progress("loading_weights", total, unit="tensors"), 0
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as shard:
+            for key in shard.keys():  # noqa: SIM118 - safe_open is not a dict
+                done += 1
+                progress.update(done, file=f.name)
+                yield key, shard.get_tensor(key)
+
+
+@torch.inference_mode()
+def copy_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Copy HF-named tensors into the fused parameters; fail on a missing or misshapen one."""
+    spec = model.spec
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: dict[str, int] = {}
+    for key, src in tensors:
+        target = _target(spec, key)
+        if target is None:
+            if _IGNORED.fullmatch(key) or key == "lm_head.weight":
+                continue
+            raise ModelLoadError(f"{source}: unexpected tensor '{key}' for {spec.architecture}")
+        name, lo, hi = target
+        dest = params[name] if hi < 0 else params[name][lo:hi]
+        if src.shape != dest.shape:
+            raise ModelLoadError(
+                f"{source}: tensor '{key}' has shape {tuple(src.shape)}, "
+                f"expected {tuple(dest.shape)} from config.json"
+            )
+        dest.copy_(src)
+        filled[name] = filled.get(name, 0) + dest.numel()
+    missing = [n for n, p in model.named_parameters() if filled.get(n, 0) != p.numel()]
+    if missing:
+        raise ModelLoadError(f"{source}: checkpoint lacks tensors for {missing[:5]}")
+
+
+def load_model(
+    model: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0
+) -> LoadedModel:
+    """`model` is a checkpoint directory or a preset name (see presets.PRESETS)."""
+    path = Path(model)
+    if path.is_dir():
+        spec = parse_config(path / "config.json")
+        tokenizer = Tokenizer.from_dir(path)
+        dtype = dtype or spec.dtype
+        spec = replace(spec, dtype=dtype)
+        net = empty_model(spec, device)
+        copy_weights(net, checkpoint_tensors(path), str(path))
+        generation = load_generation_defaults(path, tokenizer.eos_token_id)
+    else:
+        spec = preset_spec(model)
+        dtype = dtype or (spec.dtype if device.type == "cuda" else torch.float32)
+        spec = replace(spec, dtype=dtype)
+        net = build_synthetic(spec, device, seed)
+        tokenizer = Tokenizer.synthetic(spec.vocab_size)
+        generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
+    return LoadedModel(net.eval(), spec, tokenizer, generation)

@@ -1,0 +1,138 @@
+"""Synthetic presets: real model shapes with seeded random weights, for machines with no weights.
+
+Every output that comes from a preset is labelled synthetic (ModelSpec.synthetic). Weights
+are drawn directly on the target device, so an 8B model builds in seconds on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.llama import CausalLM, empty_model
+from hybridgen.models.spec import ModelSpec, RopeSpec
+
+_LLAMA3_ROPE = RopeSpec(
+    theta=500000.0,
+    rope_type="llama3",
+    factor=8.0,
+    original_max_position=8192,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+)
+
+
+def _spec(name: str, **kw: object) -> ModelSpec:
+    defaults: dict[str, object] = dict(
+        architecture="LlamaForCausalLM",
+        family="llama",
+        rms_norm_eps=1e-5,
+        dtype=torch.bfloat16,
+        synthetic=True,
+        name=name,
+    )
+    defaults.update(kw)
+    return ModelSpec(**defaults)  # type: ignore[arg-type]
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny-llama": _spec(
+        "tiny-llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rope=RopeSpec(theta=10000.0),
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "llama3-8b": _spec(
+        "llama3-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope=_LLAMA3_ROPE,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "llama3-70b": _spec(
+        "llama3-70b",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope=_LLAMA3_ROPE,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "qwen2-7b": _spec(
+        "qwen2-7b",
+        architecture="Qwen2ForCausalLM",
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope=RopeSpec(theta=1000000.0),
+        attention_bias=True,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "mistral-7b": _spec(
+        "mistral-7b",
+        architecture="MistralForCausalLM",
+        family="mistral",
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope=RopeSpec(theta=1000000.0),
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+}
+
+
+def preset_spec(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise ModelLoadError(
+            f"model={name!r} is neither a checkpoint directory nor a preset; "
+            f"presets: {sorted(PRESETS)}"
+        )
+    return PRESETS[name]
+
+
+@torch.inference_mode()
+def build_synthetic(spec: ModelSpec, device: torch.device, seed: int = 0) -> CausalLM:
+    """Seeded random weights, drawn on `device`; the same seed gives the same model."""
+    model = empty_model(spec, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = 0.02
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm") or name == "norm":
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=gen)
+    return model

@@ -1,0 +1,231 @@
+"""Model shapes, parsed from an HF `config.json` or given by a synthetic preset."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridgen.models.errors import ModelLoadError
+
+# HF architecture name -> our model family. All three share one decoder (llama.py); the
+# differences are carried as flags in the spec.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters, normalised from the several HF spellings."""
+
+    theta: float
+    """Base of the rotary frequencies (`rope_theta`)."""
+    rope_type: str = "default"
+    """One of default, linear, dynamic, llama3, yarn."""
+    factor: float = 1.0
+    """Context extension factor of the scaled types."""
+    original_max_position: int | None = None
+    """`original_max_position_embeddings` of llama3, yarn and dynamic scaling."""
+    low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max/low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max/high_freq_factor are kept."""
+    beta_fast: float = 32.0
+    """yarn: rotations per context above which a frequency is kept."""
+    beta_slow: float = 1.0
+    """yarn: rotations per context below which a frequency is interpolated."""
+    attention_factor: float | None = None
+    """yarn: scale applied to cos/sin; None derives it from factor as HF does."""
+    mscale: float | None = None
+    """yarn (DeepSeek style): mscale numerator; None when absent."""
+    mscale_all_dim: float | None = None
+    """yarn (DeepSeek style): mscale denominator; None when absent."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions (HF default)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the engine needs to know about a decoder-only model's shape."""
+
+    architecture: str
+    """HF architecture name, e.g. LlamaForCausalLM."""
+    family: str
+    """llama, mistral or qwen2."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the MLP."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA when fewer than num_heads)."""
+    head_dim: int
+    """Width of one head."""
+    max_position_embeddings: int
+    """Longest context the model supports."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    rope: RopeSpec
+    """Rotary embedding parameters."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    sliding_window: int = 0
+    """Keys older than this many positions are invisible; 0 means full attention."""
+    dtype: torch.dtype = torch.bfloat16
+    """Checkpoint dtype (`torch_dtype`/`dtype`)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """EOS ids from config.json (generation_config.json may override)."""
+    bos_token_id: int | None = None
+    """BOS id from config.json."""
+    synthetic: bool = False
+    """Seeded random weights from a preset, not a real checkpoint."""
+    name: str = ""
+    """Preset name or checkpoint directory, for display."""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V for one token over all layers."""
+        itemsize = (dtype or self.dtype).itemsize
+        return 2 * self.num_layers * self.kv_size * itemsize
+
+    def num_parameters(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return self.num_layers * layer + v * h + head + h
+
+
+def _require(cfg: dict[str, Any], key: str, path: Path, kind: type = int) -> Any:
+    if key not in cfg:
+        raise ModelLoadError(f"{path}: required key '{key}' is missing")
+    value = cfg[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ModelLoadError(f"{path}: '{key}'={value!r} must be a positive integer")
+    if kind is float and (not isinstance(value, (int, float)) or value <= 0):
+        raise ModelLoadError(f"{path}: '{key}'={value!r} must be a positive number")
+    return value
+
+
+def parse_rope(cfg: dict[str, Any], path: Path) -> RopeSpec:
+    """Accept transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    known = {"default", "linear", "dynamic", "llama3", "yarn"}
+    if rope_type not in known:
+        raise ModelLoadError(
+            f"{path}: rope_scaling.rope_type={rope_type!r} is not supported; "
+            f"supported: {sorted(known)}"
+        )
+    factor = float(merged.get("factor", 1.0))
+    if rope_type != "default" and factor <= 0:
+        raise ModelLoadError(f"{path}: rope_scaling.factor={factor} must be > 0")
+    orig = merged.get("original_max_position_embeddings")
+    if rope_type in ("llama3",) and orig is None:
+        raise ModelLoadError(f"{path}: rope_scaling.original_max_position_embeddings is required")
+    return RopeSpec(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=factor,
+        original_max_position=int(orig) if orig is not None else None,
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        attention_factor=merged.get("attention_factor"),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def parse_config(path: Path) -> ModelSpec:
+    """Read `config.json` and validate what the engine depends on, naming the bad key."""
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is missing: a model directory needs config.json") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: architectures={archs!r} is not supported; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    heads = _require(cfg, "num_attention_heads", path)
+    hidden = _require(cfg, "hidden_size", path)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{path}: num_attention_heads={heads} must be a multiple of "
+            f"num_key_value_heads={kv_heads}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act={cfg['hidden_act']!r} not supported; use 'silu'")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    if dtype_name not in _DTYPES:
+        raise ModelLoadError(f"{path}: dtype={dtype_name!r} not supported; use {list(_DTYPES)}")
+    window = cfg.get("sliding_window") or 0
+    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = 0
+    return ModelSpec(
+        architecture=arch,
+        family=family,
+        vocab_size=_require(cfg, "vocab_size", path),
+        hidden_size=hidden,
+        intermediate_size=_require(cfg, "intermediate_size", path),
+        num_layers=_require(cfg, "num_hidden_layers", path),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=_require(cfg, "max_position_embeddings", path),
+        rms_norm_eps=float(_require(cfg, "rms_norm_eps", path, float)),
+        rope=parse_rope(cfg, path),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        sliding_window=int(window),
+        dtype=_DTYPES[dtype_name],
+        eos_token_ids=_as_ids(cfg.get("eos_token_id")),
+        bos_token_id=cfg.get("bos_token_id"),
+        name=str(path.parent),
+    )

@@ -1,0 +1,460 @@
+"""Builders for tiny random Hugging Face checkpoints, and transformers reference outputs.
+
+Everything is built locally (no hub): a BPE trained on an embedded corpus (Llama 3, Qwen2 or
+Llama 2 style) and small Llama / Qwen2 / Mistral models with seeded random weights, saved with
+`save_pretrained`. Engine tests load these directories and compare their greedy tokens with
+`hf_greedy`.
+
+Not a test module: conftest.py wires these builders into fixtures.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from tokenizers.models import BPE
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+TOKENIZER_VOCAB_SIZE = 448
+# Llama 3's own template, minus the date/tool preamble of 3.1.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CHAT_TEMPLATE = LLAMA3_CHAT_TEMPLATE
+# Qwen2's ChatML template.
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA2_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}{% else %}"
+    "{{ ' ' + message['content'] | trim + eos_token }}{% endif %}{% endfor %}"
+)
+# Qwen2's pre-tokenizer regex (digits one by one, case-insensitive contractions).
+QWEN2_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A large language model predicts the next token
+from the tokens before it. Inference servers batch many requests together so that the GPU stays
+busy, while the CPU prepares the next batch and samples tokens from the logits. Attention looks
+back over every earlier position; the key-value cache keeps those keys and values so that each
+new token costs one forward step instead of a whole prompt. Rotary position embeddings rotate
+queries and keys by an angle that grows with the position, and scaling the frequencies lets a
+model read longer contexts than it was trained on. Grouped-query attention shares each key and
+value head between several query heads to shrink the cache. In the morning the weather was
+clear and cold; by the evening it was raining, and the streets were quiet. She said: "Numbers
+like 3.14159, 2048 and 1,000,000 appear in text too!" Why? Because people write them, don't they?
+def main(): return sum(x * x for x in range(10))  # code, too
+Unicode: café, naïve, Zürich, São Paulo, Ελληνικά, русский язык, 日本語のテキスト, 中文文本,
+한국어 문장, emoji 🙂 🚀 👍🏽 ❤️ and symbols ∑ ∞ ≈ → ✓.
+"""
+
+# Per-kind architecture. Sizes are tiny; the choices that matter are in the comments.
+_KINDS: dict[str, dict[str, Any]] = {
+    "llama3": {
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # GQA
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        # original_max_position_embeddings=64 puts the 8 frequencies of head_dim 16 into all
+        # three llama3 bands (kept, smoothed, divided by 8), so test lengths exercise the scaling.
+        "rope": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "llama2_linear": {
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,  # plain multi-head attention
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "rope": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    "qwen2": {
+        "model_type": "qwen2",  # q/k/v projections always carry a bias
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,  # != hidden_size / heads, as in Mistral-Nemo
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": 16,  # each query sees itself and the 15 tokens before it
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}
+KINDS = tuple(_KINDS)
+# With std 0.02 the tied-embedding models (llama3, qwen2) only repeat one token and the untied ones
+# have flat logits (median top-1/top-2 gap 0.04); std 0.2 gives varied continuations with logit
+# std ~1.6 and a median gap ~0.35 (5th percentile ~0.03), far above fp32 noise (~1e-5).
+INITIALIZER_RANGE = 0.2
+# qwen2 writes this window with use_sliding_window=false (as real Qwen2 configs do with 32768):
+# transformers ignores it, so an engine that applies it fails the greedy comparison.
+QWEN2_UNUSED_SLIDING_WINDOW = 16
+
+
+def _byte_level_backend(style: str, vocab_size: int, specials: list[str]) -> Tokenizer:
+    backend = Tokenizer(BPE())
+    if style == "qwen2":
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])  # fmt: skip
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([CORPUS], trainer)
+    # Special tokens follow the trained vocabulary, as in Llama 3 and Qwen2.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return backend
+
+
+def _sentencepiece_backend(vocab_size: int) -> Tokenizer:
+    """Llama-2 layout: <unk> <s> </s>, 256 byte-fallback tokens, then merges of "▁" words."""
+    specials = ["<unk>", "<s>", "</s>"]
+    backend = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # training only
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)],
+        show_progress=False,
+    )
+    backend.train_from_iterator([CORPUS], trainer)
+    backend.pre_tokenizer = None
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+    ])  # fmt: skip
+    # Only the three control tokens are added tokens; the byte tokens are plain vocabulary.
+    data = json.loads(backend.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] in specials]
+    return Tokenizer.from_str(json.dumps(data))
+
+
+# Per style: (special tokens of the trained BPE, special token kwargs, tokenizer_config patch,
+# chat template). llama3 is the default; qwen2 is forced for model_type qwen2 because
+# transformers 5 loads those with its Qwen2Tokenizer recipe whatever tokenizer_class says.
+_STYLES: dict[str, tuple[list[str], dict[str, str], dict[str, Any], str]] = {
+    "llama3": (
+        [BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        {"bos_token": BOS, "eos_token": EOS},
+        {},
+        LLAMA3_CHAT_TEMPLATE,
+    ),
+    "qwen2": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "unk_token": None},
+        QWEN2_CHAT_TEMPLATE,
+    ),
+    "llama2": (
+        [],
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+        {"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True, "legacy": False},
+        LLAMA2_CHAT_TEMPLATE,
+    ),
+}
+TOKENIZER_STYLES = tuple(_STYLES)
+
+
+def build_tokenizer(
+    directory: Path, style: str = "llama3", vocab_size: int = TOKENIZER_VOCAB_SIZE
+) -> None:
+    """Train a BPE on CORPUS and save it with transformers' save_pretrained.
+
+    "llama3": byte-level, BOS from a TemplateProcessing post-processor, Llama 3 chat tokens.
+    "qwen2": byte-level with Qwen2's regex and NFC, no BOS, ChatML tokens, Qwen2Tokenizer class.
+    "llama2": SentencePiece-style (byte fallback, "▁"), <s> via post-processor, LlamaTokenizer.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    specials, tokens, patch, template = _STYLES[style]
+    if style == "llama2":
+        backend = _sentencepiece_backend(vocab_size)
+    else:
+        backend = _byte_level_backend(style, vocab_size, specials)
+    if "bos_token" in tokens:
+        bos, bos_id = tokens["bos_token"], backend.token_to_id(tokens["bos_token"])
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend, **tokens)
+    wrapped.chat_template = template
+    wrapped.save_pretrained(str(directory))
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) | patch
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _tokenizer_ids(directory: Path) -> dict[str, Any]:
+    """Vocabulary size and the ids config.json / generation_config.json refer to."""
+    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    ids = {"vocab": backend.get_vocab_size(), "eos": backend.token_to_id(config["eos_token"])}
+    if config.get("bos_token"):
+        ids["bos"] = backend.token_to_id(config["bos_token"])
+    # Further stop tokens of the real families: Llama 3.1's <|eot_id|>, Qwen's <|endoftext|>.
+    for extra in ("<|eot_id|>", "<|endoftext|>"):
+        if (token_id := backend.token_to_id(extra)) is not None:
+            ids["stop"] = token_id
+            ids.setdefault("bos", token_id)  # Qwen2 configs name <|endoftext|> as BOS
+    ids.setdefault("bos", None)
+    return ids
+
+
+def _make_config(kind: str, ids: dict[str, int], overrides: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    spec = copy.deepcopy(_KINDS[kind])
+    model_type = spec.pop("model_type")
+    rope = spec.pop("rope")
+    kwargs: dict[str, Any] = {
+        "vocab_size": ids["vocab"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": INITIALIZER_RANGE,
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "rope_parameters": rope,
+        **spec,
+        **overrides,
+    }
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Seeded N(0, std) for every matrix and bias, 1 + N(0, 0.1) for norm scales.
+
+    transformers initializes biases to 0 and norms to 1, which would leave qwen2's qkv bias and the
+    RMSNorm weights untested; drawing everything ourselves also keeps weights independent of
+    transformers' init code across versions.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():  # tied weights are listed once
+        if "norm" in name:
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+        else:
+            param.copy_(std * torch.randn(param.shape, generator=gen))
+
+
+def _hub_style_config(path: Path, kind: str) -> None:
+    """Rewrite config.json's rope fields the way real hub checkpoints store them.
+
+    transformers 5 saves `rope_parameters` (theta inside); Llama 3.1, Qwen2 and Mistral on the hub
+    carry top-level `rope_theta` plus `rope_scaling` (null, or a dict with `rope_type`, or the old
+    `type` key for linear-scaled Llama 2 fine-tunes). transformers 5 reads both.
+    """
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    if rope_type == "default":
+        cfg["rope_scaling"] = None
+    elif rope_type == "linear":
+        cfg["rope_scaling"] = {"type": "linear", **rope}
+    else:
+        cfg["rope_scaling"] = {"rope_type": rope_type, **rope}
+    if kind == "qwen2":
+        cfg.pop("layer_types", None)  # real Qwen2 configs derive it from use_sliding_window
+        cfg["sliding_window"] = QWEN2_UNUSED_SLIDING_WINDOW
+        cfg["use_sliding_window"] = False
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _generation_config(kind: str, ids: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"]}
+    if kind in ("llama3", "qwen2") and "stop" in ids:  # several stop ids, as the real files
+        config["eos_token_id"] = [ids["eos"], ids["stop"]]
+    if kind == "llama3":  # Llama 3.1's sampling defaults
+        config |= {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    if kind == "qwen2":  # Qwen2.5-Instruct pads with <|endoftext|>
+        config["pad_token_id"] = ids.get("stop")
+    return config
+
+
+# Tokenizer style per kind when build_checkpoint is not told (see build_tokenizer).
+DEFAULT_TOKENIZER_STYLE = {"llama3": "llama3", "llama2_linear": "llama3", "qwen2": "qwen2",
+                           "mistral": "llama3"}  # fmt: skip
+
+
+def build_checkpoint(
+    kind: str,
+    directory: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    config_style: str = "hub",
+    tokenizer_style: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random `kind` checkpoint (see KINDS) into `directory` and return it.
+
+    config_style "hub" writes rope fields like real hub checkpoints; "v5" keeps transformers 5's
+    `rope_parameters`. tokenizer_style defaults per kind (DEFAULT_TOKENIZER_STYLE). `overrides`
+    are config kwargs (e.g. num_hidden_layers=3).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar only clutters test output
+    if kind not in _KINDS:
+        raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {KINDS}")
+    if config_style not in ("hub", "v5"):
+        raise ValueError(f"config_style must be 'hub' or 'v5', got {config_style!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(directory, tokenizer_style or DEFAULT_TOKENIZER_STYLE[kind])
+    ids = _tokenizer_ids(directory)
+    config = _make_config(kind, ids, overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, config.initializer_range, seed)
+    model = model.to(dtype)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(directory), **save_kwargs)
+    if config_style == "hub":
+        _hub_style_config(directory / "config.json", kind)
+    generation = _generation_config(kind, ids)
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return directory
+
+
+@functools.lru_cache(maxsize=4)
+def _load_model(directory: str, stamp: int) -> Any:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    del stamp  # part of the cache key only: a rebuilt directory is reloaded
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    )
+    # generate() fills unset options from model.generation_config, so EOS (and any sampling or
+    # repetition-penalty default) is only really off when the model's own config is neutral.
+    model.generation_config = GenerationConfig()
+    return model.eval()
+
+
+def hf_model(directory: Path) -> Any:
+    """The checkpoint in transformers, fp32, eager attention (cached per directory build)."""
+    stamp = (Path(directory) / "config.json").stat().st_mtime_ns
+    return _load_model(str(Path(directory).resolve()), stamp)
+
+
+@torch.no_grad()
+def hf_greedy(directory: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt alone, exactly max_new_tokens ids each."""
+    from transformers import GenerationConfig
+
+    model = hf_model(directory)
+    config = GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        new = out[0, len(prompt) :].tolist()
+        if len(new) != max_new_tokens:
+            raise AssertionError(f"generate returned {len(new)} tokens, wanted {max_new_tokens}")
+        outputs.append(new)
+    return outputs
+
+
+@torch.no_grad()
+def hf_logits(directory: Path, prompt_ids: list[int]) -> torch.Tensor:
+    """fp32 logits at the last prompt position, shape [vocab]."""
+    model = hf_model(directory)
+    logits = model(torch.tensor([prompt_ids], dtype=torch.long)).logits
+    return logits[0, -1].float()
+
+
+@torch.no_grad()
+def hf_margins(directory: Path, prompt: list[int], new_tokens: list[int]) -> list[float]:
+    """Top-1 minus top-2 logit at each step of a greedy continuation (one teacher-forced pass).
+
+    Lets a comparison tell a real mismatch from a near-tie that any rounding difference flips.
+    """
+    model = hf_model(directory)
+    ids = torch.tensor([prompt + new_tokens[:-1]], dtype=torch.long)
+    logits = model(ids).logits[0, len(prompt) - 1 :].float()
+    top = logits.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def sample_prompts(tokenizer_dir: Path, n: int, lengths: int | Sequence[int]) -> list[list[int]]:
+    """`n` deterministic prompts of CORPUS tokens; prompt i has lengths[i % len(lengths)] ids.
+
+    Each starts with what the tokenizer's post-processor puts first (BOS, or nothing for qwen2).
+    """
+    backend = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    prefix = backend.encode("", add_special_tokens=True).ids
+    text_ids = backend.encode(CORPUS, add_special_tokens=False).ids
+    sizes = [lengths] if isinstance(lengths, int) else list(lengths)
+    prompts = []
+    for i in range(n):
+        length = sizes[i % len(sizes)]
+        start = (i * 37) % len(text_ids)  # different text for every prompt
+        body = [text_ids[(start + j) % len(text_ids)] for j in range(length)]
+        prompts.append([*prefix, *body][:length])
+    return prompts

@@ -1,0 +1,76 @@
+"""The CUDA fast path: Triton kernels inside the model, CUDA graphs and the memory cap.
+
+Skipped without CUDA. On the CPU the same logic is covered by test_kernels.py (every Triton
+kernel under TRITON_INTERPRET=1 against a float64 reference) and test_engine_hf.py (the
+engine, eager, against transformers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.sampling.params import SamplingParams
+from tests.checkpoints import hf_greedy, sample_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+def test_cuda_graph_engine_matches_hf(checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """fp32 on the GPU with Triton kernels and decode graphs gives HF's greedy tokens."""
+    path = checkpoint(kind)
+    prompts = sample_prompts(path, 5, [7, 29, 83, 40, 3])
+    expected = hf_greedy(path, prompts, 24)
+    engine = Engine(
+        EngineConfig(model=str(path), device="cuda", gpu_memory_mb=2048, max_graph_batch=8)
+    )
+    assert engine.runner.graphs is not None
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    engine.release()
+    assert got == expected
+
+
+def test_graphs_and_eager_agree_in_bf16(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 3, [11, 50, 30])
+    runs = []
+    for graphs in (True, False):
+        engine = Engine(
+            EngineConfig(
+                model=str(path),
+                device="cuda",
+                dtype="bfloat16",
+                gpu_memory_mb=2048,
+                cuda_graphs=graphs,
+                max_graph_batch=4,
+            )
+        )
+        runs.append([c.token_ids for c in engine.generate(prompts, GREEDY)])
+        engine.release()
+    assert runs[0] == runs[1]
+
+
+def test_peak_reserved_stays_under_budget() -> None:
+    budget_mb = 1024
+    torch.cuda.reset_peak_memory_stats()
+    engine = Engine(
+        EngineConfig(
+            model="tiny-llama",
+            device="cuda",
+            gpu_memory_mb=budget_mb,
+            max_num_seqs=32,
+            max_graph_batch=32,
+        )
+    )
+    prompts = [list(range(1, 200 + 7 * i)) for i in range(32)]
+    engine.generate(
+        prompts, SamplingParams(temperature=0.7, seed=1, max_tokens=64, ignore_eos=True)
+    )
+    peak = torch.cuda.max_memory_reserved() / 2**20
+    assert peak <= budget_mb, f"peak reserved {peak:.0f} MiB exceeds the {budget_mb} MiB budget"
+    engine.release()

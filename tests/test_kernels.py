@@ -1,0 +1,494 @@
+"""Kernel correctness on the CPU.
+
+Triton kernels run under TRITON_INTERPRET=1 (set by conftest.py) on CPU tensors; the torch
+references run natively. Both are compared with float64 formulas on fresh random inputs with
+outliers. torch.empty is poisoned with NaN while a kernel runs, so any output element a kernel
+forgets to write shows up as NaN. On a machine with CUDA the same tests run the compiled kernels
+on the GPU, plus a CUDA-graph capture test.
+
+Interpreter caveats (Triton 3.9): fp32->bf16 casts truncate instead of rounding to nearest
+even, so bf16 results may differ from torch by one bf16 ulp; bounds for bf16 are loose.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from hybridgen.kernels import ops, reference
+from hybridgen.kernels import triton_activation as t_act
+from hybridgen.kernels import triton_norm as t_norm
+from hybridgen.kernels import triton_paged_decode as t_decode
+from hybridgen.kernels import triton_rope_cache as t_rope
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP32_TOL = 1e-5
+LOW_TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def rel_err(out: Tensor, ref: Tensor) -> float:
+    out, ref = out.cpu().double(), ref.cpu().double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def tol(dtype: torch.dtype) -> float:
+    return FP32_TOL if dtype == torch.float32 else LOW_TOL[dtype]
+
+
+def randn(
+    gen: torch.Generator,
+    *shape: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = DEVICE,
+) -> Tensor:
+    """Standard normal with ~1% outliers scaled by 8 (drawn on the CPU for reproducibility)."""
+    x = torch.randn(*shape, generator=gen)
+    outliers = torch.rand(*shape, generator=gen) < 0.01
+    return torch.where(outliers, x * 8.0, x).to(device=device, dtype=dtype)
+
+
+@pytest.fixture
+def poison_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Make torch.empty / empty_like return NaN-filled floating tensors."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def _fill(t: Tensor) -> Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
+
+    def empty(*args: Any, **kwargs: Any) -> Tensor:
+        return _fill(real_empty(*args, **kwargs))
+
+    def empty_like(*args: Any, **kwargs: Any) -> Tensor:
+        return _fill(real_empty_like(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    yield
+
+
+# ----------------------------------------------------------------------------------------------
+# add_rms_norm / silu_and_mul
+
+NORM_IMPLS = {"triton": t_norm.add_rms_norm, "reference": reference.add_rms_norm}
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("impl", sorted(NORM_IMPLS))
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "hidden", "seed"), [(7, 96, 0), (3, 256, 1)])
+def test_add_rms_norm(
+    impl: str, with_residual: bool, dtype: torch.dtype, rows: int, hidden: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(gen, rows, hidden, dtype=dtype)
+    res = randn(gen, rows, hidden, dtype=dtype) if with_residual else None
+    w = (1.0 + 0.5 * randn(gen, hidden)).to(dtype)
+    eps = 1e-6
+    res_in = None if res is None else res.clone()
+    out, res_out = NORM_IMPLS[impl](x, res_in, w, eps)
+
+    # Ground truth: residual rounded to the model dtype (as HF), the rest in float64.
+    exp_res = x if res is None else (x.double() + res.double()).to(dtype)
+    r = exp_res.double()
+    expected = w.double() * r / torch.sqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.isfinite(out).all() and torch.isfinite(res_out).all()
+    assert rel_err(out, expected) < tol(dtype)
+    if dtype == torch.float32:
+        assert torch.equal(res_out, exp_res)
+    else:
+        assert rel_err(res_out, exp_res) < 1e-2
+    if res is None:
+        assert res_out.data_ptr() == x.data_ptr()
+
+
+def test_reference_rms_norm_matches_hf_bitwise() -> None:
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    gen = torch.Generator().manual_seed(5)
+    x, res = randn(gen, 6, 64, device="cpu"), randn(gen, 6, 64, device="cpu")
+    hf = llama.LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(1.0 + randn(gen, 64, device="cpu"))
+        out, res_out = reference.add_rms_norm(x, res, hf.weight, 1e-5)
+        assert torch.equal(out, hf(x + res))
+    assert torch.equal(res_out, x + res)
+
+
+ACT_IMPLS = {"triton": t_act.silu_and_mul, "reference": reference.silu_and_mul}
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("impl", sorted(ACT_IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "inter", "seed"), [(5, 80, 0), (2, 1500, 1)])
+def test_silu_and_mul(impl: str, dtype: torch.dtype, rows: int, inter: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(gen, rows, 2 * inter, dtype=dtype) * 3.0
+    out = ACT_IMPLS[impl](x)
+    g, u = x[:, :inter].double(), x[:, inter:].double()
+    expected = g / (1.0 + torch.exp(-g)) * u
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < tol(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# rope_and_cache
+
+ROPE_IMPLS = {"triton": t_rope.rope_and_cache, "reference": reference.rope_and_cache}
+
+
+def _rope_tables(max_pos: int, dim: int, scaling: float) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # HF layout: [max_pos, D]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _hf_rope64(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor) -> Tensor:
+    # x: [T, H, D]; direct HF formula q*cos + rotate_half(q)*sin in float64.
+    half = x.shape[-1] // 2
+    xd = x.double()
+    rot = torch.cat((-xd[..., half:], xd[..., :half]), dim=-1)
+    return xd * cos[pos].double().unsqueeze(1) + rot * sin[pos].double().unsqueeze(1)
+
+
+@pytest.mark.parametrize("impl", sorted(ROPE_IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "dim", "block"), [(8, 2, 64, 16), (3, 3, 48, 8)])
+def test_rope_and_cache(
+    impl: str, dtype: torch.dtype, hq: int, hkv: int, dim: int, block: int
+) -> None:
+    gen = torch.Generator().manual_seed(hq * 100 + dim)
+    n_tok, n_blocks = 9, 6
+    # q, k, v are strided views into one fused qkv projection output.
+    qkv = randn(gen, n_tok, (hq + 2 * hkv) * dim, dtype=dtype)
+    q = qkv[:, : hq * dim].view(n_tok, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(n_tok, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(n_tok, hkv, dim)
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    cos, sin = (t.to(DEVICE) for t in _rope_tables(4096, dim, scaling=1.3))
+    pos = torch.randint(0, 4096, (n_tok,), generator=gen).to(DEVICE)
+    slots = torch.randperm(n_blocks * block, generator=gen)[:n_tok]
+    slots[[1, 4, 8]] = -1  # padding tokens
+    slots = slots.to(DEVICE)
+    k_cache = torch.full((n_blocks, block, hkv, dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+
+    ROPE_IMPLS[impl](q, k, v, pos, cos, sin, k_cache, v_cache, slots)
+
+    assert rel_err(q, _hf_rope64(q0, cos, sin, pos)) < tol(dtype)
+    assert rel_err(k, _hf_rope64(k0, cos, sin, pos)) < tol(dtype)
+    assert torch.equal(v, v0)
+    valid = slots >= 0
+    blk, off = slots[valid] // block, slots[valid] % block
+    assert torch.equal(k_cache[blk, off], k[valid])
+    assert torch.equal(v_cache[blk, off], v0[valid])
+    # Nothing else was written: padding tokens were skipped.
+    written = ~torch.isnan(k_cache).all(dim=(-1, -2))
+    assert int(written.sum()) == int(valid.sum())
+    assert int((~torch.isnan(v_cache).all(dim=(-1, -2))).sum()) == int(valid.sum())
+
+
+def test_reference_rope_matches_hf_bitwise() -> None:
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    gen = torch.Generator().manual_seed(11)
+    n_tok, hq, hkv, dim = 5, 4, 2, 32
+    q, k, v = (randn(gen, n_tok, h, dim, device="cpu") for h in (hq, hkv, hkv))
+    cos, sin = _rope_tables(128, dim, scaling=1.0)
+    pos = torch.randint(0, 128, (n_tok,), generator=gen)
+    # HF layout: q [1, H, T, D], cos [1, T, D]
+    hf_q, hf_k = llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[pos][None], sin[pos][None]
+    )
+    caches = torch.zeros(2, 4, 8, hkv, dim)
+    reference.rope_and_cache(q, k, v, pos, cos, sin, caches[0], caches[1], torch.arange(n_tok))
+    assert torch.equal(q, hf_q[0].transpose(0, 1))
+    assert torch.equal(k, hf_k[0].transpose(0, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# paged attention
+
+DECODE_IMPLS: dict[str, Callable[..., Any]] = {
+    "triton": t_decode.paged_decode_attention,
+    "reference": reference.paged_decode_attention,
+}
+
+
+def _paged_setup(
+    seed: int,
+    seq_lens: list[int],
+    hkv: int,
+    dim: int,
+    block: int,
+    dtype: torch.dtype,
+    first_keys: list[int] | None = None,
+    extra_blocks: int = 3,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Caches [N, S, Hkv, D] and a shuffled block table [B, M] int32.
+
+    Table entries a kernel must never read (past the sequence, or wholly before first_keys[b],
+    the oldest key inside a sliding window) point at poison blocks full of NaN, so reading one
+    shows up in the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    m = max(max(math.ceil(s / block) for s in seq_lens), 1) + 1
+    n_real = sum(math.ceil(s / block) for s in seq_lens) + extra_blocks
+    n_poison = 2
+    k_cache = randn(gen, n_real + n_poison, block, hkv, dim, dtype=dtype)
+    v_cache = randn(gen, n_real + n_poison, block, hkv, dim, dtype=dtype)
+    k_cache[n_real:] = float("nan")
+    v_cache[n_real:] = float("nan")
+    perm = torch.randperm(n_real, generator=gen).tolist()
+    table = torch.empty(len(seq_lens), m, dtype=torch.int32)
+    for b, s in enumerate(seq_lens):
+        first_live = first_keys[b] // block if first_keys else 0
+        for i in range(m):
+            live = first_live <= i < math.ceil(s / block)
+            table[b, i] = perm.pop() if live else n_real + (i % n_poison)
+    return k_cache, v_cache, table.to(DEVICE)
+
+
+def _decode_case(
+    impl: str,
+    seq_lens: list[int],
+    hq: int,
+    hkv: int,
+    dim: int,
+    block: int,
+    dtype: torch.dtype,
+    window: int,
+    num_splits: int | None,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    first_keys = [max(0, s - window) if window else 0 for s in seq_lens]
+    k_cache, v_cache, table = _paged_setup(seed, seq_lens, hkv, dim, block, dtype, first_keys)
+    q = randn(gen, len(seq_lens), hq, dim, dtype=dtype)
+    scale = dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    got = DECODE_IMPLS[impl](
+        q, k_cache, v_cache, table, sl, scale, window, out=out, return_lse=True,
+        num_splits=num_splits,
+    )  # fmt: skip
+    o, lse = got
+    assert o.data_ptr() == out.data_ptr()
+    qsl = list(range(len(seq_lens) + 1))
+    ref_o, ref_lse = reference.paged_attention_naive(
+        q, k_cache, v_cache, table, qsl, seq_lens, scale, window
+    )
+    return o, lse, ref_o, ref_lse
+
+
+def _check_decode(o: Tensor, lse: Tensor, ref_o: Tensor, ref_lse: Tensor, tol_o: float) -> None:
+    o, lse = o.cpu(), lse.cpu()
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert lse.dtype == torch.float32
+    if ref_o.norm() > 0:
+        assert rel_err(o, ref_o) < tol_o
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all()
+    assert (o[empty] == 0).all()
+    if not empty.all():
+        lse_err = (lse[~empty].double() - ref_lse[~empty]).abs().max()
+        assert lse_err < 1e-5 * (1 + ref_lse[~empty].abs().max())
+
+
+DECODE_CASES = [
+    # (seq_lens, hq, hkv, dim, block, window)
+    ([37, 0, 90, 16], 8, 2, 64, 16, 0),  # GQA 4, empty row, partial and exact blocks
+    ([37, 0, 90, 16], 8, 2, 64, 16, 21),  # sliding window
+    ([130, 5, 0], 4, 4, 64, 8, 0),  # MHA, block 8 < key tile
+    ([61, 1], 6, 2, 48, 16, 0),  # GQA 3, head dim not a power of two
+]
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("impl", sorted(DECODE_IMPLS))
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_paged_decode_fp32(impl: str, num_splits: int | None, case: int) -> None:
+    seq_lens, hq, hkv, dim, block, window = DECODE_CASES[case]
+    o, lse, ref_o, ref_lse = _decode_case(
+        impl, seq_lens, hq, hkv, dim, block, torch.float32, window, num_splits, seed=case
+    )
+    _check_decode(o, lse, ref_o, ref_lse, FP32_TOL)
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("impl", sorted(DECODE_IMPLS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_low_precision(impl: str, dtype: torch.dtype) -> None:
+    o, lse, ref_o, ref_lse = _decode_case(impl, [70, 0, 33], 8, 2, 64, 16, dtype, 0, 2, seed=7)
+    assert o.dtype == dtype
+    _check_decode(o, lse, ref_o, ref_lse, tol(dtype))
+
+
+def test_paged_decode_splits_agree() -> None:
+    results = [
+        _decode_case("triton", [150, 3, 64], 8, 2, 64, 16, torch.float32, 0, ns, seed=3)[:2]
+        for ns in (1, 2, 5, 16)
+    ]
+    for o, lse in results[1:]:
+        assert rel_err(o, results[0][0]) < 1e-6
+        assert torch.allclose(lse, results[0][1], atol=1e-5, rtol=0)
+
+
+def test_paged_decode_without_lse_and_out() -> None:
+    k_cache, v_cache, table = _paged_setup(4, [40, 0], 2, 64, 16, torch.float32)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    sl = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
+    o = t_decode.paged_decode_attention(q, k_cache, v_cache, table, sl, 0.125, num_splits=2)
+    ref_o, _ = reference.paged_attention_naive(
+        q, k_cache, v_cache, table, [0, 1, 2], [40, 0], 0.125
+    )
+    assert isinstance(o, Tensor) and rel_err(o, ref_o) < FP32_TOL
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("impl", sorted(DECODE_IMPLS))
+def test_paged_decode_all_empty(impl: str) -> None:
+    o, lse, ref_o, ref_lse = _decode_case(impl, [0, 0], 4, 2, 64, 16, torch.float32, 0, 3)
+    assert torch.isinf(ref_lse).all()
+    _check_decode(o, lse, ref_o, ref_lse, FP32_TOL)
+
+
+def test_pick_num_splits() -> None:
+    # Big batches fill the GPU without splitting; one long sequence is split, capped by length.
+    assert t_decode.pick_num_splits(256, 8, 32768, 64, 132) == 1
+    assert t_decode.pick_num_splits(4, 8, 8192, 64, 132) == 17
+    assert t_decode.pick_num_splits(1, 8, 512, 64, 132) == 2
+    assert t_decode.pick_num_splits(1, 8, 1 << 20, 64, 132) == 64
+
+
+@pytest.mark.parametrize("impl", sorted(DECODE_IMPLS))
+def test_merge_attention_partials(impl: str) -> None:
+    """Attention over tier A's keys merged with tier B's equals attention over both."""
+    gen = torch.Generator().manual_seed(21)
+    hq, hkv, dim, block = 8, 2, 64, 16
+    len_a, len_b = [20, 0, 33, 0], [45, 17, 0, 0]
+    full = [a + b for a, b in zip(len_a, len_b, strict=True)]
+    kf, vf, tf = _paged_setup(22, full, hkv, dim, block, torch.float32)
+    q = randn(gen, len(full), hq, dim)
+
+    def tier(lens: list[int], key_offset: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        # Copies keys key_offset[b] .. +lens[b] of the full cache into a fresh paged cache.
+        kc, vc, tb = _paged_setup(23, lens, hkv, dim, block, torch.float32)
+        for b, n in enumerate(lens):
+            for j in range(n):
+                src, dst = key_offset[b] + j, (int(tb[b, j // block]), j % block)
+                kf_row = kf[int(tf[b, src // block]), src % block]
+                vf_row = vf[int(tf[b, src // block]), src % block]
+                kc[dst], vc[dst] = kf_row, vf_row
+        return kc, vc, tb
+
+    outs = []
+    for lens, offs in ((len_a, [0] * 4), (len_b, len_a)):
+        kc, vc, tb = tier(lens, offs)
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        outs.append(DECODE_IMPLS[impl](q, kc, vc, tb, sl, 0.1, return_lse=True, num_splits=2))
+    (o_a, l_a), (o_b, l_b) = outs
+    o_a[torch.isinf(l_a)] = float("nan")  # an empty side's out must be ignored
+    o, lse = reference.merge_attention_partials(o_a, l_a, o_b, l_b)
+    ref_o, ref_lse = reference.paged_attention_naive(
+        q, kf, vf, tf, list(range(len(full) + 1)), full, 0.1
+    )
+    _check_decode(o, lse, ref_o, ref_lse, FP32_TOL)
+    assert ops.merge_attention_partials is reference.merge_attention_partials
+
+
+PREFILL_CASES = [
+    # (query lens, seq_lens, hq, hkv, window)
+    ([5, 12, 1], [5, 30, 17], 8, 2, 0),  # fresh prompt (causal path), chunk with context, decode
+    ([7, 20], [40, 20], 4, 4, 6),  # sliding window, with and without context
+    ([0, 9], [11, 9], 6, 3, 0),  # an idle sequence in the batch
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_paged_prefill(dtype: torch.dtype, case: int) -> None:
+    q_lens, seq_lens, hq, hkv, window = PREFILL_CASES[case]
+    dim, block = 64, 8
+    gen = torch.Generator().manual_seed(case)
+    # The first query's window reaches back furthest; older blocks are poisoned.
+    first_keys = [
+        max(0, s - n - window + 1) if window else 0 for n, s in zip(q_lens, seq_lens, strict=True)
+    ]
+    k_cache, v_cache, table = _paged_setup(case, seq_lens, hkv, dim, block, dtype, first_keys)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    q = randn(gen, qsl[-1], hq, dim, dtype=dtype)
+    out = ops.paged_prefill_attention(q, k_cache, v_cache, table, qsl, seq_lens, 0.125, window)
+    ref_o, _ = reference.paged_attention_naive(
+        q, k_cache, v_cache, table, qsl, seq_lens, 0.125, window
+    )
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref_o) < tol(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_ops_dispatch_cpu_uses_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, res, w = (randn(gen, *shape, device="cpu") for shape in ((4, 32), (4, 32), (32,)))
+    for got, exp in zip(
+        ops.add_rms_norm(x, res, w, 1e-6), reference.add_rms_norm(x, res, w, 1e-6), strict=True
+    ):
+        assert torch.equal(got, exp)
+    y = randn(gen, 3, 64, device="cpu")
+    assert torch.equal(ops.silu_and_mul(y), reference.silu_and_mul(y))
+    k_cache, v_cache, table = (t.cpu() for t in _paged_setup(1, [25, 0], 2, 32, 8, torch.float32))
+    q = randn(gen, 2, 4, 32, device="cpu")
+    sl = torch.tensor([25, 0], dtype=torch.int32)
+    got_o, got_l = ops.paged_decode_attention(q, k_cache, v_cache, table, sl, 0.2, return_lse=True)
+    exp_o, exp_l = reference.paged_decode_attention(
+        q, k_cache, v_cache, table, sl, 0.2, return_lse=True
+    )
+    assert torch.equal(got_o, exp_o) and torch.equal(got_l, exp_l)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_paged_decode_cuda_graph(num_splits: int | None) -> None:
+    """Captured once, replayed with other seq_lens (0 included) and block tables."""
+    hq, hkv, dim, block = 8, 2, 128, 16
+    # Blocks past these lengths are poison; replays use lengths up to them.
+    k_cache, v_cache, table = _paged_setup(31, [300, 20, 300, 40], hkv, dim, block, torch.bfloat16)
+    gen = torch.Generator().manual_seed(32)
+    q = randn(gen, 4, hq, dim, dtype=torch.bfloat16)
+    sl = torch.tensor([300, 0, 77, 5], dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    lse = torch.empty(4, hq, device=DEVICE)
+
+    def step() -> None:
+        _, l_ = ops.paged_decode_attention(
+            q, k_cache, v_cache, table, sl, 0.09, out=out, return_lse=True, num_splits=num_splits
+        )
+        lse.copy_(l_)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([300, 0, 77, 5], [0, 20, 300, 17], [0, 0, 0, 0]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = reference.paged_attention_naive(
+            q, k_cache, v_cache, table, list(range(5)), lens, 0.09
+        )
+        _check_decode(out, lse, ref_o, ref_lse, LOW_TOL[torch.bfloat16])
