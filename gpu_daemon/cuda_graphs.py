@@ -9,6 +9,7 @@ memory pool, captured largest first so the smaller ones reuse its blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ class DecodeGraphs:
             seq_lens_host=[0] * b,
         )
 
-    def _capture(self, b: int, pool: tuple[int, int]) -> None:
+    def _capture(self, b: int, pool: Any) -> None:  # torch's private _POOL_HANDLE
         batch = self._batch(b)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

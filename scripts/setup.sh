@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine: a virtual environment in .venv with torch and HybridGen (with the
+# test tools). TORCH_SPEC picks the torch build; the default pin resolves to a CPU build on
+# machines with a local CPU wheel and to PyPI's CUDA build elsewhere on Linux x86-64.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -c "import torch, hybridgen; print('hybridgen ready: torch', torch.__version__, 'cuda', torch.cuda.is_available())"
