@@ -74,3 +74,30 @@ def test_peak_reserved_stays_under_budget() -> None:
     peak = torch.cuda.max_memory_reserved() / 2**20
     assert peak <= budget_mb, f"peak reserved {peak:.0f} MiB exceeds the {budget_mb} MiB budget"
     engine.release()
+
+
+def test_bf16_logits_close_to_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The tolerance documented in the README: relative L2 error of bf16 logits against HF
+    bf16 on the same weights <= 2e-2, and our bf16 error against fp32 no worse than 1.5x HF's
+    own bf16 error (plus 1e-3 slack)."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint("llama3")
+    engine = Engine(
+        EngineConfig(model=str(path), device="cuda", dtype="bfloat16", gpu_memory_mb=2048)
+    )
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    for prompt in sample_prompts(path, 4, [5, 40, 120, 300]):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            ref16 = hf16(ids).logits[0, -1].float()
+            ref32 = hf32(ids).logits[0, -1].float()
+        ours = engine.prompt_logits(prompt)
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return float((a - b).norm() / b.norm())
+
+        assert rel(ours, ref16) <= 2e-2
+        assert rel(ours, ref32) <= 1.5 * rel(ref16, ref32) + 1e-3
+    engine.release()

@@ -364,8 +364,8 @@ def test_paged_decode_all_empty(impl: str) -> None:
 def test_pick_num_splits() -> None:
     # Big batches fill the GPU without splitting; one long sequence is split, capped by length.
     assert t_decode.pick_num_splits(256, 8, 32768, 64, 132) == 1
-    assert t_decode.pick_num_splits(4, 8, 8192, 64, 132) == 17
-    assert t_decode.pick_num_splits(1, 8, 512, 64, 132) == 2
+    assert t_decode.pick_num_splits(4, 8, 8192, 64, 132) == 16
+    assert t_decode.pick_num_splits(1, 8, 512, 64, 132) == 4
     assert t_decode.pick_num_splits(1, 8, 1 << 20, 64, 132) == 64
 
 

@@ -95,9 +95,9 @@ def hf_phase(
 ) -> dict[str, Any]:
     """Free our engine, load its exact weights into transformers, time it and compare logits."""
     weights = {k: v.to("cpu") for k, v in to_hf_state_dict(engine.loaded.model).items()}
-    spec, vocab = engine.spec, engine.spec.vocab_size
+    spec, vocab, device = engine.spec, engine.spec.vocab_size, engine.device
     engine.release()
-    hf = HFBaseline(spec, weights)
+    hf = HFBaseline(spec, weights, device)
     del weights
     timings = {}
     for b in args.batches:

@@ -50,14 +50,16 @@ def hf_config(spec: ModelSpec) -> Any:
 
 
 class HFBaseline:
-    """A transformers model holding the given HF-named weights, on CUDA in bf16."""
+    """A transformers model holding the given HF-named weights, in their dtype."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device("cuda")
-        with torch.device(self.device):
-            model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.bfloat16)
+        self.device = device
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=spec.dtype)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
         if spec.tie_word_embeddings:
@@ -73,10 +75,11 @@ class HFBaseline:
         cfg = GenerationConfig(
             do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0
         )
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     def timed(self, prompts: list[list[int]], new_tokens: int, runs: int) -> dict[str, float]:

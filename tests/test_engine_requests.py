@@ -1,0 +1,111 @@
+"""Request validation and lifecycle in the in-process engine (CPU, tiny preset)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
+from hybridgen.gpu_daemon.sequence import FinishReason
+from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(
+        EngineConfig(model="tiny-llama", device="cpu", max_model_len=256, num_kv_blocks=64)
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 512], SamplingParams(), "prompt_token_ids"),
+        ([-1], SamplingParams(), "prompt_token_ids"),
+        (list(range(1, 257)), SamplingParams(), "prompt"),
+        ([1, 2, 3], SamplingParams(max_tokens=254), "max_tokens"),
+    ],
+)
+def test_invalid_requests_name_the_field(engine: Engine, prompt, params, field) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("bad", prompt, params)
+    assert err.value.field == field
+    assert not engine.has_unfinished()
+
+
+def test_invalid_sampling_is_rejected_before_admission(engine: Engine) -> None:
+    with pytest.raises(InvalidSamplingParameter, match="top_p"):
+        engine.add_request("bad", [1, 2], SamplingParams(top_p=1.5))
+    with pytest.raises(InvalidSamplingParameter, match="temperature"):
+        engine.add_request("bad", [1, 2], SamplingParams(temperature=float("nan")))
+
+
+def test_abort_frees_blocks_and_others_continue(engine: Engine) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("keep", [5, 6, 7, 8], greedy)
+    engine.add_request("drop", list(range(1, 100)), greedy)
+    engine.step()
+    engine.step()
+    assert engine.abort("drop") and not engine.abort("drop")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"keep"}
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].output_tokens == 20
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_stop_token_and_eos_finish_with_stop(engine: Engine) -> None:
+    first = engine.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )[0]
+    stop_at = first.token_ids[2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop_at,))
+    stopped = engine.generate([[5, 6, 7]], params)[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == first.token_ids[: first.token_ids.index(stop_at) + 1]
+
+
+def test_logprobs_are_returned_when_asked(engine: Engine) -> None:
+    out = engine.generate(
+        [[9, 10]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
+    )[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    assert all(lp <= 0.0 for lp in out.logprobs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("block_size", 12),
+        ("max_num_seqs", 0),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+        ("gpu_memory_mb", 1),
+    ],
+)
+def test_bad_engine_config_names_the_key(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}="):
+        EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_budget_accounting_holds_on_cpu() -> None:
+    """The plan never exceeds the budget, the KV tensor is exactly the planned pool, and a
+    budget too small for one sequence is refused with a message naming the key."""
+    engine = Engine(
+        EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=160, max_model_len=1024)
+    )
+    plan = engine.plan
+    assert plan.planned_peak <= plan.budget
+    kv_bytes = engine.runner.kv.numel() * engine.runner.kv.element_size()
+    assert kv_bytes == plan.kv_pool
+    weights = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    assert weights == plan.weights
+    prompts = [list(range(1, 300)) for _ in range(40)]
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert engine.stats.peak_blocks_used <= plan.num_blocks
+    from hybridgen.gpu_daemon.memory import BudgetTooSmall
+
+    with pytest.raises(BudgetTooSmall, match="device_topology.gpu.memory_mb=64"):
+        Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=64, max_model_len=1024))
