@@ -107,5 +107,5 @@ def test_budget_accounting_holds_on_cpu() -> None:
     assert engine.stats.peak_blocks_used <= plan.num_blocks
     from hybridgen.gpu_daemon.memory import BudgetTooSmall
 
-    with pytest.raises(BudgetTooSmall, match="device_topology.gpu.memory_mb=64"):
+    with pytest.raises(BudgetTooSmall, match=r"device_topology\.gpu\.memory_mb=64"):
         Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=64, max_model_len=1024))

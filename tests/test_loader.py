@@ -49,7 +49,7 @@ def edit_config(path: Path, **changes: object) -> None:
 def test_bad_config_names_the_key(checkpoint, tmp_path: Path, changes, message) -> None:  # type: ignore[no-untyped-def]
     path = copy_checkpoint(checkpoint("llama3"), tmp_path)
     edit_config(path, **changes)
-    with pytest.raises(ModelLoadError, match="config.json") as err:
+    with pytest.raises(ModelLoadError, match=r"config\.json") as err:
         load_model(str(path), CPU)
     assert message in str(err.value)
 
