@@ -374,32 +374,22 @@ def test_merge_attention_partials(impl: str) -> None:
     """Attention over tier A's keys merged with tier B's equals attention over both."""
     gen = torch.Generator().manual_seed(21)
     hq, hkv, dim, block = 8, 2, 64, 16
-    len_a, len_b = [20, 0, 33, 0], [45, 17, 0, 0]
+    # Tier A holds keys [0, len_a), tier B keys [len_a, full), both in the same paged cache:
+    # len_a is block aligned, so tier B's table is the full table shifted by len_a / S.
+    len_a, len_b = [16, 0, 32, 0], [45, 17, 0, 0]
     full = [a + b for a, b in zip(len_a, len_b, strict=True)]
-    kf, vf, tf = _paged_setup(22, full, hkv, dim, block, torch.float32)
+    kc, vc, table = _paged_setup(22, full, hkv, dim, block, torch.float32)
+    table_b = torch.stack([table[i].roll(-(n // block)) for i, n in enumerate(len_a)])
     q = randn(gen, len(full), hq, dim)
-
-    def tier(lens: list[int], key_offset: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        # Copies keys key_offset[b] .. +lens[b] of the full cache into a fresh paged cache.
-        kc, vc, tb = _paged_setup(23, lens, hkv, dim, block, torch.float32)
-        for b, n in enumerate(lens):
-            for j in range(n):
-                src, dst = key_offset[b] + j, (int(tb[b, j // block]), j % block)
-                kf_row = kf[int(tf[b, src // block]), src % block]
-                vf_row = vf[int(tf[b, src // block]), src % block]
-                kc[dst], vc[dst] = kf_row, vf_row
-        return kc, vc, tb
-
     outs = []
-    for lens, offs in ((len_a, [0] * 4), (len_b, len_a)):
-        kc, vc, tb = tier(lens, offs)
+    for lens, tb in ((len_a, table), (len_b, table_b)):
         sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
         outs.append(DECODE_IMPLS[impl](q, kc, vc, tb, sl, 0.1, return_lse=True, num_splits=2))
     (o_a, l_a), (o_b, l_b) = outs
     o_a[torch.isinf(l_a)] = float("nan")  # an empty side's out must be ignored
     o, lse = reference.merge_attention_partials(o_a, l_a, o_b, l_b)
     ref_o, ref_lse = reference.paged_attention_naive(
-        q, kf, vf, tf, list(range(len(full) + 1)), full, 0.1
+        q, kc, vc, table, list(range(len(full) + 1)), full, 0.1
     )
     _check_decode(o, lse, ref_o, ref_lse, FP32_TOL)
     assert ops.merge_attention_partials is reference.merge_attention_partials

@@ -195,6 +195,18 @@ def _tile_sizes(head_dim: int, group: int) -> tuple[int, int, int]:
     return block_d, block_g, block_n
 
 
+def _split_scratch(lse: Tensor, num_splits: int, block_d: int) -> tuple[Tensor, Tensor, Tensor]:
+    # (acc [B, Hq, NS, BLOCK_D], m [B, Hq, NS], l [B, Hq, NS]) fp32. With one split the kernel
+    # never touches them, so they alias lse: a real allocation keeps launcher pointer checks
+    # happy.
+    if num_splits == 1:
+        return lse, lse, lse
+    shape = (*lse.shape, num_splits)
+    acc = torch.empty(*shape, block_d, dtype=torch.float32, device=lse.device)
+    m = torch.empty(shape, dtype=torch.float32, device=lse.device)
+    return acc, m, torch.empty_like(m)
+
+
 def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -234,15 +246,7 @@ def paged_decode_attention(
     # CPU tensors only run under the Triton interpreter, whose tl.dot multiplies bf16 operands
     # as their raw uint16 bits; there the dots run on fp32 copies instead (exact for bf16).
     dot_fp32 = not q.is_cuda and k_cache.dtype == torch.bfloat16
-    # Split scratch: acc [B, Hq, NS, BLOCK_D]; m, l [B, Hq, NS]. With one split the kernel
-    # never touches them, so they alias lse (a real allocation keeps the launcher's pointer
-    # checks happy).
-    acc = m = l_ = lse
-    if not direct:
-        acc = torch.empty(batch, n_q_heads, num_splits, block_d, dtype=torch.float32,
-                          device=q.device)  # fmt: skip
-        m = torch.empty(batch, n_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        l_ = torch.empty_like(m)
+    acc, m, l_ = _split_scratch(lse, num_splits, block_d)
     # fmt: off
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
