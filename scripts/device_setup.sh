@@ -4,7 +4,7 @@
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
   --target /tmp/site . >/dev/null
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
