@@ -40,6 +40,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             self._capture(b, pool)
+        # Warm-up blocks cached for the side stream are unusable elsewhere: hand them back.
+        torch.cuda.empty_cache()
 
     def _batch(self, b: int) -> AttentionBatch:
         return AttentionBatch(

@@ -27,7 +27,7 @@ from hybridgen.gpu_daemon.memory import (
     plan_memory,
     workspace_bytes,
 )
-from hybridgen.gpu_daemon.model_runner import ModelRunner
+from hybridgen.gpu_daemon.model_runner import ModelRunner, profile_step_peak
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.models.loader import LoadedModel, load_model
@@ -142,6 +142,15 @@ class Engine:
         if c.num_kv_blocks is not None and c.max_model_len is None:
             length = min(length, c.num_kv_blocks * c.block_size)
         weights, budget = _weight_bytes(self.loaded.model), self._budget_bytes()
+        measured = None
+        if self.device.type == "cuda":
+            measured = profile_step_peak(
+                self.loaded.model,
+                c.max_num_batched_tokens,
+                c.max_num_seqs,
+                c.block_size,
+                self.device,
+            )
         while True:
             graphs = min(c.max_graph_batch, c.max_num_seqs) if c.cuda_graphs else 0
             work = workspace_bytes(
@@ -151,6 +160,7 @@ class Engine:
                 c.max_num_seqs,
                 length,
                 graphs if self.device.type == "cuda" else 0,
+                measured,
             )
             try:
                 plan = plan_memory(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridgen.gpu_daemon.cuda_graphs import graph_sizes
 from hybridgen.models.spec import ModelSpec
 
 MIB = 1 << 20
@@ -67,23 +68,33 @@ def workspace_bytes(
     max_seqs: int,
     max_model_len: int,
     graph_batch: int,
+    measured_step: int | None = None,
 ) -> int:
-    """Largest transient footprint of one step, with each live tensor at its size."""
+    """Largest transient footprint of one step, plus what CUDA graphs keep.
+
+    `measured_step` is the peak a profiling step allocated on the device (CUDA); without it
+    the activations and sampler temporaries are counted tensor by tensor.
+    """
     e = dtype.itemsize
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     # Live at once inside a layer: x, residual, normed x, qkv, attention out, gate_up, act.
     per_token = (3 * h + spec.q_size + 2 * spec.kv_size + spec.q_size + 3 * i) * e
-    activations = max_tokens * per_token
-    # Prefill attention gathers one sequence's K/V contiguously (GQA heads expanded, at most
-    # max_model_len keys) and may build a boolean mask of [chunk, keys].
-    gather = 2 * max_model_len * spec.q_size * e + max_tokens * max_model_len
     # Logits in fp32 and up to three same-sized sampler temporaries (penalised, sorted, probs).
-    logits = max_seqs * v * 4 * 4
+    step = max_tokens * per_token + max_seqs * v * 4 * 4
+    if measured_step is not None:
+        step = max(step, int(measured_step * 1.2))
+    # Prefill attention over a long cached context gathers its K/V contiguously (GQA heads
+    # expanded, at most max_model_len keys) and may build a boolean mask of [chunk, keys];
+    # the profiling step has no such context, so this is always counted.
+    gather = 2 * max_model_len * spec.q_size * e + max_tokens * max_model_len
     rope = 2 * max_model_len * spec.head_dim * 4
-    # CUDA graph static buffers and the graph pool: decode activations and logits.
-    graphs = graph_batch * (per_token + v * 4) if graph_batch else 0
-    # The allocator rounds and fragments; a fixed 1.25x plus 64 MiB covers what we measured.
-    return int((activations + gather + logits + rope + graphs) * 1.25) + 64 * MIB
+    graphs = 0
+    if graph_batch:
+        # Every captured size keeps its logits output; the pool also holds one set of decode
+        # activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3) streams used.
+        sizes = graph_sizes(graph_batch)
+        graphs = sum(sizes) * v * 4 + graph_batch * per_token * 2 + 3 * 32 * MIB
+    return int((step + gather + rope) * 1.25 + graphs) + 64 * MIB
 
 
 def plan_memory(

@@ -18,6 +18,7 @@ from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.models.llama import AttentionBatch, CausalLM
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import ModelSpec
+from hybridgen.sampling.params import SamplingParams
 from hybridgen.sampling.sampler import Sampler, SamplingBatch
 
 
@@ -161,3 +162,37 @@ class ModelRunner:
                 tp = list(zip(ids[: seq.params.logprobs], vals[: seq.params.logprobs], strict=True))
             result.append(Sampled(seq, token_ids[i], lp, tp))
         return result
+
+
+@torch.inference_mode()
+def profile_step_peak(
+    model: CausalLM, tokens: int, seqs: int, block_size: int, device: torch.device
+) -> int:
+    """Device bytes the largest step allocates beyond weights and KV (CUDA allocator stats):
+    one prefill of `tokens` tokens, then sampling `seqs` rows with every sampler feature on."""
+    spec = model.spec
+    blocks = -(-tokens // block_size)
+    runner = ModelRunner(model, spec, blocks, block_size, tokens, device, graph_batch=0)
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.01,
+        logprobs=5,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        max_tokens=1,
+    )
+    seq = Sequence("profile", tokens, [0] * tokens, params, 0, 0)
+    seq.block_ids = list(range(blocks))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    logits, _ = runner.logits(ScheduledBatch([seq], [tokens]))
+    assert logits is not None
+    runner._sample(logits.expand(seqs, -1).contiguous(), [seq] * seqs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del runner, logits
+    torch.cuda.empty_cache()
+    return peak
