@@ -40,8 +40,6 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             self._capture(b, pool)
-        # Warm-up blocks cached for the side stream are unusable elsewhere: hand them back.
-        torch.cuda.empty_cache()
 
     def _batch(self, b: int) -> AttentionBatch:
         return AttentionBatch(
@@ -56,11 +54,10 @@ class DecodeGraphs:
 
     def _capture(self, b: int, pool: Any) -> None:  # torch's private _POOL_HANDLE
         batch = self._batch(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.fn(self.input_ids[:b], batch)  # warm up: Triton compiles outside capture
-        torch.cuda.current_stream().wait_stream(stream)
+        # Warm up on the current stream (a fresh side stream would pin a cuBLAS workspace for
+        # the life of the process): Triton compiles and cuBLAS picks kernels outside capture.
+        self.fn(self.input_ids[:b], batch)
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self.outputs[b] = self.fn(self.input_ids[:b], batch)
