@@ -17,8 +17,15 @@ from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.sampling.params import SamplingParams
 
 log.configure(level="warning")
-engine = Engine(EngineConfig(model="llama3-8b", gpu_memory_mb=40960, max_num_seqs=8,
-                             max_graph_batch=8, max_model_len=4096))
+engine = Engine(
+    EngineConfig(
+        model="llama3-8b",
+        gpu_memory_mb=40960,
+        max_num_seqs=8,
+        max_graph_batch=8,
+        max_model_len=4096,
+    )
+)
 params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 engine.add_request("p", list(range(1000, 1512)), params)
 for _ in range(20):
@@ -43,5 +50,6 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
-                                max_name_column_width=60))
+print(
+    prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60)
+)

@@ -27,7 +27,12 @@ from hybridgen.gpu_daemon.memory import (
     plan_memory,
     workspace_bytes,
 )
-from hybridgen.gpu_daemon.model_runner import ModelRunner, profile_step_peak
+from hybridgen.gpu_daemon.model_runner import (
+    ModelRunner,
+    Sampled,
+    has_penalty,
+    profile_step_peak,
+)
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.models.loader import LoadedModel, load_model
@@ -228,37 +233,64 @@ class Engine:
         st.preemptions += len(batch.preempted)
         if not batch.seqs:
             return []
-        sampled = self.runner.execute(batch)
+        steps = self._decode_steps(batch)
+        if steps > 1:
+            per_step = self.runner.execute_decode(batch, steps)
+        else:
+            per_step = [self.runner.execute(batch)]
         st.steps += 1
         st.max_step_tokens = max(st.max_step_tokens, batch.total_tokens)
         st.peak_blocks_used = max(st.peak_blocks_used, self.pool.num_used)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
-        outputs = []
-        for s in sampled:
-            seq = s.seq
-            seq.append(s.token_id, self.max_model_len)
-            if s.logprob is not None:
-                seq.logprobs.append(s.logprob)
-            if s.top is not None:
-                seq.top_logprobs.append(s.top)
-            finished = seq.finish_reason is not None
-            if finished:
-                self.scheduler.finish(seq)
-                del self.seqs[seq.request_id]
-            outputs.append(
-                RequestOutput(
-                    seq.request_id,
-                    [s.token_id],
-                    finished,
-                    seq.finish_reason,
-                    [s.logprob] if s.logprob is not None else None,
-                    [s.top] if s.top is not None else None,
-                    seq.prompt_len,
-                    seq.num_output_tokens,
-                )
+        outputs: dict[str, RequestOutput] = {}
+        for j, sampled in enumerate(per_step):
+            for s in sampled:
+                seq = s.seq
+                if seq.finish_reason is not None:
+                    continue  # a token computed past this sequence's stop
+                if j:
+                    seq.num_computed_tokens += 1  # the previous step's token went through
+                self._record(seq, s, outputs)
+        return list(outputs.values())
+
+    def _decode_steps(self, batch: ScheduledBatch) -> int:
+        """How many decode steps this batch can run before the host must look again."""
+        k = self.config.decode_steps
+        if k == 1 or batch.num_decode != len(batch):
+            return 1
+        for seq in batch.seqs:
+            p = seq.params
+            if seq.num_tokens - seq.num_computed_tokens != 1 or has_penalty(p):
+                return 1
+            k = min(k, p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        if k > 1 and not self.scheduler.reserve_lookahead(batch, k):
+            return 1
+        return max(k, 1)
+
+    def _record(self, seq: Sequence, s: Sampled, outputs: dict[str, RequestOutput]) -> None:
+        """Append one sampled token, finish the sequence if it stops, and add to its output."""
+        seq.append(s.token_id, self.max_model_len)
+        if s.logprob is not None:
+            seq.logprobs.append(s.logprob)
+        if s.top is not None:
+            seq.top_logprobs.append(s.top)
+        finished = seq.finish_reason is not None
+        if finished:
+            self.scheduler.finish(seq)
+            del self.seqs[seq.request_id]
+        out = outputs.get(seq.request_id)
+        if out is None:
+            out = outputs[seq.request_id] = RequestOutput(
+                seq.request_id, [], False, None, None, None, seq.prompt_len, 0
             )
-        return outputs
+        out.new_token_ids.append(s.token_id)
+        if s.logprob is not None:
+            out.logprobs = [*(out.logprobs or []), s.logprob]
+        if s.top is not None:
+            out.top_logprobs = [*(out.top_logprobs or []), s.top]
+        out.finished, out.finish_reason = finished, seq.finish_reason
+        out.output_tokens = seq.num_output_tokens
 
     def generate(
         self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]

@@ -19,7 +19,7 @@ from hybridgen.models.llama import AttentionBatch, CausalLM
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import ModelSpec
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.sampling.sampler import Sampler, SamplingBatch
+from hybridgen.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
 
 @dataclass
@@ -132,21 +132,65 @@ class ModelRunner:
         logits, seqs = self.logits(sched)
         return [] if logits is None else self._sample(logits, seqs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
-        params = [s.params for s in seqs]
-        penalties = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params
+    @torch.inference_mode()
+    def execute_decode(self, sched: ScheduledBatch, steps: int) -> list[list[Sampled]]:
+        """`steps` decode steps back to back with one host sync at the end.
+
+        Each step's sampled ids feed the next step on the device, and positions, seq_lens and
+        cache slots advance there too, so the host only launches work. Precondition: every
+        sequence decodes, samples without penalties, and already holds the blocks for
+        `steps` more tokens. Returns each sequence's `steps` tokens in order.
+        """
+        inputs = self.prepare(sched)
+        seqs = inputs.sample_seqs
+        ids, batch = inputs.input_ids, inputs.batch
+        outs = []
+        for j in range(steps):
+            logits = self._decode_logits_any(ids, batch)
+            out = self.sampler(logits, self._sampling_batch(seqs, offset=j))
+            outs.append(out)
+            if j + 1 < steps:
+                ids, batch = out.token_ids, self._advance(batch)
+        return [self._to_host(out, seqs) for out in _stack_steps(outs)]
+
+    def _decode_logits_any(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        if self.graphs is not None and len(ids) <= self.graphs.max_batch:
+            return self.graphs.run(ids, batch)
+        return self._decode_logits(ids, batch)
+
+    def _advance(self, batch: AttentionBatch) -> AttentionBatch:
+        """The decode batch one token later: every sequence gained the token just sampled."""
+        bs = self.block_size
+        pos = batch.positions + 1
+        blocks = batch.block_tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        return AttentionBatch(
+            positions=pos,
+            slot_mapping=blocks.long() * bs + pos % bs,
+            block_tables=batch.block_tables,
+            seq_lens=batch.seq_lens + 1,
+            num_decode=batch.num_decode,
+            query_start_loc=batch.query_start_loc,
+            seq_lens_host=[n + 1 for n in batch.seq_lens_host],
         )
-        sbatch = SamplingBatch.build(
+
+    def _sampling_batch(self, seqs: list[Sequence], offset: int = 0) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        penalties = any(has_penalty(p) for p in params)
+        return SamplingBatch.build(
             params,
             seeds=[s.seed for s in seqs],
-            steps=[s.num_output_tokens for s in seqs],
+            steps=[s.num_output_tokens + offset for s in seqs],
             prompt_ids=[s.token_ids[: s.prompt_len] for s in seqs] if penalties else None,
             output_ids=[s.output_ids for s in seqs] if penalties else None,
             vocab_size=self.spec.vocab_size,
             device=self.device,
         )
-        out = self.sampler(logits, sbatch)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+        return self._to_host(self.sampler(logits, self._sampling_batch(seqs)), seqs)
+
+    def _to_host(self, out: SamplerOutput, seqs: list[Sequence]) -> list[Sampled]:
+        """Read sampled ids (and logprobs) back: the step's one synchronisation."""
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = None
@@ -154,14 +198,38 @@ class ModelRunner:
             top = list(zip(out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist(), strict=True))
         result = []
         for i, seq in enumerate(seqs):
-            want = seq.params.logprobs is not None
-            lp = logprobs[i] if (want and logprobs is not None) else None
+            n = seq.params.logprobs
+            lp = logprobs[i] if (n is not None and logprobs is not None) else None
             tp = None
-            if want and top is not None and seq.params.logprobs:
+            if n and top is not None:
                 ids, vals = top[i]
-                tp = list(zip(ids[: seq.params.logprobs], vals[: seq.params.logprobs], strict=True))
+                tp = list(zip(ids[:n], vals[:n], strict=True))
             result.append(Sampled(seq, token_ids[i], lp, tp))
         return result
+
+
+def has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
+def _stack_steps(outs: list[SamplerOutput]) -> list[SamplerOutput]:
+    """Copy every step's results to the host in one transfer per field, then split them."""
+    ids = torch.stack([o.token_ids for o in outs]).cpu()
+    lps = torch.stack([o.logprobs for o in outs]).cpu() if outs[0].logprobs is not None else None
+    tops = None
+    if outs[0].top_logprobs is not None:
+        tops = (
+            torch.stack([o.top_logprobs[0] for o in outs if o.top_logprobs]).cpu(),
+            torch.stack([o.top_logprobs[1] for o in outs if o.top_logprobs]).cpu(),
+        )
+    return [
+        SamplerOutput(
+            ids[j],
+            None if lps is None else lps[j],
+            None if tops is None else (tops[0][j], tops[1][j]),
+        )
+        for j in range(len(outs))
+    ]
 
 
 @torch.inference_mode()

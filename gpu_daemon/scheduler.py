@@ -101,6 +101,20 @@ class Scheduler:
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
 
+    def reserve_lookahead(self, batch: ScheduledBatch, steps: int) -> bool:
+        """Give every sequence of a decode batch the blocks for `steps` tokens instead of one;
+        all or nothing, and never by preempting (False when the pool is short)."""
+        needs = [
+            self.pool.blocks_for(s.num_computed_tokens + steps) - len(s.block_ids)
+            for s in batch.seqs
+        ]
+        if sum(needs) > self.pool.num_free:
+            return False
+        for seq, need in zip(batch.seqs, needs, strict=True):
+            if need > 0:
+                seq.block_ids += self.pool.allocate(need)
+        return True
+
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Give `seq` the blocks for `n` more tokens, preempting newer sequences if needed."""
         need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)

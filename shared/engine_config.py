@@ -50,6 +50,10 @@ class EngineConfig:
     """Replay decode steps from CUDA graphs (CUDA only)."""
     max_graph_batch: int = 64
     """Largest decode batch captured in a graph; larger batches run eagerly."""
+    decode_steps: int = 4
+    """Decode steps run back to back on the device between host syncs while every running
+    sequence decodes without penalties: tokens then stream in groups of this size, and up
+    to decode_steps - 1 tokens past a stop are computed and dropped. 1 syncs every token."""
     seed: int = 0
     """Seed of synthetic preset weights."""
 
@@ -92,6 +96,7 @@ class EngineConfig:
             self.max_model_len,
             ">= 16",
         )
+        _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
 
     def torch_device(self) -> torch.device:

@@ -109,3 +109,40 @@ def test_budget_accounting_holds_on_cpu() -> None:
 
     with pytest.raises(BudgetTooSmall, match=r"device_topology\.gpu\.memory_mb=64"):
         Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=64, max_model_len=1024))
+
+
+def test_decode_steps_do_not_change_outputs() -> None:
+    """Running several decode steps per host sync gives the same tokens and logprobs as one,
+    greedy and seeded alike, and drops tokens computed past a stop."""
+    prompts = [[5, 6, 7], list(range(1, 40)), [300, 301]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    runs = []
+    for steps in (1, 3, 4):
+        engine = Engine(
+            EngineConfig(
+                model="tiny-llama",
+                device="cpu",
+                max_model_len=256,
+                num_kv_blocks=64,
+                decode_steps=steps,
+            )
+        )
+        done = engine.generate(prompts, params)
+        runs.append([(c.token_ids, c.logprobs) for c in done])
+        assert engine.pool.num_free == engine.pool.num_blocks
+    assert runs[0] == runs[1] == runs[2]
+    stop_at = runs[0][2][0][5]
+    engine = Engine(
+        EngineConfig(
+            model="tiny-llama", device="cpu", max_model_len=256, num_kv_blocks=64, decode_steps=4
+        )
+    )
+    stopped = engine.generate(
+        [prompts[2]], SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=(stop_at,))
+    )[0]
+    assert stopped.token_ids == runs[0][2][0][: runs[0][2][0].index(stop_at) + 1]
+    assert engine.pool.num_free == engine.pool.num_blocks

@@ -61,9 +61,8 @@ def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> RunT
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
-        new = [o for o in outs if o.output_tokens > 1]
-        if new and len(new) == len(outs):
-            decode_tokens += len(new)
+        if outs and all(o.output_tokens > len(o.new_token_ids) for o in outs):
+            decode_tokens += sum(len(o.new_token_ids) for o in outs)
             decode_time += t1 - t0
         for o in outs:
             first.setdefault(o.request_id, t1)
