@@ -166,10 +166,11 @@ def main(argv: list[str] | None = None) -> None:
         result["peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
     check_prompts = [random_prompts(1, n, vocab, seed=100 + n)[0] for n in (16, 128, 512)]
     ours_logits = [engine.prompt_logits(p).cpu() for p in check_prompts]
-    if args.hf:
-        result["hf"] = hf_phase(engine, args, check_prompts, ours_logits)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.hf:
+        result["hf"] = hf_phase(engine, args, check_prompts, ours_logits)
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print_table(result)
 
 
