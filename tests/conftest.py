@@ -7,8 +7,11 @@ covers them numerically. The variable must be set before any kernel module is im
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch import Tensor
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -34,3 +37,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
         return built[key]
 
     return get
+
+
+@pytest.fixture
+def poison_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Make torch.empty / empty_like return NaN-filled floating tensors."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def _fill(t: Tensor) -> Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2**30))
+
+    def empty(*args: Any, **kwargs: Any) -> Tensor:
+        return _fill(real_empty(*args, **kwargs))
+
+    def empty_like(*args: Any, **kwargs: Any) -> Tensor:
+        return _fill(real_empty_like(*args, **kwargs))
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    yield

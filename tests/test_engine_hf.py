@@ -9,8 +9,8 @@ import pytest
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.sampling.params import SamplingParams
-from tests.checkpoints import hf_greedy, sample_prompts
 from tests.conftest import KINDS
+from tests.hf_reference import hf_greedy, sample_prompts
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

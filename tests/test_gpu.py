@@ -13,7 +13,7 @@ import torch
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.sampling.params import SamplingParams
-from tests.checkpoints import hf_greedy, sample_prompts
+from tests.hf_reference import hf_greedy, sample_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
