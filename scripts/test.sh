@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 "$py" -m ruff check .
 "$py" -m ruff format --check .
-"$py" -m mypy shared gpu_daemon
+"$py" -m mypy shared gpu_daemon cpu_daemon gateway
 "$py" -m pytest -q "$@"

@@ -1,0 +1,426 @@
+"""What the gateway needs from the model side: the `Backend` protocol, and `EngineBackend`,
+which runs the in-process Engine on one thread.
+
+The final product puts the CPU and GPU daemons behind this protocol; EngineBackend is the
+single-process stand-in. A request's path through it:
+
+    generate()  -> _Submit on the command queue
+    engine thread: engine.add_request, then engine.step() in a loop
+                -> each RequestOutput to the request's asyncio.Queue (loop.call_soon_threadsafe)
+    generate()  -> incremental detokenization, stop strings -> Delta -> the service
+    cancel      -> generate()'s finally -> _Abort on the command queue -> engine.abort (KV freed)
+
+The engine is not thread-safe: every engine call happens on the engine thread, except
+`validate`, which reads only the model's vocabulary size and context length (fixed after load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.text import TextStream
+from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
+from hybridgen.gpu_daemon.sequence import FinishReason
+from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+
+log = structlog.get_logger()
+
+# How long the idle engine thread blocks on its command queue before looking again.
+_IDLE_WAIT_S = 0.25
+
+
+class BackendUnavailable(RuntimeError):
+    """The model is loading, draining or dead; the client may retry elsewhere or later."""
+
+
+class Finish(enum.Enum):
+    """Why a request ended (the API's FinishReason)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    STOP_SEQUENCE = "stop_sequence"
+    CANCELLED = "cancelled"
+
+
+_ENGINE_FINISH = {
+    FinishReason.STOP: Finish.STOP,
+    FinishReason.LENGTH: Finish.LENGTH,
+    FinishReason.ABORTED: Finish.CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token and its top alternatives."""
+
+    token_id: int
+    """The generated token."""
+    logprob: float
+    """Its log-probability."""
+    top: tuple[tuple[int, float], ...]
+    """(token id, logprob) of the most likely tokens, most likely first."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one request produced since its previous Delta."""
+
+    token_ids: tuple[int, ...]
+    """New token ids."""
+    text: str
+    """New text (may lag token_ids: incomplete characters and stop-string prefixes wait)."""
+    logprobs: tuple[TokenLogprob, ...] | None
+    """One entry per token, when the request asked for logprobs."""
+    finished: bool
+    """True on the last Delta of the request."""
+    finish_reason: Finish | None
+    """Set on the last Delta."""
+    prompt_tokens: int
+    """Tokens in the prompt."""
+    completion_tokens: int
+    """Tokens generated so far."""
+
+
+class Backend(Protocol):
+    """The model side as the gateway sees it; all methods are called on the event loop."""
+
+    async def start(self) -> None:
+        """Load the model; returns once requests can be served, raises if loading failed."""
+
+    async def stop(self) -> None:
+        """Stop serving; in-flight requests fail with BackendUnavailable."""
+
+    def ready(self) -> bool:
+        """True while requests can be served (loaded and alive)."""
+
+    async def model_info(self) -> dict[str, Any]:
+        """Model and pool facts, keyed by GetModelInfoResponse field names."""
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`."""
+
+    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field."""
+
+    def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
+    ) -> AsyncIterator[Delta]:
+        """Stream the request's Deltas; the last has finished=True. Closing the iterator
+        early aborts the request."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free its KV; unknown or finished ids are ignored."""
+
+    def queue_depth(self) -> int:
+        """Requests accepted but not yet streaming."""
+
+
+@dataclass(frozen=True)
+class _Submit:
+    """Start a request (engine thread command)."""
+
+    request_id: str
+    """The request's id."""
+    prompt_ids: list[int]
+    """Its prompt."""
+    params: SamplingParams
+    """Its sampling parameters."""
+    sink: Callable[[RequestOutput | BaseException], None]
+    """Hands an output (or the request's error) to the request's asyncio queue."""
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """Abort a request (engine thread command)."""
+
+    request_id: str
+    """The request's id."""
+
+
+_STOP = object()
+"""Command: leave the engine loop."""
+
+
+@dataclass(frozen=True)
+class _PoolSnapshot:
+    """Engine counters as of the last step, published by the engine thread."""
+
+    kv_blocks_used: int = 0
+    """Blocks held by sequences."""
+    running_requests: int = 0
+    """Sequences running."""
+
+
+def _post(
+    loop: asyncio.AbstractEventLoop, q: asyncio.Queue[RequestOutput | BaseException]
+) -> Callable[[RequestOutput | BaseException], None]:
+    def sink(item: RequestOutput | BaseException) -> None:
+        # RuntimeError: the loop closed under us (process exit), so nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    return sink
+
+
+def _static_info(engine: Engine, config: EngineConfig) -> dict[str, Any]:
+    spec = engine.spec
+    return {
+        "model": spec.name,
+        "architecture": spec.architecture,
+        "family": spec.family,
+        "synthetic": spec.synthetic,
+        "vocab_size": spec.vocab_size,
+        "max_model_len": engine.max_model_len,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "kv_block_size": config.block_size,
+        "kv_blocks_total": engine.plan.num_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "eos_token_ids": sorted(engine.eos_ids),
+    }
+
+
+class EngineBackend:
+    """Backend over an in-process Engine driven by one background thread."""
+
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._commands: queue.Queue[object] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._engine: Engine | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._info: dict[str, Any] = {}
+        self._snapshot = _PoolSnapshot()
+        self._dead: str | None = None
+        self._stopping = False
+        self._active: set[str] = set()
+        self._waiting = 0
+        # Engine thread only: where each running request's outputs go.
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+
+    # -- event loop side -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        loaded: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._run, args=(loop, loaded), name="hybridgen-engine", daemon=True
+        )
+        self._thread.start()
+        await loaded
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def ready(self) -> bool:
+        return self._engine is not None and self._dead is None and not self._stopping
+
+    async def model_info(self) -> dict[str, Any]:
+        self._check_alive()
+        snap = self._snapshot
+        return {
+            **self._info,
+            "kv_blocks_used": snap.kv_blocks_used,
+            "running_requests": snap.running_requests,
+            "queued_requests": self._waiting,
+        }
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._check_alive()
+        assert self._tokenizer is not None
+        # The tokenizer is separate from the engine's mutable state and the Rust tokenizer is
+        # thread-safe, so it runs here rather than queueing behind a step.
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._check_alive()
+        assert self._engine is not None
+        self._engine.validate(list(prompt_ids), params)  # reads only fixed model limits
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
+    ) -> AsyncIterator[Delta]:
+        self._check_alive()
+        if request_id in self._active:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        assert self._tokenizer is not None
+        text = TextStream(self._tokenizer, prompt_ids, stop)
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        sink = _post(asyncio.get_running_loop(), q)
+        # Counted before the first await, so that the service's queue check and this
+        # increment cannot interleave with another request's.
+        self._active.add(request_id)
+        self._waiting += 1
+        started = engine_done = False
+        self._commands.put(_Submit(request_id, list(prompt_ids), params, sink))
+        try:
+            # The engine may have died between the first check and the put; if it died after
+            # this check, its thread fails the queued submit itself (_fail_all).
+            self._check_alive()
+            while not engine_done:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    engine_done = True  # the engine refused or lost it: nothing to abort
+                    raise item
+                if not started:
+                    started = True
+                    self._waiting -= 1
+                engine_done = item.finished
+                delta = self._delta(item, text)
+                yield delta
+                if delta.finished:
+                    break  # a stop string ended it before the engine did
+        finally:
+            if not started:
+                self._waiting -= 1
+            self._active.discard(request_id)
+            if not engine_done:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    def _check_alive(self) -> None:
+        if self._stopping:
+            raise BackendUnavailable("the server is shutting down")
+        if self._dead is not None:
+            raise BackendUnavailable(f"the engine failed: {self._dead}")
+        if self._engine is None or self._thread is None:
+            raise BackendUnavailable("the model is not loaded")
+
+    @staticmethod
+    def _delta(out: RequestOutput, text: TextStream) -> Delta:
+        new_text, stopped = text.push(out.new_token_ids, out.finished)
+        if stopped:
+            finish: Finish | None = Finish.STOP_SEQUENCE
+        elif out.finished:
+            assert out.finish_reason is not None
+            finish = _ENGINE_FINISH[out.finish_reason]
+        else:
+            finish = None
+        logprobs = None
+        if out.logprobs is not None:
+            tops = out.top_logprobs or [[] for _ in out.logprobs]
+            logprobs = tuple(
+                TokenLogprob(t, lp, tuple(top))
+                for t, lp, top in zip(out.new_token_ids, out.logprobs, tops, strict=True)
+            )
+        return Delta(
+            token_ids=tuple(out.new_token_ids),
+            text=new_text,
+            logprobs=logprobs,
+            finished=finish is not None,
+            finish_reason=finish,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.output_tokens,
+        )
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self, loop: asyncio.AbstractEventLoop, loaded: asyncio.Future[None]) -> None:
+        try:
+            engine = Engine(self._config)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(_settle, loaded, exc)
+            return
+        self._tokenizer = engine.loaded.tokenizer
+        self._info = _static_info(engine, self._config)
+        self._engine = engine
+        loop.call_soon_threadsafe(_settle, loaded, None)
+        try:
+            self._serve(engine)
+        except Exception as exc:
+            log.exception("engine_failed")
+            self._dead = repr(exc)
+            self._fail_all(BackendUnavailable(f"the engine failed: {exc!r}"))
+        else:
+            self._fail_all(BackendUnavailable("the server is shutting down"))
+
+    def _serve(self, engine: Engine) -> None:
+        """Apply commands, step while there is work, publish counters; until _STOP."""
+        while True:
+            for command in self._drain(block=not engine.has_unfinished()):
+                if command is _STOP:
+                    return
+                self._apply(engine, command)
+            if engine.has_unfinished():
+                for out in engine.step():
+                    sink = self._sinks.get(out.request_id)
+                    if out.finished:
+                        self._sinks.pop(out.request_id, None)
+                    if sink is not None:
+                        sink(out)
+            self._publish(engine)
+
+    def _drain(self, block: bool) -> list[object]:
+        commands = []
+        try:
+            if block:
+                commands.append(self._commands.get(timeout=_IDLE_WAIT_S))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            return commands
+
+    def _apply(self, engine: Engine, command: object) -> None:
+        if isinstance(command, _Submit):
+            try:
+                engine.add_request(command.request_id, command.prompt_ids, command.params)
+            except (InvalidRequest, InvalidSamplingParameter) as exc:
+                command.sink(exc)
+                return
+            self._sinks[command.request_id] = command.sink
+        # A late abort (the request already finished) finds no sink; that is fine.
+        elif isinstance(command, _Abort) and command.request_id in self._sinks:
+            del self._sinks[command.request_id]
+            engine.abort(command.request_id)
+            log.info("request_aborted", request_id=command.request_id)
+
+    def _publish(self, engine: Engine) -> None:
+        snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running))
+        if snap == self._snapshot:
+            return
+        self._snapshot = snap  # one reference assignment: readers see old or new, never half
+        if self._metrics is not None:
+            total = max(self._info["kv_blocks_total"], 1)
+            self._metrics.kv_usage.labels(tier="hot").set(snap.kv_blocks_used / total)
+            self._metrics.running.set(snap.running_requests)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail running requests and any submit still queued (the thread is leaving)."""
+        for sink in self._sinks.values():
+            sink(error)
+        self._sinks.clear()
+        for command in self._drain(block=False):
+            if isinstance(command, _Submit):
+                command.sink(error)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,83 @@
+"""The gateway's Prometheus metrics, in a registry of their own.
+
+A dedicated CollectorRegistry (not prometheus_client's global one) lets one process, such as a
+test, build several servers without duplicate-metric errors. The backend sets the gauges it
+knows about (KV usage, ring occupancy, heartbeat jitter); the service records the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Latency buckets in seconds: sub-millisecond decode steps up to slow CPU prefills.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Metrics:
+    """Every metric the gateway exports; one instance per server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "hybridgen_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "hybridgen_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one request (a message carrying n "
+            "tokens counts n times, its gap divided by n).",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "hybridgen_queue_depth",
+            "Requests accepted but not yet streaming (the admission queue).",
+            registry=r,
+        )
+        self.requests = Counter(
+            "hybridgen_requests",
+            "Finished Generate calls by finish reason (stop, length, stop_sequence, "
+            "cancelled, error).",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "hybridgen_requests_rejected",
+            "Calls that ended with an error status (refused, or failed mid-stream), by code.",
+            ["code"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "hybridgen_kv_cache_usage_ratio",
+            "Fraction of the Hot-KV pool's blocks in use, by tier (set by the backend).",
+            ["tier"],
+            registry=r,
+        )
+        self.ring_occupancy = Gauge(
+            "hybridgen_ring_occupancy_ratio",
+            "Fraction of a shared-memory ring's slots in use (set by the backend).",
+            ["ring"],
+            registry=r,
+        )
+        self.heartbeat_jitter = Gauge(
+            "hybridgen_heartbeat_jitter_p99_seconds",
+            "p99 lateness of a daemon's scheduler heartbeat (set by the backend).",
+            ["daemon"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "hybridgen_running_requests",
+            "Requests the engine is running (set by the backend).",
+            registry=r,
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> threading.Thread:
+        """Serve /metrics over HTTP on a daemon thread; returns that thread."""
+        _, thread = start_http_server(port, addr=host, registry=self.registry)
+        return thread

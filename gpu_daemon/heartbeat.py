@@ -1,0 +1,177 @@
+"""The GPU daemon's heartbeat loop: tickets in, engine steps, step results out.
+
+Every tick: take what the CPU daemon sent (waiting at most 16 ms when idle, not at all when
+there is work), apply it to the engine, run one engine step if anything is running, publish
+the results, bump the heartbeat and ping the systemd watchdog. A full ring or arena is
+backpressure: results queue here in order, a BACKPRESSURE ticket tells the CPU side, and
+nothing is dropped. If the CPU daemon dies (its pid is gone or its heartbeat stalls), every
+request is aborted and the loop exits non-zero so that systemd restarts both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+
+from hybridgen import sd_notify
+from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
+from hybridgen.ipc.channels import Channels, make_ticket, take_payload
+from hybridgen.ipc.messages import StepResult, decode_new_seq, encode_step_result
+from hybridgen.ipc.ticket import Op, Ticket
+from hybridgen.sampling.params import InvalidSamplingParameter
+
+log = structlog.get_logger()
+
+PEER_DEAD = 3
+"""Exit status when the CPU daemon died: systemd restarts the pair."""
+
+
+@dataclass
+class HeartbeatStats:
+    ticks: int = 0
+    steps: int = 0
+    tickets_in: int = 0
+    results_out: int = 0
+    backpressure: int = 0
+    max_tick_gap_ms: float = 0.0
+    """Longest time between two ticks: the reaction latency bound actually achieved."""
+    jitter_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    """Idle wake-up lateness past the period, for the heartbeat-jitter metric."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class GpuHeartbeat:
+    def __init__(
+        self,
+        engine: Engine,
+        channels: Channels,
+        period_s: float = 0.016,
+        peer_timeout_s: float = 2.0,
+    ) -> None:
+        self.engine, self.ch = engine, channels
+        self.period, self.peer_timeout = period_s, peer_timeout_s
+        self.stats = HeartbeatStats()
+        self.outbox: deque[StepResult] = deque()
+        self.placed: Ticket | None = None  # head of the outbox, payload already in the arena
+        self.stopping = False
+        self._peer_beat, self._peer_seen = -1, time.monotonic()
+        self._last_tick = time.monotonic()
+        self._watchdog = sd_notify.watchdog_interval_s()
+        self._last_ping = 0.0
+
+    def run(self) -> int:
+        """Tick until SHUTDOWN or a dead peer; returns the process exit status."""
+        while not self.stopping:
+            if not self.tick():
+                return PEER_DEAD
+        return 0
+
+    def tick(self) -> bool:
+        busy = self.engine.has_unfinished() or bool(self.outbox)
+        wait = 0.0 if busy else self.period
+        t0 = time.monotonic()
+        first = self.ch.c2g.get(wait)
+        if first is None and wait:
+            self.stats.jitter_ms.append(max(0.0, (time.monotonic() - t0 - wait) * 1e3))
+        tickets = ([first] if first else []) + self.ch.c2g.drain(256)
+        for ticket in tickets:
+            self._handle(ticket)
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                self.outbox.append(_result(out))
+            self.stats.steps += 1
+        self._flush()
+        self._beat()
+        return self._peer_alive()
+
+    def _handle(self, ticket: Ticket) -> None:
+        self.stats.tickets_in += 1
+        payload = take_payload(self.ch.c2g_meta, ticket)
+        rid = ticket.request_id
+        if ticket.op is Op.NEW_SEQ:
+            prompt, params = decode_new_seq(payload)
+            try:
+                self.engine.add_request(str(rid), prompt, params)
+            except (InvalidRequest, InvalidSamplingParameter) as e:
+                self.outbox.append(StepResult(rid, [], None, None, len(prompt), 0, str(e)))
+        elif ticket.op is Op.ABORT:
+            self.engine.abort(str(rid))
+        elif ticket.op is Op.SHUTDOWN:
+            self.stopping = True
+        else:
+            log.warning("unexpected_ticket", op=ticket.op.name, request_id=rid)
+
+    def _flush(self) -> None:
+        """Send queued results in order until the ring or the arena is full."""
+        while self.outbox:
+            if self.placed is None:
+                payload, flags, shape = encode_step_result(self.outbox[0])
+                self.placed = make_ticket(
+                    self.ch.g2c_meta,
+                    Op.STEP_RESULT,
+                    self.outbox[0].request_id,
+                    payload,
+                    flags,
+                    shape,
+                )
+            if self.placed is None or not self.ch.g2c.try_put(self.placed):
+                self._backpressure("g2c full" if self.placed else "g2c arena full")
+                return
+            self.placed = None
+            self.outbox.popleft()
+            self.stats.results_out += 1
+
+    def _backpressure(self, reason: str) -> None:
+        self.stats.backpressure += 1
+        if self.stats.backpressure % 1000 == 1:
+            log.warning("backpressure", reason=reason, queued=len(self.outbox))
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        self.stats.ticks += 1
+        self.stats.max_tick_gap_ms = max(self.stats.max_tick_gap_ms, (now - self._last_tick) * 1e3)
+        self._last_tick = now
+        self.ch.g2c.heartbeat()
+        if self._watchdog and now - self._last_ping >= self._watchdog:
+            sd_notify.watchdog()
+            self._last_ping = now
+
+    def _peer_alive(self) -> bool:
+        pid, beat, now = self.ch.c2g.producer_pid(), self.ch.c2g.peer_heartbeat(), time.monotonic()
+        if pid == 0:
+            return True  # no CPU daemon attached yet
+        if beat != self._peer_beat:
+            self._peer_beat, self._peer_seen = beat, now
+        dead = not _alive(pid) or now - self._peer_seen > self.peer_timeout
+        if dead:
+            log.error(
+                "peer_dead", peer="cpu_daemon", pid=pid, silent_s=round(now - self._peer_seen, 2)
+            )
+            for rid in list(self.engine.seqs):
+                self.engine.abort(rid)
+        return not dead
+
+
+def _result(out: RequestOutput) -> StepResult:
+    reason = out.finish_reason.value if out.finish_reason is not None else None
+    return StepResult(
+        int(out.request_id),
+        out.new_token_ids,
+        out.logprobs,
+        reason,
+        out.prompt_tokens,
+        out.output_tokens,
+    )

@@ -1,0 +1,77 @@
+"""Entry point of the GPU daemon (systemd unit hybridgen-gpu.service).
+
+    python -m hybridgen.gpu_daemon.main --config hybridgen_config.yaml [--model M] [--instance I]
+
+Creates the shared-memory rings (replacing stale ones from a crashed run), loads the model
+with progress, tells systemd READY, runs the heartbeat loop, and on a clean stop (SIGTERM or
+a SHUTDOWN ticket) removes every segment it created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+from types import FrameType
+
+import structlog
+
+from hybridgen import log as hlog
+from hybridgen import sd_notify
+from hybridgen.config import ConfigError, load_config
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.heartbeat import GpuHeartbeat
+from hybridgen.ipc import shm
+from hybridgen.ipc.channels import Channels
+
+log = structlog.get_logger()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="HybridGen GPU daemon")
+    ap.add_argument("--config", default=None, help="hybridgen_config.yaml (default: built-in)")
+    ap.add_argument("--model", default=None, help="override model.name_or_path")
+    ap.add_argument("--instance", default=None, help="override server.instance")
+    ap.add_argument("--device", default="auto")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hlog.configure(json=True)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"hybridgen-gpu: {e}", file=sys.stderr)
+        return 2
+    if args.model:
+        config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, name_or_path=args.model)
+        )
+    instance = args.instance or config.server.instance
+    structlog.contextvars.bind_contextvars(process="gpu_daemon", instance=instance)
+    channels = Channels.create(instance)
+    try:
+        sd_notify.status("loading model")
+        engine = Engine(config.engine_config(args.device))
+        loop = GpuHeartbeat(engine, channels)
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            loop.stopping = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        sd_notify.ready(f"serving {engine.spec.name}")
+        log.info("gpu_daemon_ready", model=engine.spec.name)
+        status = loop.run()
+    finally:
+        sd_notify.stopping()
+        channels.close()
+        removed = shm.unlink_all(instance)
+        log.info("gpu_daemon_stopped", removed_segments=len(removed))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

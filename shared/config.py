@@ -1,0 +1,401 @@
+"""The schema of hybridgen_config.yaml: frozen dataclasses checked by one generic walk.
+
+Types come from the annotations (Literal: choices; `X | None`: optional), ranges from the
+field metadata, so no section has a parser of its own. Errors name the dotted key
+(`kv_cache.hot_region_mb`) and what is allowed. An empty file, or none, gives the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+import yaml
+
+from hybridgen.engine_config import ConfigError, EngineConfig
+
+__all__ = ["ConfigError", "HybridGenConfig", "load_config", "parse_config", "parse_cpu_list"]
+
+T = TypeVar("T")
+Device = Literal["cpu", "gpu"]
+DeviceOrSplit = Literal["cpu", "gpu", "split"]
+_MAX_CPUS = 8192
+_INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_POSITIVE: tuple[Callable[[Any], object], str] = (lambda v: v > 0, "> 0")
+_NONEMPTY: tuple[Callable[[Any], object], str] = (lambda v: v.strip() != "", "a non-empty string")
+
+
+def _checked(default: Any, check: Callable[[Any], object], allowed: str) -> Any:
+    """A field whose non-null value must pass `check`; `allowed` words the range for errors."""
+    return field(default=default, metadata={"check": check, "allowed": allowed})
+
+
+def _at_least(default: Any, low: float) -> Any:
+    return _checked(default, lambda v: v >= low, f">= {low}")
+
+
+def _between(default: Any, low: float, high: float) -> Any:
+    return _checked(default, lambda v: low <= v <= high, f"{low}..{high}")
+
+
+def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
+    """CPU ids of a list such as "0-15" or "0,2,4-7" (the cpuset / taskset -c syntax)."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            f"{key}={value!r} is out of range: allowed a CPU list such as '0-15' or "
+            f"'0,2,4-7' ({why})"
+        )
+
+    # A bare YAML integer is ambiguous (the article's `cores: 32` is a count, cpuset's "32"
+    # is CPU 32), so only the quoted list form is accepted.
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{key}={value!r} has the wrong type: expected a quoted CPU list such as "
+            "'0-15', '0,2,4-7' or '3'"
+        )
+    cpus: set[int] = set()
+    for part in value.replace(" ", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if match is None:
+            raise bad(f"{part!r} is not N or N-M")
+        first, last = int(match[1]), int(match[2] or match[1])
+        if first > last:
+            raise bad(f"{part!r} runs backwards")
+        if last >= _MAX_CPUS:
+            raise bad(f"CPU ids stop below {_MAX_CPUS}")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+@dataclass(frozen=True)
+class GpuTopology:
+    """The GPU the daemon drives."""
+
+    id: int = _at_least(0, 0)
+    """CUDA device index."""
+    memory_mb: int | None = _at_least(None, 64)
+    """Hard budget for everything the GPU daemon allocates; null: 90 % of free memory."""
+    bandwidth_gbps: float | None = _checked(None, *_POSITIVE)
+    """Device memory bandwidth for the placement cost model; null: measured at warmup."""
+
+
+@dataclass(frozen=True)
+class CpuTopology:
+    """The host CPUs and memory the CPU daemon uses."""
+
+    cores: tuple[int, ...] | None = field(default=None, metadata={"parse": parse_cpu_list})
+    """CPUs to bind to, as "0-15" or "0,2,4-7"; null: the process's current affinity."""
+    memory_mb: int | None = _at_least(None, 64)
+    """Host memory budget for Warm-KV, Cold tiers and experts; null: derived from free RAM."""
+    bandwidth_gbps: float | None = _checked(None, *_POSITIVE)
+    """Host memory bandwidth for the placement cost model; null: measured at warmup."""
+
+
+@dataclass(frozen=True)
+class DeviceTopology:
+    """The machine, as the placement cost model sees it."""
+
+    gpu: GpuTopology = field(default_factory=GpuTopology)
+    """The GPU."""
+    cpu: CpuTopology = field(default_factory=CpuTopology)
+    """The host CPUs."""
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """KV tiers: Hot on the GPU, Warm compressed in host shm, Cold aged out of Warm."""
+
+    hot_region_mb: int | None = _at_least(None, 1)
+    """GPU memory for Hot-KV blocks; null: what the GPU budget leaves after weights."""
+    warm_region_mb: int | None = _at_least(None, 0)
+    """Host shm for Warm-KV blocks after compression; null: derived from the model; 0: none."""
+    cold_threshold_ms: int = _at_least(150, 1)
+    """A warm block untouched this long is moved to Cold."""
+    hot_codec: Literal["native", "int8", "int4"] = "native"
+    """Hot-KV storage: the model dtype, or int8/int4 dequantized inside the attention kernel."""
+    warm_codec: Literal["lossless", "lz4", "int8", "int4"] = "int8"
+    """Warm-KV storage: lossless (as is), lz4, int8 (~2:1) or int4 group-quant (~4:1)."""
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    """Tokens per KV block, in every tier."""
+
+
+@dataclass(frozen=True)
+class OffloadThreshold:
+    """Work per step (MFLOPs) at or above which a region runs on the GPU, below it the CPU."""
+
+    softmax: float = _at_least(12000.0, 0)
+    """Softmax of the degrade path."""
+    layernorm: float = _at_least(800.0, 0)
+    """RMSNorm / LayerNorm."""
+    rotary_emb: float = _at_least(5000.0, 0)
+    """Rotary position embedding."""
+
+
+@dataclass(frozen=True)
+class DynamicTuning:
+    """Re-measuring placements while serving (costs a little CPU; a profile avoids it)."""
+
+    enable: bool = True
+    """Re-place regions from live timings every update_interval_ms."""
+    warmup_steps: int = _at_least(32, 0)
+    """Steps served before the first measurement."""
+    update_interval_ms: int = _at_least(500, 1)
+    """Period of the placement update."""
+
+
+@dataclass(frozen=True)
+class Placements:
+    """Pinned placements of the regions that can run on either device; null: measured."""
+
+    rope: Device | None = None
+    """Rotary embedding (overrides offload_threshold.rotary_emb)."""
+    norm: Device | None = None
+    """RMSNorm / LayerNorm (overrides offload_threshold.layernorm)."""
+    softmax: Device | None = None
+    """Softmax of the degrade path (overrides offload_threshold.softmax)."""
+    attn_warm: DeviceOrSplit | None = None
+    """Attention over Warm-KV: CPU partials, blocks sent to the GPU, or a measured split."""
+    moe_experts: DeviceOrSplit | None = None
+    """MoE experts kept in host memory: CPU compute, transfer to the GPU, or a split."""
+    kv_codec: Device | None = None
+    """Warm-KV quantize / dequantize."""
+    sample: Device | None = None
+    """Sampling from the logits."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to serve."""
+
+    name_or_path: str = _checked("tiny-llama", *_NONEMPTY)
+    """An HF checkpoint directory or a synthetic preset name (llama3-8b, tiny-llama, ...)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations; auto: the checkpoint's (presets: bf16 on GPU, fp32 on CPU)."""
+    max_model_len: int | None = _at_least(None, 16)
+    """Longest sequence; null: the model's, capped by what the KV tiers hold."""
+    max_num_seqs: int = _between(64, 1, 4096)
+    """Sequences running at once."""
+    max_num_batched_tokens: int = _at_least(2048, 1)
+    """Tokens per step; longer prompts are prefilled in chunks."""
+    seed: int = _at_least(0, 0)
+    """Seed of synthetic preset weights."""
+
+    def _validate(self, prefix: str) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} is out of range: "
+                f"allowed >= {prefix}max_num_seqs ({self.max_num_seqs})"
+            )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gateway's public endpoint and the processes' shared names."""
+
+    host: str = _checked("127.0.0.1", *_NONEMPTY)
+    """Address the gRPC API listens on (0.0.0.0 or :: for every interface)."""
+    port: int = _between(50051, 1, 65535)
+    """gRPC API port."""
+    metrics_port: int = _between(9400, 0, 65535)
+    """Prometheus /metrics port; 0: no metrics endpoint."""
+    instance: str = _checked("default", _INSTANCE.fullmatch, "1-32 of [A-Za-z0-9_-]")
+    """Instance name; shared memory segments are /hybridgen-<instance>-*."""
+    max_queue: int = _at_least(256, 1)
+    """Requests waiting for admission; beyond it the gateway answers RESOURCE_EXHAUSTED."""
+    max_message_mb: int = _between(16, 1, 2047)
+    """Largest gRPC message either way."""
+    keepalive_s: float = _checked(30.0, *_POSITIVE)
+    """gRPC keepalive ping period, so dead clients free their sequences."""
+    request_timeout_s: float = _at_least(600.0, 0)
+    """Longest a request may run before DEADLINE_EXCEEDED; 0: no limit."""
+    runtime_dir: str = _checked("/run/hybridgen", lambda v: v.startswith("/"), "an absolute path")
+    """Folder of the daemons' unix sockets (systemd's RuntimeDirectory=hybridgen)."""
+
+    def _validate(self, prefix: str) -> None:
+        if self.metrics_port == self.port:
+            raise ConfigError(
+                f"{prefix}metrics_port={self.metrics_port} is out of range: "
+                f"allowed a port other than {prefix}port"
+            )
+
+
+@dataclass(frozen=True)
+class HybridGenConfig:
+    """hybridgen_config.yaml."""
+
+    device_topology: DeviceTopology = field(default_factory=DeviceTopology)
+    """The GPU and CPU, and their budgets."""
+    kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
+    """KV tiers."""
+    offload_threshold: OffloadThreshold = field(default_factory=OffloadThreshold)
+    """Default placement of the small regions by their work per step."""
+    dynamic_tuning: DynamicTuning = field(default_factory=DynamicTuning)
+    """Live re-placement."""
+    profile_path: str | None = _checked(None, *_NONEMPTY)
+    """tuning_profile.json from hybridgen-profiler, relative to this file; null: none."""
+    placements: Placements = field(default_factory=Placements)
+    """Regions pinned by hand, over every measurement."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """The public endpoint."""
+    mode: Literal["hybrid", "pure_gpu"] = "hybrid"
+    """hybrid: CPU and GPU as partners; pure_gpu: no Warm-KV, nothing placed on the CPU."""
+
+    def _validate(self, prefix: str) -> None:
+        hot, budget = self.kv_cache.hot_region_mb, self.device_topology.gpu.memory_mb
+        if hot is not None and budget is not None and hot > budget:
+            raise ConfigError(
+                f"kv_cache.hot_region_mb={hot} is out of range: "
+                f"allowed <= device_topology.gpu.memory_mb ({budget})"
+            )
+        if self.mode == "pure_gpu":
+            for name, value in dataclasses.asdict(self.placements).items():
+                if value not in (None, "gpu"):
+                    raise ConfigError(
+                        f"placements.{name}={value!r} is out of range: "
+                        "allowed gpu or null with mode=pure_gpu"
+                    )
+
+    def engine_config(self, device: str = "auto") -> EngineConfig:
+        """The model engine's config; "cuda" (and "auto" with CUDA) means device_topology.gpu."""
+        if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+            device = f"cuda:{self.device_topology.gpu.id}"
+        m = self.model
+        return EngineConfig(
+            model=m.name_or_path,
+            device=device,
+            dtype=m.dtype,
+            gpu_memory_mb=self.device_topology.gpu.memory_mb,
+            block_size=self.kv_cache.block_size,
+            max_num_seqs=m.max_num_seqs,
+            max_num_batched_tokens=m.max_num_batched_tokens,
+            max_model_len=m.max_model_len,
+            seed=m.seed,
+        )
+
+
+def parse_config(data: Mapping[str, Any] | None) -> HybridGenConfig:
+    """Check a parsed YAML document against the schema; None: all defaults."""
+    return _build(HybridGenConfig, data, "")
+
+
+def load_config(path: str | Path | None) -> HybridGenConfig:
+    """Read hybridgen_config.yaml; None: all defaults. Errors name the file and the key."""
+    if path is None:
+        return HybridGenConfig()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {exc.problem or exc.context}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    try:
+        config = parse_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    profile = config.profile_path
+    if profile is not None and not Path(profile).is_absolute():
+        # Relative to the file, not to the working directory (systemd starts units in /).
+        config = dataclasses.replace(config, profile_path=str(path.parent / profile))
+    return config
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which PyYAML silently resolves to the last."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"duplicate key {key_node.value!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _build(cls: type[T], data: object, prefix: str) -> T:
+    """An instance of the dataclass `cls` from a mapping whose keys sit under `prefix`."""
+    if data is None:
+        data = {}  # `kv_cache:` with every child commented out
+    if not isinstance(data, Mapping):
+        where = prefix.rstrip(".") or "the config"
+        raise ConfigError(f"{where} must be a mapping of keys, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            known = ", ".join(fields)
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; known keys: {known}")
+    values = {
+        name: _field_value(hints[name], value, fields[name].metadata, f"{prefix}{name}")
+        for name, value in data.items()
+    }
+    built = cls(**values)
+    validate = getattr(built, "_validate", None)
+    if validate is not None:
+        validate(prefix)
+    return built
+
+
+def _field_value(hint: Any, value: object, metadata: Mapping[str, Any], key: str) -> object:
+    parse = metadata.get("parse")
+    if value is not None and parse is not None:
+        return parse(value, key)
+    typed = _typed(hint, value, key)
+    check = metadata.get("check")
+    if typed is not None and check is not None and not check(typed):
+        # The value as written (-1, not the widened -1.0), so the user finds it in the file.
+        raise ConfigError(f"{key}={value!r} is out of range: allowed {metadata['allowed']}")
+    return typed
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _typed(hint: Any, value: object, key: str, optional: bool = False) -> object:
+    """`value` if it has the annotated type (ints widen to float, bools never count as ints)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = next(a for a in typing.get_args(hint) if a is not type(None))
+        return _typed(inner, value, key, optional=True)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if any(type(value) is type(c) and value == c for c in choices):
+            return value
+        allowed = ", ".join(str(c) for c in choices) + (" or null" if optional else "")
+        raise ConfigError(f"{key}={value!r} is out of range: allowed one of {allowed}")
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{key}.")
+    if hint is float and type(value) is int:
+        return float(value)
+    if type(value) is hint:
+        return value
+    expected = _TYPE_NAMES.get(hint, str(hint)) + (" or null" if optional else "")
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
