@@ -1,7 +1,10 @@
 """The gateway process: grpc.aio server with GenerationService, health, reflection and a
-Prometheus endpoint, over a Backend (EngineBackend in this single-process build).
+Prometheus endpoint, over a Backend: EngineBackend (the model in this process) or, with
+--upstream, ProxyBackend (forwards to a daemon serving the same API, e.g. the CPU daemon).
 
     python -m hybridgen.gateway.server --model tiny-llama --port 50051
+    python -m hybridgen.gateway.server --model tiny-llama --listen unix:/run/hybridgen/cpu.sock
+    python -m hybridgen.gateway.server --upstream unix:/run/hybridgen/cpu.sock --port 50051
 
 Start-up order: the port opens first with health NOT_SERVING (clients see UNAVAILABLE while
 the model loads), then the backend loads and health turns SERVING. SIGTERM/SIGINT drain:
@@ -13,7 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
+import socket
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -26,6 +32,7 @@ from hybridgen import log as hlog
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gateway.backend import Backend, EngineBackend
 from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.gateway.service import SERVICE_NAME, GenerationService, add_to_server
 
 log = structlog.get_logger()
@@ -33,7 +40,11 @@ log = structlog.get_logger()
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # How often the health status follows backend.ready() (a dead backend turns NOT_SERVING).
-_HEALTH_POLL_S = 1.0
+# Matches ProxyBackend's upstream poll, so that the gateway's health follows a daemon's
+# within about half a second.
+_HEALTH_POLL_S = 0.25
+# A unix socket's mode: owner and group (the other daemons' service group) may connect.
+_UNIX_SOCKET_MODE = 0o660
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,13 @@ class ServerConfig:
     """A ping unanswered this long closes the connection."""
     grace_s: float = 10.0
     """On shutdown, how long running streams may finish before they are cancelled."""
+    listen: str | None = None
+    """gRPC address, host:port or unix:/path; None listens on host:port."""
+
+    @property
+    def address(self) -> str:
+        """The gRPC address to bind."""
+        return self.listen if self.listen is not None else f"{self.host}:{self.port}"
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -82,7 +100,9 @@ class Gateway:
     health: health.aio.HealthServicer
     """grpc.health.v1 servicer."""
     port: int
-    """The bound gRPC port."""
+    """The bound gRPC port (not meaningful for a unix socket)."""
+    address: str
+    """The bound address, host:port or unix:/path."""
 
 
 async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gateway:
@@ -95,9 +115,43 @@ async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gat
     await _set_health(health_servicer, _NOT_SERVING)
     names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    path = unix_path(config.address)
+    if path is not None:
+        remove_stale_socket(path)
+    port = server.add_insecure_port(config.address)
+    if path is not None:
+        os.chmod(path, _UNIX_SOCKET_MODE)  # bound above: the file exists now
+        address = config.address
+    else:
+        address = f"{config.address.rsplit(':', 1)[0]}:{port}"
     metrics.queue_depth.set_function(backend.queue_depth)
-    return Gateway(server, service, health_servicer, port)
+    return Gateway(server, service, health_servicer, port, address)
+
+
+def unix_path(address: str) -> str | None:
+    """The socket path of a unix:PATH or unix://PATH address; None for host:port."""
+    if address.startswith("unix://"):
+        return address.removeprefix("unix://")
+    if address.startswith("unix:"):
+        return address.removeprefix("unix:")
+    return None
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove a socket file left by a dead server; refuse a live one or a non-socket file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise RuntimeError(f"{path} exists and is not a socket; refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: stale
+            return
+    raise RuntimeError(f"{path} is in use by a running server")
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
@@ -105,9 +159,9 @@ async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
         await servicer.set(name, status)
 
 
-async def _follow_backend(gateway: Gateway, backend: Backend) -> None:
-    """Keep health in step with the backend: NOT_SERVING once it dies or drains."""
-    current = _SERVING
+async def _follow_backend(gateway: Gateway, backend: Backend, serving: bool) -> None:
+    """Keep health in step with the backend: NOT_SERVING while it is dead, down or draining."""
+    current = _SERVING if serving else _NOT_SERVING
     while True:
         await asyncio.sleep(_HEALTH_POLL_S)
         wanted = _SERVING if backend.ready() and not gateway.service.draining else _NOT_SERVING
@@ -122,9 +176,13 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
     sets its own gauges."""
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
-    gateway = await build(backend, config, metrics)
+    try:
+        gateway = await build(backend, config, metrics)
+    except (RuntimeError, OSError) as exc:  # address in use, stale-socket refusal
+        log.error("cannot_listen", address=config.address, error=str(exc))
+        raise
     await gateway.server.start()
-    log.info("gateway_listening", host=config.host, port=gateway.port, metrics=config.metrics_port)
+    log.info("gateway_listening", address=gateway.address, metrics=config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -135,9 +193,11 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
         log.exception("backend_failed_to_start")
         await gateway.server.stop(0)
         raise
-    await _set_health(gateway.health, _SERVING)
-    log.info("gateway_serving", port=gateway.port)
-    watcher = asyncio.create_task(_follow_backend(gateway, backend))
+    # A proxy's upstream may not be up yet; the watcher turns health SERVING when it is.
+    serving = backend.ready()
+    await _set_health(gateway.health, _SERVING if serving else _NOT_SERVING)
+    log.info("gateway_serving" if serving else "gateway_waiting", address=gateway.address)
+    watcher = asyncio.create_task(_follow_backend(gateway, backend, serving))
     await stop.wait()
     log.info("gateway_draining", grace_s=config.grace_s)
     gateway.service.draining = True
@@ -145,6 +205,10 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
     await _set_health(gateway.health, _NOT_SERVING)
     await gateway.server.stop(config.grace_s)
     await backend.stop()
+    path = unix_path(gateway.address)
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     log.info("gateway_stopped")
 
 
@@ -153,6 +217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny-llama", help="checkpoint directory or preset name")
     p.add_argument("--host", default=ServerConfig.host)
     p.add_argument("--port", type=int, default=ServerConfig.port)
+    p.add_argument("--listen", default=None, help="host:port or unix:/path (default: HOST:PORT)")
+    p.add_argument(
+        "--upstream",
+        default=None,
+        help="forward to the GenerationService at this address (e.g. unix:/path/cpu.sock) "
+        "instead of loading --model here",
+    )
     p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="0: off")
     p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -165,12 +236,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    hlog.configure(json=not args.log_console)
-    if args.max_queue < 1:
-        log.error("bad_argument", key="max_queue", value=args.max_queue, allowed=">= 1")
-        return 2
+def _backend(args: argparse.Namespace, metrics: Metrics) -> Backend | None:
+    """ProxyBackend for --upstream, else EngineBackend; None (logged) for bad engine flags."""
+    if args.upstream is not None:
+        return ProxyBackend(args.upstream, metrics)
     try:
         engine = EngineConfig(
             model=args.model,
@@ -184,14 +253,30 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ConfigError as exc:
         log.error("bad_argument", error=str(exc))
+        return None
+    return EngineBackend(engine, metrics)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hlog.configure(json=not args.log_console)
+    if args.max_queue < 1:
+        log.error("bad_argument", key="max_queue", value=args.max_queue, allowed=">= 1")
+        return 2
+    metrics = Metrics()
+    backend = _backend(args, metrics)
+    if backend is None:
         return 2
     server = ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, max_queue=args.max_queue
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        max_queue=args.max_queue,
+        listen=args.listen,
     )
-    metrics = Metrics()
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            asyncio.run(serve(EngineBackend(engine, metrics), server, metrics))
+            asyncio.run(serve(backend, server, metrics))
         except Exception:
             return 1  # already logged with its traceback
     return 0

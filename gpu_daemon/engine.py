@@ -35,19 +35,14 @@ from hybridgen.gpu_daemon.model_runner import (
 )
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
+
+# InvalidRequest lives with the checks; importers keep finding it here.
+from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.models.rope import max_model_len as model_max_len
 from hybridgen.sampling.params import SamplingParams
 
 log = structlog.get_logger()
-
-
-class InvalidRequest(ValueError):
-    """A request field is out of range; the message names the field and the allowed range."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass
@@ -144,8 +139,12 @@ class Engine:
         """Fit the longest context the budget allows (or fail naming what to change)."""
         c, spec = self.config, self.spec
         length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
-        if c.num_kv_blocks is not None and c.max_model_len is None:
-            length = min(length, c.num_kv_blocks * c.block_size)
+        blocks = c.num_kv_blocks
+        if blocks is None and c.kv_pool_mb is not None:
+            block_bytes = spec.kv_bytes_per_token() * c.block_size
+            blocks = max(1, int(c.kv_pool_mb * MIB) // block_bytes)
+        if blocks is not None and c.max_model_len is None:
+            length = min(length, blocks * c.block_size)
         weights, budget = _weight_bytes(self.loaded.model), self._budget_bytes()
         measured = None
         if self.device.type == "cuda":
@@ -169,7 +168,7 @@ class Engine:
             )
             try:
                 plan = plan_memory(
-                    spec, weights, work, budget, c.block_size, spec.dtype, length, c.num_kv_blocks
+                    spec, weights, work, budget, c.block_size, spec.dtype, length, blocks
                 )
                 return plan, length
             except BudgetTooSmall:
@@ -183,26 +182,7 @@ class Engine:
                 )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.spec.vocab_size
-        if not prompt_ids:
-            raise InvalidRequest("prompt", "is empty: give at least one token")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                "prompt",
-                f"has {len(prompt_ids)} tokens; the context allows at most "
-                f"{self.max_model_len - 1} so that one token can be generated",
-            )
-        params.validate(vocab, self.max_model_len)
-        room = self.max_model_len - len(prompt_ids)
-        if params.max_tokens > room:
-            raise InvalidRequest(
-                "max_tokens",
-                f"{params.max_tokens} is beyond the context: the prompt has "
-                f"{len(prompt_ids)} tokens, so allowed 1 <= max_tokens <= {room}",
-            )
+        validate_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if request_id in self.seqs:

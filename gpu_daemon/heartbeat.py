@@ -10,7 +10,7 @@ request is aborted and the loop exits non-zero so that systemd restarts both.
 
 from __future__ import annotations
 
-import os
+import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,8 +19,10 @@ import structlog
 
 from hybridgen import sd_notify
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
+from hybridgen.gpu_daemon.info import engine_info
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
 from hybridgen.ipc.messages import StepResult, decode_new_seq, encode_step_result
+from hybridgen.ipc.peer import PeerWatch
 from hybridgen.ipc.ticket import Op, Ticket
 from hybridgen.sampling.params import InvalidSamplingParameter
 
@@ -43,16 +45,6 @@ class HeartbeatStats:
     """Idle wake-up lateness past the period, for the heartbeat-jitter metric."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class GpuHeartbeat:
     def __init__(
         self,
@@ -62,12 +54,15 @@ class GpuHeartbeat:
         peer_timeout_s: float = 2.0,
     ) -> None:
         self.engine, self.ch = engine, channels
-        self.period, self.peer_timeout = period_s, peer_timeout_s
+        self.period = period_s
         self.stats = HeartbeatStats()
-        self.outbox: deque[StepResult] = deque()
+        # Messages to the CPU daemon, in order: (op, request id, payload, flags, shape). The
+        # arena is FIFO, so a payload is placed only when it is next in line for the ring.
+        self.outbox: deque[tuple[Op, int, bytes, int, tuple[int, int, int, int]]] = deque()
         self.placed: Ticket | None = None  # head of the outbox, payload already in the arena
         self.stopping = False
-        self._peer_beat, self._peer_seen = -1, time.monotonic()
+        self._peer = PeerWatch(channels.c2g, "CPU daemon", peer_timeout_s)
+        self._attached = False
         self._last_tick = time.monotonic()
         self._watchdog = sd_notify.watchdog_interval_s()
         self._last_ping = 0.0
@@ -91,7 +86,7 @@ class GpuHeartbeat:
             self._handle(ticket)
         if self.engine.has_unfinished():
             for out in self.engine.step():
-                self.outbox.append(_result(out))
+                self._send_result(_result(out))
             self.stats.steps += 1
         self._flush()
         self._beat()
@@ -106,27 +101,30 @@ class GpuHeartbeat:
             try:
                 self.engine.add_request(str(rid), prompt, params)
             except (InvalidRequest, InvalidSamplingParameter) as e:
-                self.outbox.append(StepResult(rid, [], None, None, len(prompt), 0, str(e)))
+                self._send_result(StepResult(rid, [], None, None, len(prompt), 0, str(e)))
         elif ticket.op is Op.ABORT:
             self.engine.abort(str(rid))
+        elif ticket.op is Op.STATS:
+            info = dict(
+                engine_info(self.engine),
+                kv_blocks_used=self.engine.pool.num_used,
+                running_requests=len(self.engine.seqs),
+            )
+            self.outbox.append((Op.STATS, 0, json.dumps(info).encode(), 0, (0, 0, 0, 0)))
         elif ticket.op is Op.SHUTDOWN:
             self.stopping = True
         else:
             log.warning("unexpected_ticket", op=ticket.op.name, request_id=rid)
 
+    def _send_result(self, result: StepResult) -> None:
+        payload, flags, shape = encode_step_result(result)
+        self.outbox.append((Op.STEP_RESULT, result.request_id, payload, flags, shape))
+
     def _flush(self) -> None:
-        """Send queued results in order until the ring or the arena is full."""
+        """Send queued messages in order until the ring or the arena is full."""
         while self.outbox:
             if self.placed is None:
-                payload, flags, shape = encode_step_result(self.outbox[0])
-                self.placed = make_ticket(
-                    self.ch.g2c_meta,
-                    Op.STEP_RESULT,
-                    self.outbox[0].request_id,
-                    payload,
-                    flags,
-                    shape,
-                )
+                self.placed = make_ticket(self.ch.g2c_meta, *self.outbox[0])
             if self.placed is None or not self.ch.g2c.try_put(self.placed):
                 self._backpressure("g2c full" if self.placed else "g2c arena full")
                 return
@@ -150,19 +148,17 @@ class GpuHeartbeat:
             self._last_ping = now
 
     def _peer_alive(self) -> bool:
-        pid, beat, now = self.ch.c2g.producer_pid(), self.ch.c2g.peer_heartbeat(), time.monotonic()
-        if pid == 0:
-            return True  # no CPU daemon attached yet
-        if beat != self._peer_beat:
-            self._peer_beat, self._peer_seen = beat, now
-        dead = not _alive(pid) or now - self._peer_seen > self.peer_timeout
-        if dead:
-            log.error(
-                "peer_dead", peer="cpu_daemon", pid=pid, silent_s=round(now - self._peer_seen, 2)
-            )
+        """False when the CPU daemon died. When it detached cleanly, its requests are
+        aborted (nobody will read their results) and the loop waits for the next one."""
+        reason = self._peer.dead()
+        attached = self.ch.c2g.producer_pid() != 0
+        if reason is not None or (self._attached and not attached):
+            if reason is not None:
+                log.error("peer_dead", peer="cpu_daemon", reason=reason)
             for rid in list(self.engine.seqs):
                 self.engine.abort(rid)
-        return not dead
+        self._attached = attached
+        return reason is None
 
 
 def _result(out: RequestOutput) -> StepResult:

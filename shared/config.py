@@ -114,8 +114,9 @@ class DeviceTopology:
 class KvCacheConfig:
     """KV tiers: Hot on the GPU, Warm compressed in host shm, Cold aged out of Warm."""
 
-    hot_region_mb: int | None = _at_least(None, 1)
-    """GPU memory for Hot-KV blocks; null: what the GPU budget leaves after weights."""
+    hot_region_mb: float | None = _checked(None, *_POSITIVE)
+    """GPU memory for Hot-KV blocks (fractions allowed); null: what the GPU budget leaves
+    after weights and workspace."""
     warm_region_mb: int | None = _at_least(None, 0)
     """Host shm for Warm-KV blocks after compression; null: derived from the model; 0: none."""
     cold_threshold_ms: int = _at_least(150, 1)
@@ -255,7 +256,7 @@ class HybridGenConfig:
         hot, budget = self.kv_cache.hot_region_mb, self.device_topology.gpu.memory_mb
         if hot is not None and budget is not None and hot > budget:
             raise ConfigError(
-                f"kv_cache.hot_region_mb={hot} is out of range: "
+                f"kv_cache.hot_region_mb={hot:g} is out of range: "
                 f"allowed <= device_topology.gpu.memory_mb ({budget})"
             )
         if self.mode == "pure_gpu":
@@ -280,6 +281,7 @@ class HybridGenConfig:
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=m.max_num_batched_tokens,
             max_model_len=m.max_model_len,
+            kv_pool_mb=self.kv_cache.hot_region_mb,
             seed=m.seed,
         )
 

@@ -44,6 +44,9 @@ class EngineConfig:
     """Tokens per step; longer prompts are prefilled in chunks."""
     num_kv_blocks: int | None = None
     """Use exactly this many KV blocks instead of all the budget leaves (must still fit)."""
+    kv_pool_mb: float | None = None
+    """Size the KV pool to this many MiB instead of all the budget leaves (kv_cache.
+    hot_region_mb; must still fit); ignored when num_kv_blocks is set."""
     max_model_len: int | None = None
     """Longest sequence; None: the model's, capped by what the KV pool can hold."""
     cuda_graphs: bool = True
@@ -90,6 +93,7 @@ class EngineConfig:
             self.num_kv_blocks,
             ">= 1",
         )
+        _check(self.kv_pool_mb is None or self.kv_pool_mb > 0, "kv_pool_mb", self.kv_pool_mb, "> 0")
         _check(
             self.max_model_len is None or self.max_model_len >= 16,
             "max_model_len",

@@ -177,7 +177,7 @@ def test_unknown_key_suggests_the_close_one() -> None:
         ("device_topology.gpu.bandwidth_gbps", 0, "> 0"),
         ("device_topology.cpu.memory_mb", 0, ">= 64"),
         ("device_topology.cpu.bandwidth_gbps", -5.0, "> 0"),
-        ("kv_cache.hot_region_mb", -3, ">= 1"),
+        ("kv_cache.hot_region_mb", -3, "> 0"),
         ("kv_cache.warm_region_mb", -1, ">= 0"),
         ("kv_cache.cold_threshold_ms", 0, ">= 1"),
         ("kv_cache.hot_codec", "fp8", "one of native, int8, int4"),
@@ -222,7 +222,7 @@ def test_out_of_range_names_dotted_key(dotted: str, value: object, allowed: str)
     [
         ("device_topology.gpu.id", "0", "an integer"),
         ("device_topology.gpu.memory_mb", 24576.0, "an integer or null"),
-        ("kv_cache.hot_region_mb", True, "an integer or null"),
+        ("kv_cache.hot_region_mb", True, "a number or null"),
         ("kv_cache.cold_threshold_ms", None, "an integer"),
         ("offload_threshold.softmax", "high", "a number"),
         ("dynamic_tuning.enable", "yes please", "true or false"),
@@ -288,7 +288,7 @@ def test_load_errors_name_file_and_key(tmp_path: Path) -> None:
     path.write_text("kv_cache:\n  hot_region_mb: -3\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == f"{path}: kv_cache.hot_region_mb=-3 is out of range: allowed >= 1"
+    assert str(err.value) == f"{path}: kv_cache.hot_region_mb=-3 is out of range: allowed > 0"
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")
 
@@ -330,6 +330,7 @@ def test_engine_config_mapping() -> None:
         max_num_seqs=8,
         max_num_batched_tokens=512,
         max_model_len=8192,
+        kv_pool_mb=4096,
         seed=7,
     )
     assert config.engine_config("cuda").device == "cuda:1"

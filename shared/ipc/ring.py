@@ -260,6 +260,13 @@ class Ring:
         self._words[_HEARTBEAT_W] = beat
         return int(beat)
 
+    def release_producer(self) -> None:
+        """Producer: detach cleanly; the consumer then sees no peer (pid 0) instead of a
+        dead one, and a later producer resumes from the shared head."""
+        if self._head is not None and self._words[_PRODUCER_PID_W] == self._pid:
+            self._words[_PRODUCER_PID_W] = 0
+        self._head = None
+
     # ---- consumer side -------------------------------------------------------------------
 
     def get(self, timeout: float) -> Ticket | None:

@@ -157,6 +157,14 @@ def copy_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         raise ModelLoadError(f"{source}: checkpoint lacks tensors for {missing[:5]}")
 
 
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of a checkpoint directory, or the byte-level one of a preset."""
+    path = Path(model)
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    return Tokenizer.synthetic(preset_spec(model).vocab_size)
+
+
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0
 ) -> LoadedModel:
@@ -164,7 +172,7 @@ def load_model(
     path = Path(model)
     if path.is_dir():
         spec = parse_config(path / "config.json")
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = load_tokenizer(model)
         dtype = dtype or spec.dtype
         spec = replace(spec, dtype=dtype)
         net = empty_model(spec, device)
@@ -175,6 +183,6 @@ def load_model(
         dtype = dtype or (spec.dtype if device.type == "cuda" else torch.float32)
         spec = replace(spec, dtype=dtype)
         net = build_synthetic(spec, device, seed)
-        tokenizer = Tokenizer.synthetic(spec.vocab_size)
+        tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
     return LoadedModel(net.eval(), spec, tokenizer, generation)

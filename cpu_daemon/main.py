@@ -1,0 +1,95 @@
+"""Entry point of the CPU daemon (systemd unit hybridgen-cpu.service).
+
+    python -m hybridgen.cpu_daemon.main --config C [--model M] [--instance I] --listen unix:PATH
+
+Attaches to the GPU daemon's rings, serves the public GenerationService to the gateway over
+a unix socket (detokenization, stop strings and streaming happen here), and tells systemd
+READY once the GPU daemon has reported its model. If the GPU daemon dies, in-flight
+requests end with UNAVAILABLE and the process exits non-zero so that it is restarted with
+its peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+
+import structlog
+
+from hybridgen import log as hlog
+from hybridgen.config import ConfigError, load_config
+from hybridgen.cpu_daemon.ring_backend import RingBackend
+from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.server import ServerConfig, serve
+from hybridgen.ipc.channels import Channels
+from hybridgen.models.loader import load_tokenizer
+
+log = structlog.get_logger()
+
+PEER_DEAD = 3
+"""Exit status when the GPU daemon died: systemd (or `hybridgen serve`) restarts the pair."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="HybridGen CPU daemon")
+    ap.add_argument("--config", default=None, help="hybridgen_config.yaml (default: built-in)")
+    ap.add_argument("--model", default=None, help="override model.name_or_path")
+    ap.add_argument("--instance", default=None, help="override server.instance")
+    ap.add_argument(
+        "--listen",
+        default=None,
+        help="unix:PATH for the gateway (default: <server.runtime_dir>/cpu.sock)",
+    )
+    ap.add_argument(
+        "--attach-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the GPU daemon's rings",
+    )
+    return ap.parse_args(argv)
+
+
+async def run(backend: RingBackend, listen: str, max_queue: int) -> int:
+    async def watch_peer() -> None:
+        while backend.dead is None:
+            await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # drain and stop: the streams already failed
+
+    watcher = asyncio.create_task(watch_peer())
+    config = ServerConfig(listen=listen, metrics_port=0, max_queue=max_queue, grace_s=2.0)
+    await serve(backend, config, Metrics())
+    watcher.cancel()
+    return PEER_DEAD if backend.dead is not None else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hlog.configure(json=True)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"hybridgen-cpu: {e}", file=sys.stderr)
+        return 2
+    model = args.model or config.model.name_or_path
+    if args.model:
+        config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, name_or_path=args.model)
+        )
+    instance = args.instance or config.server.instance
+    listen = args.listen or f"unix:{config.server.runtime_dir}/cpu.sock"
+    structlog.contextvars.bind_contextvars(process="cpu_daemon", instance=instance)
+    tokenizer = load_tokenizer(model)
+    channels = Channels.attach(instance, wait=args.attach_timeout)
+    try:
+        backend = RingBackend(channels, tokenizer)
+        return asyncio.run(run(backend, listen, config.server.max_queue))
+    finally:
+        channels.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

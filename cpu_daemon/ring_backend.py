@@ -1,0 +1,188 @@
+"""The CPU daemon's side of a request: the gateway's `Backend`, served over the rings.
+
+    generate()  -> NEW_SEQ (prompt ids + sampling params, through the c2g arena)
+    heartbeat   -> STEP_RESULT tickets -> the request's asyncio.Queue (call_soon_threadsafe)
+    generate()  -> incremental detokenization and stop strings (TextStream) -> Delta
+    a stop string, a cancel or a closed stream -> ABORT: the GPU daemon frees the KV at once
+
+The GPU daemon owns the model; this side holds only the tokenizer and the model facts the
+GPU daemon reports (STATS) once it is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import structlog
+
+from hybridgen import sd_notify
+from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
+from hybridgen.gateway.backend import BackendUnavailable, Delta, EngineBackend
+from hybridgen.gateway.text import TextStream
+from hybridgen.gpu_daemon.engine import RequestOutput
+from hybridgen.gpu_daemon.sequence import FinishReason
+from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.ipc.channels import Channels
+from hybridgen.ipc.messages import StepResult, encode_new_seq
+from hybridgen.ipc.ticket import Op
+from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.sampling.params import SamplingParams
+
+log = structlog.get_logger()
+
+
+def _as_output(r: StepResult) -> RequestOutput:
+    reason = FinishReason(r.finish_reason) if r.finish_reason else None
+    return RequestOutput(
+        str(r.request_id),
+        r.token_ids,
+        reason is not None,
+        reason,
+        r.logprobs,
+        None,
+        r.prompt_tokens,
+        r.output_tokens,
+    )
+
+
+class RingBackend:
+    """Backend whose engine is the GPU daemon on the other end of the rings."""
+
+    def __init__(self, channels: Channels, tokenizer: Tokenizer) -> None:
+        self._ch, self._tokenizer = channels, tokenizer
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._heartbeat: CpuHeartbeat | None = None
+        self._info: dict[str, Any] = {}
+        self._info_ready = asyncio.Event()
+        self._info_fresh = asyncio.Event()
+        self._queues: dict[int, asyncio.Queue[StepResult | BaseException]] = {}
+        self._ids = itertools.count(1)
+        self._dead: str | None = None
+        self._waiting = 0
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._heartbeat = CpuHeartbeat(
+            self._ch, self._post_result, self._post_info, self._post_dead
+        )
+        self._heartbeat.start()
+        self._heartbeat.send(Op.STATS, 0)
+        await self._info_ready.wait()
+        sd_notify.ready(f"serving {self._info.get('model')}")
+
+    async def stop(self) -> None:
+        if self._heartbeat is not None:
+            await asyncio.to_thread(self._heartbeat.stop)
+
+    def ready(self) -> bool:
+        return self._info_ready.is_set() and self._dead is None
+
+    @property
+    def dead(self) -> str | None:
+        """Why the GPU daemon is considered dead, or None while it is alive."""
+        return self._dead
+
+    async def model_info(self) -> dict[str, Any]:
+        """Fresh pool figures from the GPU daemon (within 1 s, else the last known)."""
+        self._check_alive()
+        assert self._heartbeat is not None
+        self._info_fresh.clear()
+        self._heartbeat.send(Op.STATS, 0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._info_fresh.wait(), timeout=1.0)
+        return {**self._info, "queued_requests": self._waiting}
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._check_alive()
+        validate_request(
+            list(prompt_ids), params, self._info["vocab_size"], self._info["max_model_len"]
+        )
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
+    ) -> AsyncIterator[Delta]:
+        self._check_alive()
+        assert self._heartbeat is not None
+        rid = next(self._ids)
+        q: asyncio.Queue[StepResult | BaseException] = asyncio.Queue()
+        self._queues[rid] = q
+        text = TextStream(self._tokenizer, prompt_ids, stop)
+        self._waiting += 1
+        started = done = False
+        payload = encode_new_seq(list(prompt_ids), params)
+        self._heartbeat.send(Op.NEW_SEQ, rid, payload, (len(prompt_ids), 0, 0, 0))
+        try:
+            while not done:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.error is not None:
+                    done = True
+                    field, _, message = item.error.partition(": ")
+                    raise InvalidRequest(field, message)
+                if not started:
+                    started = True
+                    self._waiting -= 1
+                done = item.finish_reason is not None
+                delta = EngineBackend._delta(_as_output(item), text)
+                yield delta
+                if delta.finished:
+                    break
+        finally:
+            if not started:
+                self._waiting -= 1
+            self._queues.pop(rid, None)
+            if not done and self._dead is None:
+                self._heartbeat.send(Op.ABORT, rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Requests are aborted by closing their stream (generate's finally)."""
+
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise BackendUnavailable(f"the GPU daemon is unavailable: {self._dead}")
+        if not self._info_ready.is_set():
+            raise BackendUnavailable("the model is loading")
+
+    # -- called on the heartbeat thread -------------------------------------------------
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _post_result(self, result: StepResult) -> None:
+        self._call(self._deliver, result)
+
+    def _deliver(self, result: StepResult) -> None:
+        q = self._queues.get(result.request_id)
+        if q is not None:  # a result for a request that was already cancelled is dropped
+            q.put_nowait(result)
+
+    def _post_info(self, info: dict[str, Any]) -> None:
+        def apply() -> None:
+            self._info = info
+            self._info_ready.set()
+            self._info_fresh.set()
+
+        self._call(apply)
+
+    def _post_dead(self, reason: str) -> None:
+        def apply() -> None:
+            log.error("gpu_daemon_dead", reason=reason)
+            self._dead = reason
+            for q in self._queues.values():
+                q.put_nowait(BackendUnavailable(f"the GPU daemon died: {reason}"))
+
+        self._call(apply)

@@ -1,0 +1,352 @@
+"""The `hybridgen` command: serve, generate, config-check.
+
+    hybridgen serve [--model PATH|PRESET] [--config hybridgen_config.yaml] [--port N]
+    hybridgen generate "Hello" [--port 50051] [--max-tokens 64] [--temperature 0.7]
+    hybridgen config-check hybridgen_config.yaml
+
+Heavy imports (torch through the config schema, grpc) happen inside the subcommands, so
+`--help` and `generate` start quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import re
+import socket
+import stat
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+    from hybridgen.cli.supervisor import ChildSpec
+    from hybridgen.config import HybridGenConfig
+
+__all__ = ["main", "runtime_dir"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+_SERVICE = "hybridgen.v1.GenerationService"
+
+
+def _err(message: str) -> None:
+    print(f"hybridgen: {message}", file=sys.stderr, flush=True)
+
+
+# -- config-check -----------------------------------------------------------------------------
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from hybridgen.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    print(f"OK: {args.file} (model {config.model.name_or_path}, instance {config.server.instance})")
+    return EXIT_OK
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def runtime_dir(configured: str, instance: str) -> Path:
+    """The per-instance folder of sockets and logs: the configured runtime_dir if we may write
+    there (systemd creates /run/hybridgen), else $XDG_RUNTIME_DIR/hybridgen, else /tmp."""
+    bases = [Path(configured)]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        bases.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridgen")
+    bases.append(Path(f"/tmp/hybridgen-{os.getuid()}"))
+    for base in bases:
+        path = base / instance
+        try:
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+            st = path.lstat()
+        except OSError:
+            continue
+        # In a shared /tmp, someone else's folder (or a planted symlink) must not be used.
+        mine = st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode)  # lstat: no symlink
+        if mine and os.access(path, os.W_OK | os.X_OK):
+            return path
+    raise OSError(f"no writable runtime folder among {[str(b) for b in bases]}")
+
+
+def _unix_probe(path: Path) -> Callable[[], bool]:
+    def probe() -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(0.5)
+            s.connect(str(path))
+        return True
+
+    return probe
+
+
+def _health_probe(host: str, port: int) -> Callable[[], bool]:
+    """SERVING from grpc.health.v1 for GenerationService; one channel kept across polls."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel: list[grpc.Channel] = []
+
+    def probe() -> bool:
+        if not channel:
+            channel.append(grpc.insecure_channel(f"{_connect_host(host)}:{port}"))
+        stub = health_pb2_grpc.HealthStub(channel[0])
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=_SERVICE), timeout=0.5)
+        serving = bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        if serving:
+            channel.pop().close()
+        return serving
+
+    return probe
+
+
+def _connect_host(host: str) -> str:
+    """Where a local client reaches a server bound to `host` (wildcards mean loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+
+
+def child_specs(config: HybridGenConfig, args: argparse.Namespace, rt: Path) -> list[ChildSpec]:
+    """The three processes of one instance, in start order."""
+    from hybridgen.cli.supervisor import ChildSpec
+
+    py = sys.executable
+    common = ["--model", args.model, "--instance", args.instance]
+    if args.config is not None:
+        common += ["--config", str(args.config)]
+    cpu_sock = rt / "cpu.sock"
+    srv = config.server
+    gateway = [
+        *(py, "-m", "hybridgen.gateway.server", "--upstream", f"unix:{cpu_sock}"),
+        *("--host", srv.host, "--port", str(args.port)),
+        *("--metrics-port", str(srv.metrics_port), "--max-queue", str(srv.max_queue)),
+    ]
+    return [
+        ChildSpec(
+            "gpu",
+            (py, "-m", "hybridgen.gpu_daemon.main", *common, "--device", args.device),
+            log_path=rt / "gpu.log",
+        ),
+        ChildSpec(
+            "cpu",
+            (py, "-m", "hybridgen.cpu_daemon.main", *common, "--listen", f"unix:{cpu_sock}"),
+            depends_on=("gpu",),  # the GPU daemon re-creates the rings the CPU daemon maps
+            probe=_unix_probe(cpu_sock),
+            log_path=rt / "cpu.log",
+        ),
+        # Not restarted with the CPU daemon: its channel to cpu.sock reconnects by itself and
+        # clients meanwhile get UNAVAILABLE instead of a refused public port.
+        ChildSpec(
+            "gateway",
+            tuple(gateway),
+            probe=_health_probe(srv.host, args.port),
+            log_path=rt / "gateway.log",
+        ),
+    ]
+
+
+def _lock_instance(rt: Path, instance: str) -> IO[bytes] | None:
+    """An exclusive lock held while serving: two supervisors would share one set of rings."""
+    f = open(rt / "serve.lock", "ab")  # noqa: SIM115 - held open for the life of the process
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        _err(f"instance '{instance}' is already being served ({rt}); pick another --instance")
+        return None
+    return f
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridgen.cli.supervisor import Policy, Supervisor
+    from hybridgen.config import ConfigError, load_config
+    from hybridgen.ipc.shm import unlink_all
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    args.model = args.model or config.model.name_or_path
+    args.instance = args.instance or config.server.instance
+    args.port = args.port if args.port is not None else config.server.port
+    # Checked here, not by a daemon: the name also becomes a folder and /dev/shm names.
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", args.instance) or not 0 < args.port < 65536:
+        _err(f"--instance {args.instance!r} (1-32 of [A-Za-z0-9_-]) or --port {args.port} bad")
+        return EXIT_USAGE
+    try:
+        rt = runtime_dir(config.server.runtime_dir, args.instance)
+    except OSError as exc:
+        _err(str(exc))
+        return EXIT_FAILURE
+    lock = _lock_instance(rt, args.instance)
+    if lock is None:
+        return EXIT_USAGE
+    host = _connect_host(config.server.host)
+
+    announced: list[bool] = []
+
+    def announce() -> None:
+        if announced:  # every child is ready again after a restart
+            print(f"HybridGen is serving again on {host}:{args.port}", flush=True)
+            return
+        announced.append(True)
+        metrics = config.server.metrics_port
+        print(f"HybridGen is serving {args.model} on {host}:{args.port}", flush=True)
+        if metrics:
+            print(f"  metrics: http://{host}:{metrics}/metrics", flush=True)
+        print(f'  try: hybridgen generate --port {args.port} "Hello"   (Ctrl-C stops)', flush=True)
+
+    _err(f"instance {args.instance}: model {args.model}, runtime folder {rt} (logs there)")
+    supervisor = Supervisor(
+        child_specs(config, args, rt),
+        rt,
+        Policy(progress_every_s=5.0),
+        report=_err,
+        on_all_ready=announce,
+    )
+    with lock:
+        status = supervisor.run()
+        # After SIGKILLs the GPU daemon could not clean up; a clean stop leaves nothing.
+        removed = unlink_all(args.instance)
+    if removed:
+        _err(f"removed {len(removed)} leftover shared-memory objects")
+    return status
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+
+def _request(args: argparse.Namespace) -> object:
+    from hybridgen.v1 import generation_pb2 as pb
+
+    sampling = pb.SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return pb.GenerateRequest(
+        request_id=f"cli-{uuid.uuid4().hex[:12]}",
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        sampling=sampling,
+        stop=args.stop,
+        # A chat template carries its own BOS; adding another one would change the output.
+        add_special_tokens=not args.chat,
+    )
+
+
+def _chat_prompt(stub: object, prompt: str) -> str:
+    """The prompt in the served model's chat template, read from its checkpoint folder."""
+    from hybridgen.models.tokenizer import Tokenizer
+    from hybridgen.v1 import generation_pb2 as pb
+
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)  # type: ignore[attr-defined]
+    if not Path(info.model).is_dir():
+        raise ValueError(
+            f"--chat needs the model's tokenizer files, but the server's model '{info.model}' "
+            "is not a folder on this machine"
+        )
+    tokenizer = Tokenizer.from_dir(info.model)
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from hybridgen.v1 import generation_pb2 as pb
+    from hybridgen.v1 import generation_pb2_grpc as pb_grpc
+
+    target = f"{_connect_host(args.host)}:{args.port}"
+    last = None
+    wrote = False
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        try:
+            if args.chat:
+                args.prompt = _chat_prompt(stub, args.prompt)
+            for last in stub.Generate(_request(args), wait_for_ready=False):
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+                wrote = wrote or bool(last.text)
+        except grpc.RpcError as exc:
+            if wrote:  # end the partial line so the error starts on its own
+                print(flush=True)
+            return _rpc_failed(exc, target)
+        except (ValueError, OSError) as exc:
+            _err(str(exc))
+            return EXIT_USAGE
+        except KeyboardInterrupt:  # leaving the stream cancels the request on the server
+            _err("cancelled")
+            return 130
+    print(flush=True)
+    if last is not None:
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        usage = last.usage
+        _err(
+            f"finish_reason={reason} prompt_tokens={usage.prompt_tokens} "
+            f"completion_tokens={usage.completion_tokens}"
+        )
+    return EXIT_OK
+
+
+def _rpc_failed(exc: grpc.RpcError, target: str) -> int:
+    import grpc
+
+    code: grpc.StatusCode = exc.code()  # type: ignore[attr-defined]
+    details: str = exc.details() or ""  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        _err(f"no HybridGen server answering at {target} ({details}); start one: hybridgen serve")
+        return EXIT_UNAVAILABLE
+    _err(f"request failed: {code.name}: {details}")
+    return EXIT_USAGE if code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILURE
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridgen", description="HybridGen LLM inference server")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="start and supervise the GPU, CPU and gateway processes")
+    serve.add_argument("--model", default=None, help="checkpoint folder or preset (config's)")
+    serve.add_argument("--config", type=Path, default=None, help="hybridgen_config.yaml")
+    serve.add_argument("--port", type=int, default=None, help="gRPC port (config: server.port)")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve.add_argument("--instance", default=None, help="name of this server (server.instance)")
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--host", default="127.0.0.1")
+    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], metavar="STR", help="repeatable")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    check = sub.add_parser("config-check", help="validate a hybridgen_config.yaml")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=cmd_config_check)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with contextlib.suppress(BrokenPipeError):  # `hybridgen generate ... | head`
+        return int(args.func(args))
+    return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

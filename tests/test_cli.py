@@ -1,0 +1,312 @@
+"""The `hybridgen` command line: the Supervisor with stand-in children, `generate` against a
+real gateway (in-process engine, tiny-llama on the CPU), `config-check` and the entry point."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hybridgen.cli.main import main, runtime_dir
+from hybridgen.cli.supervisor import ChildSpec, Policy, Supervisor
+from hybridgen.ipc.shm import list_instance
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "hybridgen.cli.main"]
+FAST = Policy(backoff_initial_s=0.05, backoff_max_s=0.2, stop_timeout_s=2.0, poll_s=0.02)
+
+# A stand-in daemon: notes its start and its SIGTERM in a shared file, says READY=1 on
+# $NOTIFY_SOCKET as the real daemons do through sd_notify, then idles.
+STAND_IN = r"""
+import os, signal, socket, sys, time
+name, events, ignore_term = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+def note(what):
+    with open(events, "a") as f:
+        f.write(f"{what} {name} {os.getpid()}\n")
+def term(*_):
+    note("stop")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else term)
+note("start")
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+    s.sendto(b"STATUS=loading\nREADY=1", os.environ["NOTIFY_SOCKET"])
+while True:
+    time.sleep(0.05)
+"""
+
+
+def stand_in(name: str, events: Path, *deps: str, ignore_term: bool = False) -> ChildSpec:
+    argv = (sys.executable, "-c", STAND_IN, name, str(events), "1" if ignore_term else "0")
+    return ChildSpec(name, argv, depends_on=deps)
+
+
+def read_events(events: Path) -> list[tuple[str, str, int]]:
+    if not events.exists():
+        return []
+    rows = [line.split() for line in events.read_text().splitlines()]
+    return [(what, name, int(pid)) for what, name, pid in rows]
+
+
+def run_supervisor(
+    specs: list[ChildSpec], rt: Path, on_ready: Callable[[Supervisor, int], None], policy: Policy
+) -> tuple[int, list[str]]:
+    """Run to the end; on_ready(sup, n) is called the n-th time every child is ready."""
+    lines: list[str] = []
+    count = [0]
+
+    def ready() -> None:
+        count[0] += 1
+        on_ready(sup, count[0])
+
+    sup = Supervisor(specs, rt, policy, report=lines.append, on_all_ready=ready)
+    # A safety net so that a broken supervisor fails the test instead of hanging it.
+    timer = threading.Timer(20.0, sup.request_stop)
+    timer.start()
+    try:
+        status = sup.run()
+    finally:
+        timer.cancel()
+    return status, lines
+
+
+def test_starts_in_order_and_stops_in_reverse_on_sigterm(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    specs = [stand_in("gpu", events), stand_in("cpu", events, "gpu"), stand_in("gw", events)]
+
+    def on_ready(sup: Supervisor, n: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the real signal, through run()'s handler
+
+    status, lines = run_supervisor(specs, tmp_path, on_ready, FAST)
+    assert status == 0
+    order = [(what, name) for what, name, _ in read_events(events)]
+    assert order == [
+        *(("start", "gpu"), ("start", "cpu"), ("start", "gw")),
+        *(("stop", "gw"), ("stop", "cpu"), ("stop", "gpu")),
+    ]
+    assert "gpu: loading" in lines
+    assert not list(tmp_path.glob("*.sock"))  # notify sockets are removed
+
+
+def test_restarts_killed_child_and_its_dependents(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    specs = [stand_in("gpu", events), stand_in("cpu", events, "gpu"), stand_in("gw", events)]
+
+    def on_ready(sup: Supervisor, n: int) -> None:
+        if n == 1:
+            gpu_pid = next(pid for what, name, pid in read_events(events) if name == "gpu")
+            os.kill(gpu_pid, signal.SIGKILL)
+        else:
+            sup.request_stop()
+
+    status, lines = run_supervisor(specs, tmp_path, on_ready, FAST)
+    assert status == 0
+    order = [(what, name) for what, name, _ in read_events(events)]
+    assert order == [
+        *(("start", "gpu"), ("start", "cpu"), ("start", "gw")),
+        ("stop", "cpu"),  # its rings are gone: stopped and started again after the GPU daemon
+        *(("start", "gpu"), ("start", "cpu")),
+        *(("stop", "gw"), ("stop", "cpu"), ("stop", "gpu")),
+    ]
+    assert any("gpu exited unexpectedly (killed by SIGKILL)" in line for line in lines)
+    assert any("restarting gpu, cpu" in line for line in lines)
+
+
+def test_gives_up_after_crash_loop(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    crasher = ChildSpec("crasher", (sys.executable, "-c", "raise SystemExit(1)"), notify=False)
+    policy = Policy(backoff_initial_s=0.01, backoff_max_s=0.05, crash_limit=3, poll_s=0.02)
+    t0 = time.monotonic()
+    status, lines = run_supervisor([stand_in("gpu", events), crasher], tmp_path, _ignore, policy)
+    assert status == 1
+    assert time.monotonic() - t0 < 10
+    assert sum(line.startswith("started crasher") for line in lines) == 4  # 1 + 3 restarts
+    assert any("crash loop" in line for line in lines)
+    assert [(w, n) for w, n, _ in read_events(events)] == [("start", "gpu"), ("stop", "gpu")]
+
+
+def test_bad_config_exit_is_not_retried_and_sigkill_after_timeout(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    stubborn = stand_in("gpu", events, ignore_term=True)
+    usage = ChildSpec("cpu", (sys.executable, "-c", "raise SystemExit(2)"), notify=False)
+    policy = Policy(stop_timeout_s=0.3, poll_s=0.02)
+    status, lines = run_supervisor([stubborn, usage], tmp_path, _ignore, policy)
+    assert status == 1
+    assert sum(line.startswith("started cpu") for line in lines) == 1
+    assert any("gpu ignored SIGTERM" in line for line in lines)
+    assert any("stopped gpu (killed by SIGKILL)" in line for line in lines)
+
+
+def _ignore(sup: Supervisor, n: int) -> None:
+    pass  # a child without notify or probe is ready once spawned, even one about to crash
+
+
+def test_dependencies_must_be_listed_first(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="depends on"):
+        Supervisor([ChildSpec("cpu", ("true",), depends_on=("gpu",))], tmp_path)
+
+
+def test_runtime_dir_falls_back_when_configured_is_not_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert runtime_dir("/proc/hybridgen", "inst") == tmp_path / "hybridgen" / "inst"
+    assert runtime_dir(str(tmp_path / "run"), "inst") == tmp_path / "run" / "inst"
+
+
+# -- generate against a real gateway ----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def gateway_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("gateway") / "server.log"
+    argv = [sys.executable, "-m", "hybridgen.gateway.server", "--model", "tiny-llama"]
+    argv += ["--port", str(port), "--metrics-port", "0", "--device", "cpu"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_serving(port, proc, log)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_serving(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"gateway exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(0.2)
+    pytest.fail(f"gateway not SERVING after 60 s:\n{log.read_text()}")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_generate_streams_text(gateway_port: int) -> None:
+    result = cli("generate", "Hello there", "--port", str(gateway_port), "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "finish_reason=length" in result.stderr
+    assert "completion_tokens=8" in result.stderr
+
+
+def test_generate_sampling_options(gateway_port: int) -> None:
+    args = ["--port", str(gateway_port), "--max-tokens", "4", "--temperature", "0.8"]
+    args += ["--top-p", "0.9", "--seed", "7", "--stop", "zz", "--stop", "yy"]
+    first, second = cli("generate", "Hi", *args), cli("generate", "Hi", *args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout  # seeded
+
+
+def test_generate_invalid_argument_names_the_field(gateway_port: int) -> None:
+    result = cli("generate", "Hello", "--port", str(gateway_port), "--top-p", "2")
+    assert result.returncode == 2
+    assert "INVALID_ARGUMENT" in result.stderr
+    assert "top_p" in result.stderr
+
+
+def test_generate_without_server() -> None:
+    result = cli("generate", "Hello", "--port", str(_free_port()))
+    assert result.returncode == 3
+    assert "no HybridGen server answering" in result.stderr
+
+
+# -- config-check and the entry point ---------------------------------------------------------
+
+
+def test_config_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("kv_cache:\n  hot_region_mb: 512\nserver:\n  port: 50052\n")
+    assert main(["config-check", str(good)]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kv_cache:\n  hot_region_mbb: 512\n")
+    assert main(["config-check", str(bad)]) == 2
+    assert "kv_cache.hot_region_mbb" in capsys.readouterr().err
+
+
+def test_serve_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server:\n  port: 0\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert "server.port" in capsys.readouterr().err
+
+
+def test_console_script_entry() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["hybridgen"] == "hybridgen.cli.main:main"
+    assert "hybridgen.cli" in project["tool"]["setuptools"]["packages"]
+    result = cli("--help")
+    assert result.returncode == 0
+    for command in ("serve", "generate", "config-check"):
+        assert command in result.stdout
+
+
+# -- serve: the three real processes --------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("hybridgen.cpu_daemon.main") is None, reason="no CPU daemon yet"
+)
+def test_serve_generate_and_clean_stop(tmp_path: Path) -> None:
+    port, instance = _free_port(), f"clitest{os.getpid()}"
+    config = tmp_path / "hybridgen_config.yaml"
+    config.write_text(
+        f"server:\n  port: {port}\n  metrics_port: 0\n  instance: {instance}\n"
+        f"  runtime_dir: {tmp_path / 'run'}\n"
+    )
+    out, err = tmp_path / "serve.out", tmp_path / "serve.err"
+    argv = [*CLI, "serve", "--config", str(config), "--device", "cpu"]
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen(argv, stdout=o, stderr=e)
+    try:
+        deadline = time.monotonic() + 90
+        while "HybridGen is serving" not in out.read_text():
+            assert proc.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.2)
+        result = cli("generate", "Hello", "--port", str(port), "--max-tokens", "4")
+        assert result.returncode == 0, result.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = err.read_text()
+    stops = [log.index(f"stopped {name}") for name in ("gateway", "cpu", "gpu")]
+    assert stops == sorted(stops), log
+    assert list_instance(instance) == []  # nothing left in /dev/shm
