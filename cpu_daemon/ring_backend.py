@@ -24,6 +24,7 @@ from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.gateway.backend import BackendUnavailable, Delta, EngineBackend
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import RequestOutput
+from hybridgen.gpu_daemon.heartbeat import p99
 from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.ipc.channels import Channels
@@ -94,7 +95,12 @@ class RingBackend:
         self._heartbeat.send(Op.STATS, 0)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._info_fresh.wait(), timeout=1.0)
-        return {**self._info, "queued_requests": self._waiting}
+        return {
+            **self._info,
+            "queued_requests": self._waiting,
+            "ring_occupancy_g2c": self._ch.g2c.occupancy() / self._ch.g2c.capacity,
+            "cpu_heartbeat_jitter_p99_ms": p99(self._heartbeat.stats.jitter_ms),
+        }
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)

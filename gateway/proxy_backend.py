@@ -314,6 +314,11 @@ class ProxyBackend:
             total = max(info["kv_blocks_total"], 1)
             self._metrics.kv_usage.labels(tier="hot").set(info["kv_blocks_used"] / total)
             self._metrics.running.set(info["running_requests"])
+            for ring in ("c2g", "g2c"):
+                self._metrics.ring_occupancy.labels(ring=ring).set(info[f"ring_occupancy_{ring}"])
+            for daemon in ("gpu", "cpu"):
+                jitter = info[f"{daemon}_heartbeat_jitter_p99_ms"] / 1e3
+                self._metrics.heartbeat_jitter.labels(daemon=daemon).set(jitter)
         return info
 
     # -- upstream health ---------------------------------------------------------------------

@@ -109,6 +109,8 @@ class GpuHeartbeat:
                 engine_info(self.engine),
                 kv_blocks_used=self.engine.pool.num_used,
                 running_requests=len(self.engine.seqs),
+                ring_occupancy_c2g=self.ch.c2g.occupancy() / self.ch.c2g.capacity,
+                gpu_heartbeat_jitter_p99_ms=p99(self.stats.jitter_ms),
             )
             self.outbox.append((Op.STATS, 0, json.dumps(info).encode(), 0, (0, 0, 0, 0)))
         elif ticket.op is Op.SHUTDOWN:
@@ -159,6 +161,14 @@ class GpuHeartbeat:
                 self.engine.abort(rid)
         self._attached = attached
         return reason is None
+
+
+def p99(samples: deque[float]) -> float:
+    """99th percentile of recent samples (0 when there are none)."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def _result(out: RequestOutput) -> StepResult:

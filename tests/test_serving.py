@@ -248,3 +248,10 @@ def test_dead_daemon_fails_streams_then_recovers(server: Server, victim: str) ->
     wait_serving(server.port, timeout=120)  # and `hybridgen serve` restarts it
     done = list(server.stub.Generate(pb.GenerateRequest(prompt="again", max_tokens=3), timeout=60))
     assert done[-1].usage.completion_tokens == 3
+
+
+def test_model_info_reports_rings_and_heartbeats(server: Server) -> None:
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert 0.0 <= info.ring_occupancy_c2g <= 1.0 and 0.0 <= info.ring_occupancy_g2c <= 1.0
+    assert info.gpu_heartbeat_jitter_p99_ms > 0.0, "an idle GPU daemon wakes every 16 ms"
+    assert info.cpu_heartbeat_jitter_p99_ms > 0.0, "the CPU daemon wakes every 2 ms"
