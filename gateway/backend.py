@@ -31,6 +31,7 @@ from hybridgen.engine_config import EngineConfig
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
+from hybridgen.gpu_daemon.info import engine_info
 from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
@@ -172,24 +173,6 @@ def _post(
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     return sink
-
-
-def _static_info(engine: Engine, config: EngineConfig) -> dict[str, Any]:
-    spec = engine.spec
-    return {
-        "model": spec.name,
-        "architecture": spec.architecture,
-        "family": spec.family,
-        "synthetic": spec.synthetic,
-        "vocab_size": spec.vocab_size,
-        "max_model_len": engine.max_model_len,
-        "dtype": str(spec.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "kv_block_size": config.block_size,
-        "kv_blocks_total": engine.plan.num_blocks,
-        "max_num_seqs": config.max_num_seqs,
-        "eos_token_ids": sorted(engine.eos_ids),
-    }
 
 
 class EngineBackend:
@@ -345,7 +328,7 @@ class EngineBackend:
             loop.call_soon_threadsafe(_settle, loaded, exc)
             return
         self._tokenizer = engine.loaded.tokenizer
-        self._info = _static_info(engine, self._config)
+        self._info = engine_info(engine)
         self._engine = engine
         loop.call_soon_threadsafe(_settle, loaded, None)
         try:

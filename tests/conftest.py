@@ -7,6 +7,7 @@ covers them numerically. The variable must be set before any kernel module is im
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from hybridgen.ipc import shm
 from tests.checkpoints import build_checkpoint
 
 KINDS = ("llama3", "qwen2", "mistral", "llama2_linear")
@@ -56,3 +58,13 @@ def poison_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)
     yield
+
+
+@pytest.fixture
+def instance() -> Iterator[str]:
+    """A unique shared-memory instance name; everything of it is unlinked afterwards."""
+    name = "t" + uuid.uuid4().hex[:16]
+    try:
+        yield name
+    finally:
+        shm.unlink_all(name)
