@@ -50,11 +50,13 @@ class CpuHeartbeat:
         on_result: Callable[[StepResult], None],
         on_info: Callable[[dict[str, Any]], None],
         on_dead: Callable[[str], None],
+        on_backpressure: Callable[[int, int], None],
         period_s: float = 0.002,
         peer_timeout_s: float = 2.0,
     ) -> None:
         self.ch = channels
         self.on_result, self.on_info, self.on_dead = on_result, on_info, on_dead
+        self.on_backpressure = on_backpressure
         self.period = period_s
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.stats = CpuHeartbeatStats()
@@ -141,5 +143,7 @@ class CpuHeartbeat:
             )
         elif ticket.op is Op.STATS:
             self.on_info(json.loads(payload))
+        elif ticket.op is Op.BACKPRESSURE:
+            self.on_backpressure(ticket.flags, ticket.shape[0])
         else:
             log.warning("unexpected_ticket", op=ticket.op.name)

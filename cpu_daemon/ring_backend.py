@@ -63,12 +63,13 @@ class RingBackend:
         self._queues: dict[int, asyncio.Queue[StepResult | BaseException]] = {}
         self._ids = itertools.count(1)
         self._dead: str | None = None
+        self._backpressure = 0  # the GPU daemon's reasons for not admitting (0: none)
         self._waiting = 0
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._heartbeat = CpuHeartbeat(
-            self._ch, self._post_result, self._post_info, self._post_dead
+            self._ch, self._post_result, self._post_info, self._post_dead, self._post_backpressure
         )
         self._heartbeat.start()
         self._heartbeat.send(Op.STATS, 0)
@@ -100,6 +101,7 @@ class RingBackend:
             "queued_requests": self._waiting,
             "ring_occupancy_g2c": self._ch.g2c.occupancy() / self._ch.g2c.capacity,
             "cpu_heartbeat_jitter_p99_ms": p99(self._heartbeat.stats.jitter_ms),
+            "gpu_backpressure": self._backpressure,
         }
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -181,6 +183,15 @@ class RingBackend:
             self._info = info
             self._info_ready.set()
             self._info_fresh.set()
+
+        self._call(apply)
+
+    def _post_backpressure(self, reasons: int, waiting: int) -> None:
+        def apply() -> None:
+            # Requests keep waiting in the engine's queue; the gateway's admission limit
+            # (server.max_queue over queued requests) answers RESOURCE_EXHAUSTED when it fills.
+            log.warning("gpu_backpressure", reasons=reasons, waiting=waiting)
+            self._backpressure = reasons
 
         self._call(apply)
 

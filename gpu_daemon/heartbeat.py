@@ -2,10 +2,11 @@
 
 Every tick: take what the CPU daemon sent (waiting at most 16 ms when idle, not at all when
 there is work), apply it to the engine, run one engine step if anything is running, publish
-the results, bump the heartbeat and ping the systemd watchdog. A full ring or arena is
-backpressure: results queue here in order, a BACKPRESSURE ticket tells the CPU side, and
-nothing is dropped. If the CPU daemon dies (its pid is gone or its heartbeat stalls), every
-request is aborted and the loop exits non-zero so that systemd restarts both.
+the results, bump the heartbeat and ping the systemd watchdog. When the engine cannot admit
+waiting requests (no free KV blocks, or every sequence slot busy), a BACKPRESSURE ticket
+tells the CPU side, and another one when that ends. A full ring or arena holds results here
+in order; nothing is dropped. If the CPU daemon dies (its pid is gone or its heartbeat
+stalls), every request is aborted and the loop exits non-zero so that systemd restarts both.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from hybridgen.sampling.params import InvalidSamplingParameter
 
 log = structlog.get_logger()
 
+NO_KV_BLOCKS, NO_SEQ_SLOTS = 1, 2
+"""BACKPRESSURE flags: why waiting requests cannot be admitted."""
+
 PEER_DEAD = 3
 """Exit status when the CPU daemon died: systemd restarts the pair."""
 
@@ -39,6 +43,9 @@ class HeartbeatStats:
     tickets_in: int = 0
     results_out: int = 0
     backpressure: int = 0
+    """BACKPRESSURE tickets sent (each start and end of a period the engine was full)."""
+    ring_full: int = 0
+    """Ticks that found g2c (or its arena) full: results waited here, none was dropped."""
     max_tick_gap_ms: float = 0.0
     """Longest time between two ticks: the reaction latency bound actually achieved."""
     jitter_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
@@ -61,6 +68,8 @@ class GpuHeartbeat:
         self.outbox: deque[tuple[Op, int, bytes, int, tuple[int, int, int, int]]] = deque()
         self.placed: Ticket | None = None  # head of the outbox, payload already in the arena
         self.stopping = False
+        self.backpressure = 0
+        """Reasons the engine cannot take work (NO_KV_BLOCKS | NO_SEQ_SLOTS), as last sent."""
         self._peer = PeerWatch(channels.c2g, "CPU daemon", peer_timeout_s)
         self._attached = False
         self._last_tick = time.monotonic()
@@ -88,6 +97,7 @@ class GpuHeartbeat:
             for out in self.engine.step():
                 self._send_result(_result(out))
             self.stats.steps += 1
+        self._signal_backpressure()
         self._flush()
         self._beat()
         return self._peer_alive()
@@ -118,6 +128,20 @@ class GpuHeartbeat:
         else:
             log.warning("unexpected_ticket", op=ticket.op.name, request_id=rid)
 
+    def _signal_backpressure(self) -> None:
+        """Tell the CPU daemon when requests wait because the engine cannot take them (no
+        free KV blocks, or every sequence slot busy), and again when that ends."""
+        sched, reasons = self.engine.scheduler, 0
+        if sched.waiting:
+            if self.engine.pool.num_free == 0:
+                reasons |= NO_KV_BLOCKS
+            if len(sched.running) >= sched.config.max_num_seqs:
+                reasons |= NO_SEQ_SLOTS
+        if reasons != self.backpressure:
+            self.backpressure = reasons
+            self.stats.backpressure += 1
+            self.outbox.append((Op.BACKPRESSURE, 0, b"", reasons, (len(sched.waiting), 0, 0, 0)))
+
     def _send_result(self, result: StepResult) -> None:
         payload, flags, shape = encode_step_result(result)
         self.outbox.append((Op.STEP_RESULT, result.request_id, payload, flags, shape))
@@ -128,16 +152,16 @@ class GpuHeartbeat:
             if self.placed is None:
                 self.placed = make_ticket(self.ch.g2c_meta, *self.outbox[0])
             if self.placed is None or not self.ch.g2c.try_put(self.placed):
-                self._backpressure("g2c full" if self.placed else "g2c arena full")
+                self._ring_full("g2c full" if self.placed else "g2c arena full")
                 return
             self.placed = None
             self.outbox.popleft()
             self.stats.results_out += 1
 
-    def _backpressure(self, reason: str) -> None:
-        self.stats.backpressure += 1
-        if self.stats.backpressure % 1000 == 1:
-            log.warning("backpressure", reason=reason, queued=len(self.outbox))
+    def _ring_full(self, reason: str) -> None:
+        self.stats.ring_full += 1
+        if self.stats.ring_full % 1000 == 1:
+            log.warning("ring_full", reason=reason, queued=len(self.outbox))
 
     def _beat(self) -> None:
         now = time.monotonic()

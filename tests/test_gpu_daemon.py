@@ -15,18 +15,21 @@ import pytest
 
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.heartbeat import PEER_DEAD
+from hybridgen.gpu_daemon.heartbeat import NO_SEQ_SLOTS, PEER_DEAD
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
 from hybridgen.ipc.messages import StepResult, decode_step_result, encode_new_seq
-from hybridgen.ipc.ticket import Op
+from hybridgen.ipc.ticket import Op, Ticket
 from hybridgen.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def start_daemon(instance: str, log_path: Path) -> subprocess.Popen[bytes]:
+def start_daemon(
+    instance: str, log_path: Path, config: Path | None = None
+) -> subprocess.Popen[bytes]:
     module = "hybridgen.gpu_daemon.main"
     args = ["--model", "tiny-llama", "--instance", instance, "--device", "cpu"]
+    args += ["--config", str(config)] if config else []
     return subprocess.Popen([sys.executable, "-m", module, *args], stderr=log_path.open("wb"))
 
 
@@ -42,10 +45,16 @@ def segments(instance: str) -> list[str]:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Channels, str]]:
+def daemon(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen[bytes], Channels, str]]:
     instance = f"t{uuid.uuid4().hex[:12]}"
     log_path = tmp_path / "gpu_daemon.log"
-    proc = start_daemon(instance, log_path)
+    config = None
+    if hasattr(request, "param"):  # YAML text of a config for this daemon
+        config = tmp_path / "hybridgen_config.yaml"
+        config.write_text(request.param)
+    proc = start_daemon(instance, log_path, config)
     channels = Channels.attach(instance, wait=60.0)
     wait_ready(log_path)
     yield proc, channels, instance
@@ -61,17 +70,24 @@ def send(ch: Channels, op: Op, rid: int, payload: bytes = b"", shape=(0, 0, 0, 0
     assert ticket is not None and ch.c2g.put(ticket, timeout=5.0)
 
 
-def collect(ch: Channels, want: set[int], timeout: float = 120.0) -> dict[int, list[StepResult]]:
-    """Step results until every request in `want` finished, heartbeating like a CPU daemon."""
+def collect(
+    ch: Channels, want: set[int], timeout: float = 120.0, events: list[Ticket] | None = None
+) -> dict[int, list[StepResult]]:
+    """Step results until every request in `want` finished, heartbeating like a CPU daemon;
+    other tickets go to `events`."""
     results: dict[int, list[StepResult]] = {}
     deadline = time.monotonic() + timeout
     while want - {r for r, rs in results.items() if rs[-1].finish_reason or rs[-1].error}:
         assert time.monotonic() < deadline, f"timed out; got {sorted(results)}"
         ch.c2g.heartbeat()
         ticket = ch.g2c.get(0.002)
-        if ticket is None or ticket.op is not Op.STEP_RESULT:
+        if ticket is None:
             continue
         payload = take_payload(ch.g2c_meta, ticket)
+        if ticket.op is not Op.STEP_RESULT:
+            if events is not None:
+                events.append(ticket)
+            continue
         res = decode_step_result(ticket.request_id, ticket.flags, ticket.shape, payload)
         results.setdefault(res.request_id, []).append(res)
     return results
@@ -132,3 +148,17 @@ def test_dead_cpu_daemon_stops_the_gpu_daemon(daemon) -> None:  # type: ignore[n
     assert time.monotonic() - killed < 2.5
     assert segments(instance) == []
     assert os.environ.get("NOTIFY_SOCKET") is None
+
+
+@pytest.mark.parametrize("daemon", ["model:\n  max_num_seqs: 1\n"], indirect=True)
+def test_backpressure_is_signalled_and_released(daemon) -> None:  # type: ignore[no-untyped-def]
+    """With one sequence slot, a second request must wait: the GPU daemon says so with a
+    BACKPRESSURE ticket, then releases it once the first request is done."""
+    _, ch, _ = daemon
+    for rid in (1, 2):
+        send(ch, Op.NEW_SEQ, rid, encode_new_seq([5, 6, 7], GREEDY), (3, 0, 0, 0))
+    events: list[Ticket] = []
+    collect(ch, {1, 2}, events=events)
+    signals = [(t.flags, t.shape[0]) for t in events if t.op is Op.BACKPRESSURE]
+    assert signals[0] == (NO_SEQ_SLOTS, 1), signals
+    assert signals[-1][0] == 0, "backpressure must be released when the slot frees"

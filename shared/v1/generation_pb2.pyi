@@ -131,7 +131,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms")
+    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class GetModelInfoResponse(_message.Message):
     RING_OCCUPANCY_G2C_FIELD_NUMBER: _ClassVar[int]
     GPU_HEARTBEAT_JITTER_P99_MS_FIELD_NUMBER: _ClassVar[int]
     CPU_HEARTBEAT_JITTER_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    GPU_BACKPRESSURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     synthetic: bool
@@ -172,4 +173,5 @@ class GetModelInfoResponse(_message.Message):
     ring_occupancy_g2c: float
     gpu_heartbeat_jitter_p99_ms: float
     cpu_heartbeat_jitter_p99_ms: float
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ...) -> None: ...
+    gpu_backpressure: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ...) -> None: ...
