@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -28,9 +30,10 @@ from hybridgen.gpu_daemon.heartbeat import p99
 from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.ipc.channels import Channels
-from hybridgen.ipc.messages import StepResult, encode_new_seq
+from hybridgen.ipc.messages import StepResult, encode_append, encode_new_seq
 from hybridgen.ipc.ticket import Op
 from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.sampling.candidates import sample_candidates
 from hybridgen.sampling.params import SamplingParams
 
 log = structlog.get_logger()
@@ -124,6 +127,8 @@ class RingBackend:
         text = TextStream(self._tokenizer, prompt_ids, stop)
         self._waiting += 1
         started = done = False
+        if params.seed is None:  # drawn here, so that a CPU-side pick uses the same seed
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         payload = encode_new_seq(list(prompt_ids), params)
         self._heartbeat.send(Op.NEW_SEQ, rid, payload, (len(prompt_ids), 0, 0, 0))
         try:
@@ -136,6 +141,13 @@ class RingBackend:
                     done = True
                     field, _, message = item.error.partition(": ")
                     raise InvalidRequest(field, message)
+                if item.candidates is not None:  # placements.sample: cpu, the pick is ours
+                    assert params.seed is not None
+                    token, logprob = sample_candidates(
+                        item.candidates, params, params.seed, item.output_tokens
+                    )
+                    self._heartbeat.send(Op.APPEND_TOKENS, rid, encode_append(token, logprob))
+                    continue
                 if not started:
                     started = True
                     self._waiting -= 1

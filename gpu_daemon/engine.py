@@ -40,6 +40,7 @@ from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.models.rope import max_model_len as model_max_len
+from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 
 log = structlog.get_logger()
@@ -57,6 +58,9 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
     prompt_tokens: int
     output_tokens: int
+    candidates: Candidates | None = None
+    """With deferred CPU sampling: the top-k logits to pick the next token from (no token
+    yet; answer with Engine.accept_token)."""
 
 
 @dataclass
@@ -78,6 +82,11 @@ class Completion:
     token_ids: list[int]
     finish_reason: FinishReason
     logprobs: list[float] | None
+
+
+def _pick(seq: Sequence, cands: Candidates) -> Sampled:
+    token, logprob = sample_candidates(cands, seq.params, seq.seed, seq.num_output_tokens)
+    return Sampled(seq, token, logprob if seq.params.logprobs is not None else None, None)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -207,14 +216,20 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, defer_sampling: bool = False) -> list[RequestOutput]:
+        """One scheduled forward pass. With sample_placement cpu the rows' top-k logits come
+        back to the host, and the token is picked there: here at once, or, with
+        `defer_sampling`, by the caller (the CPU daemon), who answers with accept_token."""
         batch = self.scheduler.schedule()
         st = self.stats
         st.preemptions += len(batch.preempted)
         if not batch.seqs:
             return []
-        steps = self._decode_steps(batch)
-        if steps > 1:
+        on_host = self._samples_on_host(batch)
+        steps = 1 if on_host else self._decode_steps(batch)
+        if on_host:
+            picked = self.runner.execute_candidates(batch, self.config.num_candidates)
+        elif steps > 1:
             per_step = self.runner.execute_decode(batch, steps)
         else:
             per_step = [self.runner.execute(batch)]
@@ -223,6 +238,10 @@ class Engine:
         st.peak_blocks_used = max(st.peak_blocks_used, self.pool.num_used)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
+        if on_host and defer_sampling:
+            return [self._await_token(seq, c) for seq, c in picked]
+        if on_host:
+            per_step = [[_pick(seq, c) for seq, c in picked]]
         outputs: dict[str, RequestOutput] = {}
         for j, sampled in enumerate(per_step):
             for s in sampled:
@@ -233,6 +252,38 @@ class Engine:
                     seq.num_computed_tokens += 1  # the previous step's token went through
                 self._record(seq, s, outputs)
         return list(outputs.values())
+
+    def _samples_on_host(self, batch: ScheduledBatch) -> bool:
+        return self.config.sample_placement == "cpu" and not any(
+            has_penalty(s.params) for s in batch.seqs
+        )
+
+    def _await_token(self, seq: Sequence, cands: Candidates) -> RequestOutput:
+        seq.awaiting_token = True
+        return RequestOutput(
+            seq.request_id,
+            [],
+            False,
+            None,
+            None,
+            None,
+            seq.prompt_len,
+            seq.num_output_tokens,
+            cands,
+        )
+
+    def accept_token(self, request_id: str, token_id: int, logprob: float) -> RequestOutput:
+        """The token the CPU picked for a sequence that was awaiting one."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not seq.awaiting_token:
+            raise InvalidRequest("request_id", f"{request_id!r} is not waiting for a token")
+        if not 0 <= token_id < self.spec.vocab_size:
+            raise InvalidRequest("token_id", f"{token_id} is outside [0, {self.spec.vocab_size})")
+        seq.awaiting_token = False
+        lp = logprob if seq.params.logprobs is not None else None
+        outputs: dict[str, RequestOutput] = {}
+        self._record(seq, Sampled(seq, token_id, lp, None), outputs)
+        return outputs[request_id]
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many decode steps this batch can run before the host must look again."""

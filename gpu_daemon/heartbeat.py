@@ -22,7 +22,12 @@ from hybridgen import sd_notify
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
 from hybridgen.gpu_daemon.info import engine_info
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
-from hybridgen.ipc.messages import StepResult, decode_new_seq, encode_step_result
+from hybridgen.ipc.messages import (
+    StepResult,
+    decode_append,
+    decode_new_seq,
+    encode_step_result,
+)
 from hybridgen.ipc.peer import PeerWatch
 from hybridgen.ipc.ticket import Op, Ticket
 from hybridgen.sampling.params import InvalidSamplingParameter
@@ -68,6 +73,8 @@ class GpuHeartbeat:
         self.outbox: deque[tuple[Op, int, bytes, int, tuple[int, int, int, int]]] = deque()
         self.placed: Ticket | None = None  # head of the outbox, payload already in the arena
         self.stopping = False
+        self.defer_sampling = engine.config.sample_placement == "cpu"
+        """The CPU daemon picks tokens from the candidates this daemon sends."""
         self.backpressure = 0
         """Reasons the engine cannot take work (NO_KV_BLOCKS | NO_SEQ_SLOTS), as last sent."""
         self._peer = PeerWatch(channels.c2g, "CPU daemon", peer_timeout_s)
@@ -94,7 +101,7 @@ class GpuHeartbeat:
         for ticket in tickets:
             self._handle(ticket)
         if self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step(defer_sampling=self.defer_sampling):
                 self._send_result(_result(out))
             self.stats.steps += 1
         self._signal_backpressure()
@@ -112,6 +119,12 @@ class GpuHeartbeat:
                 self.engine.add_request(str(rid), prompt, params)
             except (InvalidRequest, InvalidSamplingParameter) as e:
                 self._send_result(StepResult(rid, [], None, None, len(prompt), 0, str(e)))
+        elif ticket.op is Op.APPEND_TOKENS:
+            token, logprob = decode_append(payload)
+            try:
+                self._send_result(_result(self.engine.accept_token(str(rid), token, logprob)))
+            except InvalidRequest as e:  # aborted meanwhile: the pick has nobody to go to
+                log.info("token_not_awaited", request_id=rid, reason=str(e))
         elif ticket.op is Op.ABORT:
             self.engine.abort(str(rid))
         elif ticket.op is Op.STATS:
@@ -204,4 +217,5 @@ def _result(out: RequestOutput) -> StepResult:
         reason,
         out.prompt_tokens,
         out.output_tokens,
+        candidates=out.candidates,
     )

@@ -18,6 +18,7 @@ from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.models.llama import AttentionBatch, CausalLM
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import ModelSpec
+from hybridgen.sampling.candidates import MIN_TEMPERATURE, Candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
@@ -152,6 +153,34 @@ class ModelRunner:
             if j + 1 < steps:
                 ids, batch = out.token_ids, self._advance(batch)
         return [self._to_host(out, seqs) for out in _stack_steps(outs)]
+
+    @torch.inference_mode()
+    def execute_candidates(
+        self, sched: ScheduledBatch, k: int
+    ) -> list[tuple[Sequence, Candidates]]:
+        """One forward pass; each sampling row's top-k logits for the CPU to pick from."""
+        logits, seqs = self.logits(sched)
+        if logits is None:
+            return []
+        k = min(k, logits.shape[-1])
+        temps = [
+            1.0 if s.params.is_greedy else max(s.params.temperature, MIN_TEMPERATURE) for s in seqs
+        ]
+        t = torch.tensor(temps, device=logits.device)[:, None]
+        vals, ids = logits.topk(k, dim=-1)  # [N, k], largest first
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        lse_t = torch.logsumexp(logits / t, -1, keepdim=True)
+        floats = torch.cat([vals, lse, lse_t], dim=-1).cpu().numpy()  # the step's sync
+        ids_host = ids.to(torch.int32).cpu().numpy()
+        return [
+            (
+                seq,
+                Candidates(
+                    ids_host[i], floats[i, :k], float(floats[i, k]), float(floats[i, k + 1])
+                ),
+            )
+            for i, seq in enumerate(seqs)
+        ]
 
     def _decode_logits_any(self, ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         if self.graphs is not None and len(ids) <= self.graphs.max_batch:

@@ -81,8 +81,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        ready = [s for s in self.running if not s.awaiting_token]
+        decoding = [s for s in ready if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in ready if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break

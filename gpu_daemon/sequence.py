@@ -49,6 +49,8 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     """Top-N (id, logprob) of each generated token, when requested."""
     num_preemptions: int = 0
+    awaiting_token: bool = False
+    """Its candidates went to the CPU daemon; it is not scheduled until the token comes."""
 
     @property
     def num_tokens(self) -> int:

@@ -282,6 +282,8 @@ class HybridGenConfig:
             max_num_batched_tokens=m.max_num_batched_tokens,
             max_model_len=m.max_model_len,
             kv_pool_mb=self.kv_cache.hot_region_mb,
+            # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
+            sample_placement=self.placements.sample or "gpu",
             seed=m.seed,
         )
 

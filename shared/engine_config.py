@@ -57,6 +57,11 @@ class EngineConfig:
     """Decode steps run back to back on the device between host syncs while every running
     sequence decodes without penalties: tokens then stream in groups of this size, and up
     to decode_steps - 1 tokens past a stop are computed and dropped. 1 syncs every token."""
+    sample_placement: str = "gpu"
+    """Where tokens are picked: gpu (the device sampler), or cpu (the GPU sends each row's
+    top num_candidates logits and the CPU picks; requests with penalties stay on the GPU)."""
+    num_candidates: int = 64
+    """Logits per row sent to the CPU when sample_placement is cpu."""
     seed: int = 0
     """Seed of synthetic preset weights."""
 
@@ -100,6 +105,13 @@ class EngineConfig:
             self.max_model_len,
             ">= 16",
         )
+        _check(
+            self.sample_placement in ("gpu", "cpu"),
+            "sample_placement",
+            self.sample_placement,
+            "gpu or cpu",
+        )
+        _check(1 <= self.num_candidates <= 1024, "num_candidates", self.num_candidates, "1..1024")
         _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
 

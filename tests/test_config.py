@@ -331,6 +331,7 @@ def test_engine_config_mapping() -> None:
         max_num_batched_tokens=512,
         max_model_len=8192,
         kv_pool_mb=4096,
+        sample_placement="cpu",
         seed=7,
     )
     assert config.engine_config("cuda").device == "cuda:1"

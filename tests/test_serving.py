@@ -68,7 +68,7 @@ def wait_serving(port: int, timeout: float = 120.0, want: bool = True) -> float:
 
 
 class Server:
-    def __init__(self, checkpoint: Path, tmp: Path) -> None:
+    def __init__(self, checkpoint: Path, tmp: Path, extra_config: str = "") -> None:
         self.instance = f"s{uuid.uuid4().hex[:10]}"
         self.port = free_port()
         config = tmp / "hybridgen_config.yaml"
@@ -78,7 +78,7 @@ class Server:
             f"model:\n  max_model_len: {MAX_LEN}\n  max_num_seqs: 8\n  dtype: float32\n"
             # Room for exactly two full-length sequences of KV.
             f"kv_cache:\n  hot_region_mb: {pool_mb}\n  block_size: 16\n"
-            f"server:\n  metrics_port: 0\n  runtime_dir: {tmp}/run\n"
+            f"server:\n  metrics_port: 0\n  runtime_dir: {tmp}/run\n{extra_config}"
         )
         cmd = [
             sys.executable,

@@ -112,7 +112,7 @@ def served_once(stub: Any, prompt: list[int], tokens: int) -> DecodeTiming:
     return _timing(start, stamps)
 
 
-def write_config(folder: Path, model: str, tokens: int) -> Path:
+def write_config(folder: Path, model: str, tokens: int, sample: str = "gpu") -> Path:
     """One config for both sides: same model settings, a KV pool just big enough (two
     engines share the device), no metrics port and a private runtime folder."""
     from hybridgen.models.presets import PRESETS, preset_spec
@@ -126,6 +126,7 @@ def write_config(folder: Path, model: str, tokens: int) -> Path:
         f"model:\n  name_or_path: {model}\n  max_model_len: {max_len}\n  max_num_seqs: 4\n"
         f"kv_cache:\n  hot_region_mb: {pool_mb:.3f}\n"
         f"server:\n  metrics_port: 0\n  runtime_dir: {folder}/run\n"
+        f"placements:\n  sample: {sample}\n"
     )
     return path
 

@@ -7,8 +7,10 @@ tokens a step produced, ABORT carries nothing.
                  shape:   (prompt tokens, 0, 0, 0)
     STEP_RESULT  payload: int32 token ids | float32 logprobs (when HAS_LOGPROBS)
                           or, with ERROR, the UTF-8 error message
-                 shape:   (new tokens, prompt tokens, output tokens, finish reason code)
-                 flags:   FINISHED | HAS_LOGPROBS | ERROR
+                          or, with CANDIDATES, int32 ids[K] | float32 logits[K] | lse, lse_t
+                 shape:   (new tokens or K, prompt tokens, output tokens, finish reason code)
+                 flags:   FINISHED | HAS_LOGPROBS | ERROR | CANDIDATES
+    APPEND_TOKENS  payload: int32 token | float32 logprob  (the CPU's pick for CANDIDATES)
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from hybridgen.sampling.candidates import Candidates
 from hybridgen.sampling.params import SamplingParams
 
-FINISHED, HAS_LOGPROBS, ERROR = 1, 2, 4
+FINISHED, HAS_LOGPROBS, ERROR, CANDIDATES = 1, 2, 4, 8
 FINISH_CODES = {None: 0, "stop": 1, "length": 2, "aborted": 3}
 FINISH_NAMES = {code: name for name, code in FINISH_CODES.items()}
 _U32 = struct.Struct("<I")
@@ -57,21 +60,33 @@ class StepResult:
     output_tokens: int
     error: str | None = None
     """Set when the GPU daemon refused the request; the message names the field."""
+    candidates: Candidates | None = None
+    """With CPU sampling: the top-k logits to pick the next token from (no token yet)."""
 
 
 def encode_step_result(result: StepResult) -> tuple[bytes, int, tuple[int, int, int, int]]:
     """-> (payload, flags, shape) for a STEP_RESULT ticket."""
     flags = FINISHED if result.finish_reason is not None or result.error else 0
+    n = len(result.token_ids)
     if result.error is not None:
         payload = result.error.encode()
         flags |= ERROR
+    elif result.candidates is not None:
+        c = result.candidates
+        n = len(c.ids)
+        payload = (
+            np.asarray(c.ids, dtype=np.int32).tobytes()
+            + np.asarray(c.logits, dtype=np.float32).tobytes()
+            + np.asarray([c.lse, c.lse_t], dtype=np.float32).tobytes()
+        )
+        flags |= CANDIDATES
     else:
         payload = np.asarray(result.token_ids, dtype=np.int32).tobytes()
         if result.logprobs is not None:
             payload += np.asarray(result.logprobs, dtype=np.float32).tobytes()
             flags |= HAS_LOGPROBS
     shape = (
-        len(result.token_ids),
+        n,
         result.prompt_tokens,
         result.output_tokens,
         FINISH_CODES[result.finish_reason],
@@ -87,8 +102,31 @@ def decode_step_result(
         return StepResult(
             request_id, [], None, "aborted", prompt_tokens, output_tokens, bytes(payload).decode()
         )
+    if flags & CANDIDATES:
+        logits = np.frombuffer(payload, dtype=np.float32, count=n + 2, offset=4 * n)
+        cands = Candidates(
+            np.frombuffer(payload, dtype=np.int32, count=n).copy(),
+            logits[:n].copy(),
+            float(logits[n]),
+            float(logits[n + 1]),
+        )
+        return StepResult(
+            request_id, [], None, None, prompt_tokens, output_tokens, candidates=cands
+        )
     ids = np.frombuffer(payload, dtype=np.int32, count=n).tolist()
     logprobs = None
     if flags & HAS_LOGPROBS:
         logprobs = np.frombuffer(payload, dtype=np.float32, count=n, offset=4 * n).tolist()
     return StepResult(request_id, ids, logprobs, FINISH_NAMES[code], prompt_tokens, output_tokens)
+
+
+_APPEND = struct.Struct("<if")
+
+
+def encode_append(token_id: int, logprob: float) -> bytes:
+    return _APPEND.pack(token_id, logprob)
+
+
+def decode_append(payload: bytes | memoryview) -> tuple[int, float]:
+    token_id, logprob = _APPEND.unpack(bytes(payload))
+    return token_id, logprob

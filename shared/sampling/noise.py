@@ -110,3 +110,16 @@ def gumbel_noise(keys: Tensor, vocab_size: int) -> Tensor:
     """Standard Gumbel noise -log(-log(u)), float32, one value per (row, vocab index)."""
     # keys: [B] int64 -> [B, V] float32; u in (0, 1) so both logs are finite.
     return uniform_noise(keys, vocab_size).log_().neg_().log_().neg_()
+
+
+def gumbel_at(keys: Tensor, ids: Tensor) -> Tensor:
+    """The Gumbel noise `gumbel_noise(keys, V)[:, ids]` for a few vocab ids only (sampling
+    from top-k candidates on the CPU draws exactly the noise the device would have)."""
+    # keys: [B] int64, ids: [B, K] int64 -> [B, K] float32
+    offsets = (torch.div(ids, 2, rounding_mode="floor") + 1).mul_(GOLDEN_GAMMA)
+    words = mix64_(keys[:, None] + offsets)
+    odd = words.bitwise_left_shift(_UNIFORM_BITS).bitwise_right_shift_(64 - _UNIFORM_BITS)
+    even = torch.bitwise_right_shift(words, 64 - _UNIFORM_BITS)
+    bits = torch.where(ids % 2 == 1, odd, even).to(torch.float32)
+    u = bits.add_(2.0 ** (_UNIFORM_BITS - 1) + 0.5).mul_(2.0**-_UNIFORM_BITS)
+    return u.log_().neg_().log_().neg_()

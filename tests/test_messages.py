@@ -1,0 +1,49 @@
+"""Ticket payloads between the daemons round-trip exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridgen.ipc.messages import (
+    CANDIDATES,
+    StepResult,
+    decode_append,
+    decode_new_seq,
+    decode_step_result,
+    encode_append,
+    encode_new_seq,
+    encode_step_result,
+)
+from hybridgen.sampling.candidates import Candidates
+from hybridgen.sampling.params import SamplingParams
+
+
+def round_trip(result: StepResult) -> StepResult:
+    payload, flags, shape = encode_step_result(result)
+    return decode_step_result(result.request_id, flags, shape, payload)
+
+
+def test_new_seq_round_trip() -> None:
+    params = SamplingParams(temperature=0.7, top_k=5, seed=9, stop_token_ids=(3, 4), logprobs=2)
+    ids, back = decode_new_seq(encode_new_seq([1, 2, 2**31 - 1], params))
+    assert ids == [1, 2, 2**31 - 1] and back == params
+
+
+def test_step_results_round_trip() -> None:
+    tokens = StepResult(7, [5, 6], [-0.5, -1.25], "length", 10, 12)
+    assert round_trip(tokens) == tokens
+    error = StepResult(8, [], None, "aborted", 3, 0, "prompt_token_ids: token id 9 is outside")
+    assert round_trip(error).error == error.error
+    cands = Candidates(
+        np.array([4, 9, 1], np.int32), np.array([3.5, 2.0, -1.0], np.float32), 4.25, 5.5
+    )
+    back = round_trip(StepResult(9, [], None, None, 3, 1, candidates=cands))
+    assert back.candidates is not None and back.finish_reason is None
+    assert back.candidates.ids.tolist() == [4, 9, 1]
+    assert back.candidates.logits.tolist() == [3.5, 2.0, -1.0]
+    assert (back.candidates.lse, back.candidates.lse_t) == (4.25, 5.5)
+    assert encode_step_result(StepResult(9, [], None, None, 3, 1, candidates=cands))[1] & CANDIDATES
+
+
+def test_append_round_trip() -> None:
+    assert decode_append(encode_append(12345, -0.25)) == (12345, -0.25)
