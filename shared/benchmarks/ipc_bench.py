@@ -18,13 +18,6 @@ from hybridgen.ipc.ticket import Op, Ticket
 
 log = structlog.get_logger()
 
-# metric -> (comparison, target); from BENCHMARKS.md, workload B5.
-TARGETS: dict[str, tuple[str, float]] = {
-    "added_ms_per_token": ("<=", 0.15),
-    "ring_tickets_per_s": (">=", 200_000.0),
-    "heartbeat_jitter_p99_ms": ("<=", 0.5),
-}
-PROMPT_LEN = 32
 _SPAWN = multiprocessing.get_context("spawn")  # the child maps the ring itself, like a daemon
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import signal
 import socket
 import statistics
@@ -51,7 +50,6 @@ TARGETS: dict[str, tuple[str, float]] = {
     "heartbeat_jitter_p99_ms": ("<=", 0.5),
 }
 PROMPT_LEN = 32
-_SPAWN = multiprocessing.get_context("spawn")  # the child maps the ring itself, like a daemon
 
 
 @dataclass
