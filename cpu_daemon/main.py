@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import signal
 import sys
@@ -74,15 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hybridgen-cpu: {e}", file=sys.stderr)
         return 2
-    model = args.model or config.model.name_or_path
-    if args.model:
-        config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, name_or_path=args.model)
-        )
+    config = config.with_model(args.model)
     instance = args.instance or config.server.instance
     listen = args.listen or f"unix:{config.server.runtime_dir}/cpu.sock"
     structlog.contextvars.bind_contextvars(process="cpu_daemon", instance=instance)
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(config.model.name_or_path)
     channels = Channels.attach(instance, wait=args.attach_timeout)
     try:
         backend = RingBackend(channels, tokenizer)

@@ -10,7 +10,6 @@ a SHUTDOWN ticket) removes every segment it created.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 from types import FrameType
@@ -45,10 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hybridgen-gpu: {e}", file=sys.stderr)
         return 2
-    if args.model:
-        config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, name_or_path=args.model)
-        )
+    config = config.with_model(args.model)
     instance = args.instance or config.server.instance
     structlog.contextvars.bind_contextvars(process="gpu_daemon", instance=instance)
     channels = Channels.create(instance)

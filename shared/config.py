@@ -267,6 +267,12 @@ class HybridGenConfig:
                         "allowed gpu or null with mode=pure_gpu"
                     )
 
+    def with_model(self, model: str | None) -> HybridGenConfig:
+        """The same config serving `model` instead (a command-line override); None: unchanged."""
+        if model is None:
+            return self
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, name_or_path=model))
+
     def engine_config(self, device: str = "auto") -> EngineConfig:
         """The model engine's config; "cuda" (and "auto" with CUDA) means device_topology.gpu."""
         if device == "cuda" or (device == "auto" and torch.cuda.is_available()):

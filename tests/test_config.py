@@ -394,3 +394,12 @@ def test_bad_cpu_list_names_the_key(value: str, why: str) -> None:
 def test_cpu_list_must_be_quoted(value: object) -> None:
     with pytest.raises(ConfigError, match=r"^device_topology\.cpu\.cores=.* has the wrong type"):
         parse_config(_with("device_topology.cpu.cores", value))
+
+
+def test_with_model_overrides_only_the_model() -> None:
+    config = parse_config(FULL)
+    assert config.with_model(None) is config
+    other = config.with_model("tiny-llama")
+    assert other.model.name_or_path == "tiny-llama"
+    assert other.model.max_model_len == config.model.max_model_len
+    assert other.kv_cache == config.kv_cache
