@@ -23,7 +23,8 @@ import structlog
 
 from hybridgen import sd_notify
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
-from hybridgen.gateway.backend import BackendUnavailable, Delta, EngineBackend
+from hybridgen.gateway.backend import BackendUnavailable
+from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import RequestOutput
 from hybridgen.gpu_daemon.heartbeat import p99
@@ -152,7 +153,7 @@ class RingBackend:
                     started = True
                     self._waiting -= 1
                 done = item.finish_reason is not None
-                delta = EngineBackend._delta(_as_output(item), text)
+                delta = to_delta(_as_output(item), text)
                 yield delta
                 if delta.finished:
                     break

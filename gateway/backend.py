@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,11 +27,11 @@ from typing import Any, Protocol
 import structlog
 
 from hybridgen.engine_config import EngineConfig
+from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
 from hybridgen.gpu_daemon.info import engine_info
-from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
@@ -44,54 +43,6 @@ _IDLE_WAIT_S = 0.25
 
 class BackendUnavailable(RuntimeError):
     """The model is loading, draining or dead; the client may retry elsewhere or later."""
-
-
-class Finish(enum.Enum):
-    """Why a request ended (the API's FinishReason)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    STOP_SEQUENCE = "stop_sequence"
-    CANCELLED = "cancelled"
-
-
-_ENGINE_FINISH = {
-    FinishReason.STOP: Finish.STOP,
-    FinishReason.LENGTH: Finish.LENGTH,
-    FinishReason.ABORTED: Finish.CANCELLED,
-}
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Log-probability of one generated token and its top alternatives."""
-
-    token_id: int
-    """The generated token."""
-    logprob: float
-    """Its log-probability."""
-    top: tuple[tuple[int, float], ...]
-    """(token id, logprob) of the most likely tokens, most likely first."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What one request produced since its previous Delta."""
-
-    token_ids: tuple[int, ...]
-    """New token ids."""
-    text: str
-    """New text (may lag token_ids: incomplete characters and stop-string prefixes wait)."""
-    logprobs: tuple[TokenLogprob, ...] | None
-    """One entry per token, when the request asked for logprobs."""
-    finished: bool
-    """True on the last Delta of the request."""
-    finish_reason: Finish | None
-    """Set on the last Delta."""
-    prompt_tokens: int
-    """Tokens in the prompt."""
-    completion_tokens: int
-    """Tokens generated so far."""
 
 
 class Backend(Protocol):
@@ -267,7 +218,7 @@ class EngineBackend:
                     started = True
                     self._waiting -= 1
                 engine_done = item.finished
-                delta = self._delta(item, text)
+                delta = to_delta(item, text)
                 yield delta
                 if delta.finished:
                     break  # a stop string ended it before the engine did
@@ -291,33 +242,6 @@ class EngineBackend:
             raise BackendUnavailable(f"the engine failed: {self._dead}")
         if self._engine is None or self._thread is None:
             raise BackendUnavailable("the model is not loaded")
-
-    @staticmethod
-    def _delta(out: RequestOutput, text: TextStream) -> Delta:
-        new_text, stopped = text.push(out.new_token_ids, out.finished)
-        if stopped:
-            finish: Finish | None = Finish.STOP_SEQUENCE
-        elif out.finished:
-            assert out.finish_reason is not None
-            finish = _ENGINE_FINISH[out.finish_reason]
-        else:
-            finish = None
-        logprobs = None
-        if out.logprobs is not None:
-            tops = out.top_logprobs or [[] for _ in out.logprobs]
-            logprobs = tuple(
-                TokenLogprob(t, lp, tuple(top))
-                for t, lp, top in zip(out.new_token_ids, out.logprobs, tops, strict=True)
-            )
-        return Delta(
-            token_ids=tuple(out.new_token_ids),
-            text=new_text,
-            logprobs=logprobs,
-            finished=finish is not None,
-            finish_reason=finish,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.output_tokens,
-        )
 
     # -- engine thread ---------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hybridgen.gateway.backend import BackendUnavailable, Delta, Finish, TokenLogprob
+from hybridgen.gateway.backend import BackendUnavailable
+from hybridgen.gateway.delta import Delta, Finish, TokenLogprob
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.service import SERVICE_NAME, QueueFull
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request

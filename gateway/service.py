@@ -22,7 +22,8 @@ import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
 from hybridgen.cpu_daemon.stop_strings import StopStringError, validate_stops
-from hybridgen.gateway.backend import Backend, BackendUnavailable, Delta, Finish
+from hybridgen.gateway.backend import Backend, BackendUnavailable
+from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gpu_daemon.engine import InvalidRequest
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams

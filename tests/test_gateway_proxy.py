@@ -30,7 +30,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hybridgen.gateway.backend import Delta, Finish
+from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.proxy_backend import POLL_S, ProxyBackend
 from hybridgen.gateway.server import ServerConfig, build, remove_stale_socket
