@@ -1,0 +1,402 @@
+"""Warm-KV pool: fixed-size compressed KV blocks in host shared memory, plus a prefix index.
+
+One slot holds one token block of KV across all layers, each layer encoded by the warm codec
+into one `record_bytes` record. The CPU daemon owns the pool (creates it, allocates, writes);
+the GPU daemon attaches and reads. Segment ``/hybridgen-<instance>-warm``::
+
+    offset  size                   field
+    ------  ---------------------  ------------------------------------------------------
+         0  8                      magic b"HGWARM01" (written last by create)
+         8  4                      layout version (WARM_VERSION)
+        12  4                      num_layers (L)
+        16  8                      slot_bytes = L * record_bytes
+        24  8                      capacity (slots)
+        32  8                      record_bytes (one layer's record)
+        40  4 x 4                  block_size, num_kv_heads, head_dim, group_size (0: none)
+        56  16                     model dtype name, ascii, NUL padded ("bfloat16")
+        72  16                     scale dtype name ("" when the codec has none)
+        88  16                     codec name ("lossless", "lz4", "int8", "int4")
+       104  4 + 4                  owner pid, pad
+       112  8                      epoch (time.time_ns() at create)
+      4096  capacity * slot_bytes  slots; slot i at 4096 + i * slot_bytes, and layer l of
+                                   it at + l * record_bytes
+
+Slots start page aligned and records are 16-byte multiples, so every record is 16-aligned
+for a zero-copy view or a DMA of the compressed bytes.
+
+Invariants:
+
+* The header is written once, before the magic; an attacher that sees the magic sees a
+  complete header. Nothing in the segment changes afterwards except slot bytes, and only
+  the owner writes them. So there are no shared counters to tear.
+* Allocation state (free list and refcounts) lives in the owner process only. A slot is
+  either free or has refcount >= 1, never both; it is rewritten only after `alloc` hands it
+  out again. A reader learns which slots to read from a ticket, and the owner keeps its own
+  reference until the reader's reply, so a slot never changes under a reader.
+* The owner (one thread) serializes every call; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from hybridgen.ipc import shm
+from hybridgen.kvcodec.base import Codec
+from hybridgen.kvcodec.codecs import get_codec
+
+MAGIC = b"HGWARM01"
+WARM_VERSION = 1
+HEADER_SIZE = 4096
+SEGMENT = "warm"
+CONFIG_KEY = "kv_cache.warm_region_mb"
+
+_FIXED = struct.Struct("<8sIIQQQIIII16s16s16sIIQ")
+
+
+class WarmPoolFull(Exception):
+    """Not enough free slots; the fix is a larger `kv_cache.warm_region_mb` (or eviction)."""
+
+
+def _name16(text: str) -> bytes:
+    raw = text.encode("ascii")
+    if len(raw) > 16:
+        raise ValueError(f"{text!r} does not fit a 16-byte header field")
+    return raw
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("ascii")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"header dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def slot_bytes_for(codec: Codec, num_layers: int) -> int:
+    """Bytes of one slot: one record per layer."""
+    return codec.record_bytes * num_layers
+
+
+def capacity_for(warm_region_mb: float, codec: Codec, num_layers: int) -> int:
+    """Slots that fit `warm_region_mb` MiB of shm, header included (0 MiB: no Warm tier)."""
+    if warm_region_mb < 0 or num_layers <= 0:
+        raise ValueError(
+            f"{CONFIG_KEY}={warm_region_mb} and num_layers={num_layers} must be >= 0 and > 0"
+        )
+    budget = int(warm_region_mb * 2**20) - HEADER_SIZE
+    return max(0, budget // slot_bytes_for(codec, num_layers))
+
+
+class WarmPool:
+    """The Warm-KV shm pool. `create` on the owner (CPU daemon), `attach` on readers.
+
+    Data calls (`load`, `record_view`) work on both sides; `alloc`, `free`, `share` and
+    `store` only on the owner.
+    """
+
+    def __init__(self, mm: mmap.mmap, instance: str, owner: bool) -> None:
+        """Wrap an initialised mapping; use `create` / `attach` instead of calling this."""
+        seg = shm.segment_name(instance, SEGMENT)
+        fields = _FIXED.unpack_from(mm)
+        magic, version, layers, slot_bytes, capacity, record_bytes = fields[:6]
+        if magic != MAGIC:
+            raise ValueError(f"{seg}: magic {magic!r} is not {MAGIC!r} (not a Warm-KV pool)")
+        if version != WARM_VERSION:
+            raise ValueError(f"{seg}: layout version {version}, this code speaks {WARM_VERSION}")
+        if len(mm) < HEADER_SIZE + capacity * slot_bytes:
+            raise ValueError(f"{seg}: {capacity} slots of {slot_bytes} B exceed {len(mm)} B")
+        block_size, heads, head_dim, group = fields[6:10]
+        dtype, scale, name = (_text(f) for f in fields[10:13])
+        options: dict[str, object] = {}
+        if group:
+            options = {"group_size": group, "scale_dtype": _dtype(scale)}
+        self.codec: Codec = get_codec(name, block_size, heads, head_dim, _dtype(dtype), **options)
+        if self.codec.record_bytes != record_bytes or slot_bytes != layers * record_bytes:
+            raise ValueError(f"{seg}: header geometry does not match codec {name}")
+        self.instance, self.owner = instance, owner
+        self.num_layers: int = layers
+        self.record_bytes: int = record_bytes
+        self.slot_bytes: int = slot_bytes
+        self.capacity: int = capacity
+        self.epoch: int = fields[15]
+        self._mm = mm
+        # [capacity, L, record_bytes] view of the slot area.
+        self._slots: npt.NDArray[np.uint8] | None = np.frombuffer(
+            mm, dtype=np.uint8, count=capacity * slot_bytes, offset=HEADER_SIZE
+        ).reshape(capacity, layers, record_bytes)
+        # Owner-only allocation state; popping from the end hands out low slots first.
+        self._free: list[int] = list(range(capacity - 1, -1, -1)) if owner else []
+        self._refs: list[int] = [0] * capacity if owner else []
+
+    @classmethod
+    def create(cls, instance: str, codec: Codec, num_layers: int, capacity: int) -> WarmPool:
+        """Owner side: replace any stale pool of this instance with an empty one."""
+        if num_layers <= 0 or capacity < 0:
+            raise ValueError(f"num_layers={num_layers} must be > 0, capacity={capacity} >= 0")
+        spec = codec.spec
+        group = int(getattr(codec, "group_size", 0))
+        scale = getattr(codec, "scale_dtype", None)
+        options: dict[str, object] = {}
+        if group:
+            options = {"group_size": group, "scale_dtype": scale}
+        rebuilt = get_codec(codec.name, *spec.shape, spec.dtype, **options)
+        if rebuilt != codec:  # attach rebuilds the codec from the header alone
+            raise ValueError(f"codec {codec!r} cannot be described by the Warm pool header")
+        slot_bytes = slot_bytes_for(codec, num_layers)
+        seg = shm.segment_name(instance, SEGMENT)
+        mm = shm.create_segment(seg, HEADER_SIZE + capacity * slot_bytes)
+        fixed = (
+            *(num_layers, slot_bytes, capacity, codec.record_bytes),
+            *(*spec.shape, group),
+            _name16(_dtype_name(spec.dtype)),
+            _name16(_dtype_name(scale) if scale is not None else ""),
+            _name16(codec.name),
+            *(os.getpid(), 0, time.time_ns()),
+        )
+        _FIXED.pack_into(mm, 0, b"\0" * 8, WARM_VERSION, *fixed)
+        mm[0:8] = MAGIC  # last: an attacher that sees the magic sees a complete header
+        return cls(mm, instance, owner=True)
+
+    @classmethod
+    def attach(cls, instance: str, wait: float = 0.0) -> WarmPool:
+        """Reader side: map the pool, retrying up to `wait` seconds until the owner made it."""
+        seg = shm.segment_name(instance, SEGMENT)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                mm = shm.attach_segment(seg)
+                try:
+                    return cls(mm, instance, owner=False)
+                except ValueError:
+                    mm.close()
+                    raise
+            except (FileNotFoundError, ValueError):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        """Unmap. Views from `record_view` must be dropped first (else BufferError)."""
+        self._slots = None
+        self._mm.close()
+
+    def unlink(self) -> None:
+        """Owner: remove the segment name; mappings stay valid until closed."""
+        shm.unlink_segment(shm.segment_name(self.instance, SEGMENT))
+
+    def __enter__(self) -> WarmPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
+
+    # ---- owner: allocation -----------------------------------------------------------------
+
+    def _owner_only(self, what: str) -> None:
+        if not self.owner:
+            raise RuntimeError(f"WarmPool.{what} is owner-only; this process attached")
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def refcount(self, slot: int) -> int:
+        self._owner_only("refcount")
+        return self._refs[self._index(slot)]
+
+    def alloc(self, n: int) -> list[int]:
+        """n fresh slots with refcount 1, all or nothing (WarmPoolFull when short)."""
+        self._owner_only("alloc")
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if n > len(self._free):
+            raise WarmPoolFull(
+                f"Warm-KV pool full: need {n} slots, {len(self._free)} free of {self.capacity} "
+                f"({self.slot_bytes} B each); raise {CONFIG_KEY}"
+            )
+        slots = [self._free.pop() for _ in range(n)]
+        for s in slots:
+            self._refs[s] = 1
+        return slots
+
+    def share(self, slots: Iterable[int]) -> None:
+        """One more reference to each live slot (prefix sharing); checks all before changing."""
+        self._owner_only("share")
+        slots = [self._index(s) for s in slots]
+        dead = [s for s in slots if self._refs[s] == 0]
+        if dead:
+            raise ValueError(f"cannot share free slots {dead}")
+        for s in slots:
+            self._refs[s] += 1
+
+    def free(self, slots: Iterable[int]) -> None:
+        """Drop one reference to each slot; a slot returns to the free list at zero.
+
+        All or nothing: a slot named more often than it has references raises and changes
+        nothing, so a double free is caught instead of handing the slot out twice.
+        """
+        self._owner_only("free")
+        slots = [self._index(s) for s in slots]
+        counts: dict[int, int] = {}
+        for s in slots:
+            counts[s] = counts.get(s, 0) + 1
+        over = sorted(s for s, c in counts.items() if c > self._refs[s])
+        if over:
+            raise ValueError(f"double free of slots {over}")
+        for s in slots:
+            self._refs[s] -= 1
+            if self._refs[s] == 0:
+                self._free.append(s)
+
+    def _index(self, slot: int) -> int:
+        if not 0 <= slot < self.capacity:
+            raise IndexError(f"slot {slot} outside [0, {self.capacity})")
+        return int(slot)
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def _view(self) -> npt.NDArray[np.uint8]:
+        if self._slots is None:
+            raise ValueError("WarmPool is closed")
+        return self._slots
+
+    def store(self, slot: int, k_layers: Tensor, v_layers: Tensor) -> None:
+        """Owner: encode one block of every layer into `slot`.
+
+        k_layers, v_layers: [L, S, H, D] in the codec's dtype, on any device. The codec
+        treats the L layers as L blocks, which is exact: a record depends only on its block.
+        """
+        self._owner_only("store")
+        if self._refs[self._index(slot)] == 0:
+            raise ValueError(f"slot {slot} is free; alloc it before storing")
+        if k_layers.dim() != 4 or k_layers.shape[0] != self.num_layers:
+            raise ValueError(
+                f"k_layers is {list(k_layers.shape)}, expected [{self.num_layers}, S, H, D]"
+            )
+        records = self.codec.encode_blocks(k_layers, v_layers)  # [L, record_bytes]
+        self._view()[slot] = records.cpu().numpy()
+
+    def load(self, slot: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """Decode `slot` -> k, v: [L, S, H, D] in `dtype` (default: the codec's), on the CPU."""
+        # Copy the compressed bytes first: the result never aliases the shared slot, and the
+        # copy is small next to the decoded tensors.
+        records = torch.from_numpy(self._view()[self._index(slot)].copy())  # [L, record_bytes]
+        return self.codec.decode_blocks(records, dtype)
+
+    def record_view(self, slot: int) -> npt.NDArray[np.uint8]:
+        """Zero-copy [L, record_bytes] uint8 view of `slot` (e.g. for a pinned PCIe copy).
+
+        It aliases shared memory: valid only while the slot is referenced, and it must be
+        dropped before `close`.
+        """
+        return self._view()[self._index(slot)]
+
+
+def _block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained digest per full block: h_i = blake2b(h_{i-1} || tokens of block i).
+
+    Equal prefixes give equal chains, and a block's digest covers every token before it, so
+    the same tokens after a different prefix get a different key. 128-bit digests make a
+    collision (which would serve wrong KV) negligible. The partial tail block is skipped.
+    """
+    ids = np.asarray(token_ids, dtype=np.int64)
+    out: list[bytes] = []
+    prev = b""
+    for i in range(len(ids) // block_size):
+        block = ids[i * block_size : (i + 1) * block_size]
+        prev = hashlib.blake2b(prev + block.tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class PrefixIndex:
+    """Maps chains of full-block token hashes to Warm slots, for prefix reuse.
+
+    Invariants:
+
+    * Each entry holds exactly one pool reference to its slot (taken by `insert`, dropped by
+      eviction), so a cached slot is never handed out while it is cached.
+    * Entries are kept in LRU order, and every touch refreshes a chain from its tail back to
+      its head, so a block is always at least as recent as any block that extends it.
+      Evicting least-recent first therefore drops tails before heads and never leaves an
+      entry unreachable behind an evicted parent.
+    """
+
+    def __init__(self, pool: WarmPool) -> None:
+        pool._owner_only("PrefixIndex")
+        self.pool = pool
+        self.block_size: int = pool.codec.spec.block_size
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> slot, LRU first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        for key in reversed(keys):  # tail first, so the head ends up most recent
+            self._entries.move_to_end(key)
+
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """Slots of the longest cached prefix of whole blocks of `token_ids`.
+
+        The caller gets one pool reference per returned slot (free them when done), so an
+        eviction cannot recycle a slot it is reading.
+        """
+        keys: list[bytes] = []
+        for key in _block_hashes(token_ids, self.block_size):
+            if key not in self._entries:
+                break
+            keys.append(key)
+        self._touch(keys)
+        slots = [self._entries[k] for k in keys]
+        self.pool.share(slots)
+        return slots
+
+    def insert(self, token_ids: Sequence[int], slots: Sequence[int]) -> int:
+        """Cache the full blocks of `token_ids`, whose KV is in `slots` (one per block; a
+        partial tail block or extra slots are ignored). A block already cached keeps its
+        slot, and the caller's duplicate is not referenced. All or nothing: a free slot
+        raises before anything changes. Returns how many entries were added."""
+        keys = _block_hashes(token_ids, self.block_size)[: len(slots)]
+        new = {k: s for k, s in zip(keys, slots, strict=False) if k not in self._entries}
+        self.pool.share(new.values())
+        self._entries.update(new)
+        self._touch(keys)
+        return len(new)
+
+    def evict(self, need_free: int) -> int:
+        """Drop LRU entries until the pool has `need_free` free slots or nothing is cached.
+
+        A dropped entry frees its slot only if no sequence still holds it. Returns how many
+        entries were dropped.
+        """
+        dropped = 0
+        while self.pool.num_free < need_free and self._entries:
+            _, slot = self._entries.popitem(last=False)
+            self.pool.free([slot])
+            dropped += 1
+        return dropped
+
+    def alloc(self, n: int) -> list[int]:
+        """`pool.alloc(n)`, evicting cached prefixes first when the pool is short."""
+        self.evict(n)
+        return self.pool.alloc(n)
