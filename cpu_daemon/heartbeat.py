@@ -22,15 +22,12 @@ from typing import Any
 import structlog
 
 from hybridgen import sd_notify
-from hybridgen.ipc.channels import Channels, make_ticket, take_payload
+from hybridgen.ipc.channels import Channels, Message, Outbox, take_payload
 from hybridgen.ipc.messages import StepResult, decode_step_result
 from hybridgen.ipc.peer import PeerWatch
 from hybridgen.ipc.ticket import Op, Ticket
 
 log = structlog.get_logger()
-
-Command = tuple[Op, int, bytes, tuple[int, int, int, int]]
-"""(op, request id, payload, shape) of a ticket to the GPU daemon."""
 
 
 @dataclass
@@ -58,11 +55,10 @@ class CpuHeartbeat:
         self.on_result, self.on_info, self.on_dead = on_result, on_info, on_dead
         self.on_backpressure = on_backpressure
         self.period = period_s
-        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.stats = CpuHeartbeatStats()
         self.stopping = False
-        self._pending: deque[Command] = deque()
-        self._placed: Ticket | None = None
+        self._outbox = Outbox(channels.c2g, channels.c2g_meta)
         self._peer = PeerWatch(channels.g2c, "GPU daemon", peer_timeout_s)
         self._watchdog = sd_notify.watchdog_interval_s()
         self._last_ping = 0.0
@@ -86,7 +82,7 @@ class CpuHeartbeat:
         shape: tuple[int, int, int, int] = (0, 0, 0, 0),
     ) -> None:
         """Queue a command; the heartbeat thread sends it on its next tick (thread-safe)."""
-        self.commands.put((op, request_id, payload, shape))
+        self.commands.put((op, request_id, payload, 0, shape))
 
     def _run(self) -> None:
         try:
@@ -104,7 +100,7 @@ class CpuHeartbeat:
         t0 = time.monotonic()
         while True:
             try:
-                self._pending.append(self.commands.get_nowait())
+                self._outbox.append(self.commands.get_nowait())
             except queue.Empty:
                 break
         self._flush()
@@ -123,16 +119,10 @@ class CpuHeartbeat:
         return self._peer.dead()
 
     def _flush(self) -> None:
-        while self._pending:
-            if self._placed is None:
-                op, rid, payload, shape = self._pending[0]
-                self._placed = make_ticket(self.ch.c2g_meta, op, rid, payload, shape=shape)
-            if self._placed is None or not self.ch.c2g.try_put(self._placed):
-                self.stats.backpressure += 1
-                return
-            self._placed = None
-            self._pending.popleft()
-            self.stats.sent += 1
+        sent = self._outbox.sent
+        if self._outbox.flush() is not None:
+            self.stats.backpressure += 1
+        self.stats.sent += self._outbox.sent - sent
 
     def _receive(self, ticket: Ticket) -> None:
         self.stats.received += 1

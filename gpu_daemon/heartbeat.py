@@ -21,7 +21,7 @@ import structlog
 from hybridgen import sd_notify
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
 from hybridgen.gpu_daemon.info import engine_info
-from hybridgen.ipc.channels import Channels, make_ticket, take_payload
+from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
     StepResult,
     decode_append,
@@ -68,10 +68,7 @@ class GpuHeartbeat:
         self.engine, self.ch = engine, channels
         self.period = period_s
         self.stats = HeartbeatStats()
-        # Messages to the CPU daemon, in order: (op, request id, payload, flags, shape). The
-        # arena is FIFO, so a payload is placed only when it is next in line for the ring.
-        self.outbox: deque[tuple[Op, int, bytes, int, tuple[int, int, int, int]]] = deque()
-        self.placed: Ticket | None = None  # head of the outbox, payload already in the arena
+        self.outbox = Outbox(channels.g2c, channels.g2c_meta)
         self.stopping = False
         self.defer_sampling = engine.config.sample_placement == "cpu"
         """The CPU daemon picks tokens from the candidates this daemon sends."""
@@ -160,16 +157,11 @@ class GpuHeartbeat:
         self.outbox.append((Op.STEP_RESULT, result.request_id, payload, flags, shape))
 
     def _flush(self) -> None:
-        """Send queued messages in order until the ring or the arena is full."""
-        while self.outbox:
-            if self.placed is None:
-                self.placed = make_ticket(self.ch.g2c_meta, *self.outbox[0])
-            if self.placed is None or not self.ch.g2c.try_put(self.placed):
-                self._ring_full("g2c full" if self.placed else "g2c arena full")
-                return
-            self.placed = None
-            self.outbox.popleft()
-            self.stats.results_out += 1
+        sent = self.outbox.sent
+        full = self.outbox.flush()
+        self.stats.results_out += self.outbox.sent - sent
+        if full is not None:
+            self._ring_full(f"g2c {full}")
 
     def _ring_full(self, reason: str) -> None:
         self.stats.ring_full += 1

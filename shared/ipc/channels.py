@@ -10,6 +10,7 @@ attaches. Each arena's payloads are released by its consumer in ticket order.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from hybridgen.ipc import shm
@@ -72,6 +73,45 @@ def make_ticket(
         payload_len=length,
         timestamp_ns=time.monotonic_ns(),
     )
+
+
+Message = tuple[Op, int, bytes, int, tuple[int, int, int, int]]
+"""(op, request id, payload, flags, shape) of a ticket still to be sent."""
+
+
+class Outbox:
+    """Messages for one ring, sent strictly in order.
+
+    Invariant: the arena is FIFO, so a message's payload is placed only when that message is
+    next in line, and a placed ticket is retried until the ring takes it. A full ring or arena
+    keeps messages here: that is backpressure, and nothing is ever dropped.
+    """
+
+    def __init__(self, ring: Ring, meta: MetaBuffer) -> None:
+        self.ring, self.meta = ring, meta
+        self.queue: deque[Message] = deque()
+        self.sent = 0
+        self._placed: Ticket | None = None  # the head message, its payload in the arena
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def append(self, message: Message) -> None:
+        self.queue.append(message)
+
+    def flush(self) -> str | None:
+        """Send what the ring takes; None when everything went, else what was full."""
+        while self.queue:
+            if self._placed is None:
+                self._placed = make_ticket(self.meta, *self.queue[0])
+            if self._placed is None:
+                return "arena full"
+            if not self.ring.try_put(self._placed):
+                return "ring full"
+            self._placed = None
+            self.queue.popleft()
+            self.sent += 1
+        return None
 
 
 def take_payload(meta: MetaBuffer, ticket: Ticket) -> bytes:
