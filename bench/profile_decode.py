@@ -1,11 +1,15 @@
 """Where a batch-1 decode step of llama3-8b spends its time on the GPU (device tool only).
 
-Prints the graph replay time alone (GPU time per step), the engine's step time (GPU plus
-host gaps) and the top kernels by CUDA time.
+Prints the graph replay time alone (GPU time per step), the per-token time of a 256-token
+greedy decode for several decode_steps (GPU plus host gaps: the gap is what a step costs
+beyond the replay), and the top kernels by CUDA time over one multi-step group.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import time
 
 import torch
@@ -26,10 +30,28 @@ engine = Engine(
         max_model_len=4096,
     )
 )
-params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-engine.add_request("p", list(range(1000, 1512)), params)
-for _ in range(20):
-    engine.step()
+prompt = list(range(1000, 1512))
+
+
+def decode_ms_per_token(steps: int, new_tokens: int = 256) -> float:
+    """Median over 3 runs of the decode-only time per token at batch 1."""
+    engine.config = dataclasses.replace(engine.config, decode_steps=steps)
+    runs = []
+    for r in range(4):
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        engine.add_request(f"p{steps}-{r}", prompt, params)
+        engine.step()  # the prefill
+        torch.cuda.synchronize()
+        t0, n = time.perf_counter(), 0
+        while engine.has_unfinished():
+            n += sum(len(o.new_token_ids) for o in engine.step())
+        torch.cuda.synchronize()
+        if r:  # the first run warms up
+            runs.append((time.perf_counter() - t0) * 1e3 / n)
+    return sorted(runs)[1]
+
+
+decode_ms_per_token(4)
 graphs = engine.runner.graphs
 assert graphs is not None
 g = graphs.graphs[1]
@@ -39,17 +61,29 @@ for _ in range(100):
     g.replay()
 end.record()
 torch.cuda.synchronize()
-print(f"graph replay alone: {start.elapsed_time(end) / 100:.3f} ms/step")
-t0 = time.perf_counter()
-for _ in range(100):
+replay = start.elapsed_time(end) / 100
+print(f"graph replay alone: {replay:.3f} ms/step")
+sweep = {}
+for steps in (1, 4, 8, 16):
+    ms = decode_ms_per_token(steps)
+    sweep[steps] = ms
+    print(
+        f"decode_steps={steps:2d}: {ms:.3f} ms/token ({1e3 / ms:.1f} tok/s), "
+        f"{ms - replay:.3f} ms beyond the replay"
+    )
+engine.config = dataclasses.replace(engine.config, decode_steps=8)
+engine.add_request("prof", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+for _ in range(2):
     engine.step()
-torch.cuda.synchronize()
-print(f"engine.step: {(time.perf_counter() - t0) * 10:.3f} ms/step")
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    for _ in range(10):
+    for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 print(
     prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60)
 )
+out = os.environ.get("OUT")
+if out:
+    with open(os.path.join(out, "profile_decode.json"), "w") as f:
+        json.dump({"replay_ms": replay, "ms_per_token_by_decode_steps": sweep}, f, indent=1)
