@@ -87,7 +87,6 @@ MAX_CAPACITY = 1 << 20
 _HEAD_W, _PRODUCER_PID_W, _HEARTBEAT_W = 64 // 8, 72 // 8, 80 // 8
 _TAIL_W, _CONSUMER_PID_W = 128 // 8, 136 // 8
 _FIXED = struct.Struct("<8sIIIIQI")  # magic .. owner pid, at offset 0; written once by create
-_STAMPED = SLOT_TICKET_OFFSET + TICKET_SIZE  # bytes of a slot that carry meaning
 # Log the first few corrupt slots in full, then only every _LOG_EVERY-th, so a garbage
 # ring cannot flood the log at ring speed; stats.corrupt always has the exact count.
 _LOG_FIRST, _LOG_EVERY = 16, 1024
@@ -130,7 +129,8 @@ class Ring:
         self.epoch: int = epoch
         self._mask = capacity - 1
         # Atomic u64 access (see module docstring); the mapping may be page-rounded.
-        self._words = memoryview(mm)[: HEADER_SIZE + capacity * SLOT_SIZE].cast("Q")
+        self._view = memoryview(mm)[: HEADER_SIZE + capacity * SLOT_SIZE]
+        self._words = self._view.cast("Q")
         self._pid = os.getpid()
         self._head: int | None = None  # cached once this object acts as producer
         self._tail: int | None = None  # cached once this object acts as consumer
@@ -239,13 +239,13 @@ class Ring:
     def _commit(self, ticket: Ticket) -> None:
         # Called holding one `spaces` count, so slot head & mask is free.
         head = self._head if self._head is not None else self._claim_producer()
-        try:
-            body = ticket.pack(seq=head + 1)
-        except ValueError:
-            self._spaces.release()  # give the space back: nothing was written
-            raise
         off = HEADER_SIZE + (head & self._mask) * SLOT_SIZE
-        self._mm[off + SLOT_TICKET_OFFSET : off + _STAMPED] = body
+        try:
+            # Straight into the slot: the consumer reads it only after the stamp and the post.
+            ticket.pack_into(self._view, off + SLOT_TICKET_OFFSET, seq=head + 1)
+        except ValueError:
+            self._spaces.release()  # give the space back: the slot was not committed
+            raise
         self._words[(off + SLOT_STAMP_OFFSET) >> 3] = head + 1  # commit stamp, after the body
         self._head = head + 1
         self._words[_HEAD_W] = head + 1
@@ -304,21 +304,25 @@ class Ring:
         return out
 
     def _take(self) -> Ticket | None:
-        # Called holding one `items` count: slot tail & mask was committed by the producer.
+        # Called holding one `items` count: slot tail & mask was committed by the producer,
+        # and it stays ours until the `spaces` post below, so it is parsed in place.
         tail = self._tail
         if tail is None:
             tail = self._words[_TAIL_W]
             self._words[_CONSUMER_PID_W] = self._pid
         off = HEADER_SIZE + (tail & self._mask) * SLOT_SIZE
-        raw = self._mm[off : off + _STAMPED]  # a copy, so the slot can be freed at once
+        stamp = int(self._words[(off + SLOT_STAMP_OFFSET) >> 3])
+        ticket: Ticket | None = None
+        reason = ""
+        try:
+            ticket = Ticket.unpack_from(self._view, off + SLOT_TICKET_OFFSET)
+        except CorruptTicket as exc:
+            reason = str(exc)
         self._tail = tail + 1
         self._words[_TAIL_W] = tail + 1
         self._spaces.release()
-        stamp = int.from_bytes(raw[SLOT_STAMP_OFFSET : SLOT_STAMP_OFFSET + 8], "little")
-        try:
-            ticket = Ticket.unpack_from(raw, SLOT_TICKET_OFFSET)
-        except CorruptTicket as exc:
-            self._report(tail, stamp, str(exc))
+        if ticket is None:
+            self._report(tail, stamp, reason)
             return None
         if stamp != tail + 1 or ticket.seq != tail + 1:
             self._report(tail, stamp, f"torn slot: stamp {stamp}, ticket seq {ticket.seq}")
@@ -383,6 +387,7 @@ class Ring:
         """Unmap and close the semaphores (this process only); idempotent."""
         if not self._mm.closed:
             self._words.release()
+            self._view.release()
             self._mm.close()
             self._items.close()
             self._spaces.close()

@@ -73,6 +73,8 @@ assert TICKET_SIZE == 64, TICKET_SIZE
 
 # dict lookup is several times faster than Op(value) on the hot unpack path.
 _OPS: dict[int, Op] = {int(op): op for op in Op}
+_MIN_OP, _MAX_OP = min(_OPS), max(_OPS)  # the codes are contiguous; an int compare is cheap
+assert len(_OPS) == _MAX_OP - _MIN_OP + 1
 
 _U64 = (0, 2**64 - 1)
 _U32 = (0, 2**32 - 1)
@@ -91,6 +93,7 @@ _RANGES: tuple[tuple[str, int, int], ...] = (
 
 # Frozen dataclasses forbid plain assignment; Ticket.__init__ fills __dict__ through object.
 _setattr = object.__setattr__
+_new = object.__new__
 
 
 class CorruptTicket(ValueError):
@@ -162,9 +165,19 @@ class Ticket:
         )
 
     def pack(self, seq: int | None = None) -> bytes:
-        """Serialize to exactly TICKET_SIZE bytes; `seq` overrides self.seq (used by Ring)."""
+        """Serialize to exactly TICKET_SIZE bytes; `seq` overrides self.seq."""
+        buf = bytearray(TICKET_SIZE)
+        self.pack_into(memoryview(buf), 0, seq)
+        return bytes(buf)
+
+    def pack_into(self, buf: memoryview, offset: int, seq: int | None = None) -> None:
+        """Serialize into buf[offset : offset + TICKET_SIZE] in place (the ring writes its slot
+        this way, with no intermediate bytes). On a range error the bytes written so far are
+        garbage and a ValueError names the field."""
         try:
-            body = _BODY.pack(
+            _BODY.pack_into(
+                buf,
+                offset,
                 self.seq if seq is None else seq,
                 self.timestamp_ns,
                 self.request_id,
@@ -182,9 +195,10 @@ class Ticket:
             # Only the failing (cold) path pays for finding out which field is wrong.
             raise self._range_error(seq) from exc
         # struct accepts the full i32/i16 range; -1 is the only negative these fields allow.
-        if self.op not in _OPS or self.layer < -1 or self.device < -1:
+        if not _MIN_OP <= self.op <= _MAX_OP or self.layer < -1 or self.device < -1:
             raise self._range_error(seq)
-        return body + _CRC.pack(zlib.crc32(body))
+        body_end = offset + _BODY_SIZE
+        _CRC.pack_into(buf, body_end, zlib.crc32(buf[offset:body_end]))
 
     def _range_error(self, seq: int | None) -> ValueError:
         """Name the first field that is outside its range (called only when packing failed)."""
@@ -218,7 +232,8 @@ class Ticket:
                 f"wrong length: need {TICKET_SIZE} bytes at offset {offset}, buffer has {len(buf)}"
             )
         (stored,) = _CRC.unpack_from(buf, offset + _BODY_SIZE)
-        computed = zlib.crc32(memoryview(buf)[offset : offset + _BODY_SIZE])
+        view = buf if isinstance(buf, memoryview) else memoryview(buf)
+        computed = zlib.crc32(view[offset : offset + _BODY_SIZE])
         if stored != computed:
             raise CorruptTicket(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
         (seq, ts, rid, s0, s1, s2, s3, p_off, p_len, layer, op_code, dtype, flags, device, _) = (
@@ -227,4 +242,23 @@ class Ticket:
         op = _OPS.get(op_code)
         if op is None:
             raise CorruptTicket(f"unknown op {op_code}: known ops are 1..{len(_OPS)}")
-        return cls(op, rid, seq, flags, device, dtype, (s0, s1, s2, s3), layer, p_off, p_len, ts)
+        # What __init__ does, minus its argument handling: this is the ring consumer's path.
+        ticket = _new(cls)
+        _setattr(
+            ticket,
+            "__dict__",
+            {
+                "op": op,
+                "request_id": rid,
+                "seq": seq,
+                "flags": flags,
+                "device": device,
+                "dtype": dtype,
+                "shape": (s0, s1, s2, s3),
+                "layer": layer,
+                "payload_offset": p_off,
+                "payload_len": p_len,
+                "timestamp_ns": ts,
+            },
+        )
+        return ticket
