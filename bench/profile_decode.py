@@ -3,6 +3,7 @@
 Prints the graph replay time alone (GPU time per step), the per-token time of a 256-token
 greedy decode for several decode_steps (GPU plus host gaps: the gap is what a step costs
 beyond the replay), and the top kernels by CUDA time over one multi-step group.
+`--cublas` runs every projection through cuBLAS instead of the batch-1 Triton GEMV.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import torch
@@ -18,9 +20,12 @@ from torch.profiler import ProfilerActivity, profile
 from hybridgen import log
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.kernels import ops
 from hybridgen.sampling.params import SamplingParams
 
 log.configure(level="warning")
+if "--cublas" in sys.argv:
+    ops.GEMV = None
 engine = Engine(
     EngineConfig(
         model="llama3-8b",
@@ -85,5 +90,7 @@ print(
 )
 out = os.environ.get("OUT")
 if out:
-    with open(os.path.join(out, "profile_decode.json"), "w") as f:
-        json.dump({"replay_ms": replay, "ms_per_token_by_decode_steps": sweep}, f, indent=1)
+    name = "profile_decode_cublas.json" if ops.GEMV is None else "profile_decode.json"
+    with open(os.path.join(out, name), "w") as f:
+        result = {"gemv": str(ops.GEMV), "replay_ms": replay, "ms_per_token_by_steps": sweep}
+        json.dump(result, f, indent=1)

@@ -16,11 +16,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.kernels import reference
+from hybridgen.kernels import ops, reference
 from hybridgen.kernels import triton_activation as t_act
+from hybridgen.kernels import triton_gemv as t_gemv
 from hybridgen.kernels import triton_norm as t_norm
 from hybridgen.kernels import triton_rope_cache as t_rope
-from tests.kernel_helpers import DEVICE, randn, rel_err, tol
+from tests.kernel_helpers import DEVICE, FP32_TOL, randn, rel_err, tol
 
 # ----------------------------------------------------------------------------------------------
 # add_rms_norm / silu_and_mul
@@ -162,3 +163,39 @@ def test_reference_rope_matches_hf_bitwise() -> None:
     reference.rope_and_cache(q, k, v, pos, cos, sin, caches[0], caches[1], torch.arange(n_tok))
     assert torch.equal(q, hf_q[0].transpose(0, 1))
     assert torch.equal(k, hf_k[0].transpose(0, 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# gemv (batch-1 projections)
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("n", "k", "bias", "cfg"),
+    [
+        (37, 256, False, t_gemv.GemvConfig(8, 64)),  # N not a multiple of BLOCK_N
+        (64, 200, True, t_gemv.GemvConfig(16, 64)),  # K not a multiple of BLOCK_K
+        (5, 1024, True, t_gemv.GemvConfig()),  # the production tiles, fewer rows than a tile
+    ],
+)
+def test_gemv(dtype: torch.dtype, n: int, k: int, bias: bool, cfg: t_gemv.GemvConfig) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    x = randn(gen, 1, k, dtype=dtype)
+    w = randn(gen, n, k, dtype=dtype)
+    b = randn(gen, n, dtype=dtype) if bias else None
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    out = t_gemv.gemv(x, w, b, cfg)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, ref) < tol(dtype)
+
+
+def test_linear_matches_reference() -> None:
+    """ops.linear, as the model calls it: on CUDA one row takes the Triton GEMV and three rows
+    cuBLAS; on the CPU both are F.linear."""
+    gen = torch.Generator().manual_seed(3)
+    w, b = randn(gen, 48, 128), randn(gen, 48)
+    for rows in (1, 3):
+        x = randn(gen, rows, 128)
+        ref = x.double() @ w.double().T + b.double()
+        assert rel_err(ops.linear(x, w, b), ref) < FP32_TOL

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.sampling.sampler import Sampler, SamplingBatch, apply_penalties
+from hybridgen.sampling.sampler import Sampler, SamplingBatch, apply_penalties, first_argmax
 from tests.sampling_helpers import V, chi_square, draws, sample
 
 # ---------------------------------------------------------------------------------------------
@@ -332,3 +332,17 @@ def test_rejects_mismatched_shapes() -> None:
         Sampler()(torch.randn(2, V), batch)
     with pytest.raises(ValueError, match="seeds"):
         SamplingBatch.build([SamplingParams()], [0, 1], [0], None, None, V, "cpu")
+
+
+@pytest.mark.parametrize("chunks", [2, 8, 64, 512])
+def test_first_argmax_chunked_equals_argmax(chunks: int) -> None:
+    """The two-stage argmax (CUDA's path for wide rows) keeps argmax's first-index tie rule,
+    including NaN (the max) and rows of -inf; small integer logits make ties common."""
+    gen = torch.Generator().manual_seed(chunks)
+    for trial in range(50):
+        x = torch.randint(-3, 3, (5, 1024), generator=gen).float()
+        if trial % 5 == 0:
+            x[1, 700], x[1, 90] = math.nan, math.nan
+        x[2] = -math.inf
+        x[3, 1023] = 9.0  # the max in the last chunk
+        assert torch.equal(first_argmax(x, chunks), x.argmax(dim=-1)), trial

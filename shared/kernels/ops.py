@@ -8,6 +8,7 @@ device. Note the one aliasing difference: on CUDA, add_rms_norm writes residual_
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from hybridgen.kernels import reference
@@ -16,6 +17,7 @@ from hybridgen.kernels.reference import merge_attention_partials, paged_prefill_
 try:
     from hybridgen.kernels import (
         triton_activation,
+        triton_gemv,
         triton_norm,
         triton_paged_decode,
         triton_rope_cache,
@@ -28,6 +30,7 @@ except ImportError:  # CPU-only installs ship without triton
 __all__ = [
     "HAS_TRITON",
     "add_rms_norm",
+    "linear",
     "merge_attention_partials",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -38,6 +41,17 @@ __all__ = [
 
 def _use_triton(t: Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
+
+
+GEMV: triton_gemv.GemvConfig | None = triton_gemv.GemvConfig() if HAS_TRITON else None
+"""Tiles of the Triton GEMV for one-row projections on CUDA; None: cuBLAS for every shape."""
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    # x: [T, K]; weight: [N, K]; bias: [N] -> [T, N]
+    if GEMV is not None and x.shape[0] == 1 and _use_triton(x):
+        return triton_gemv.gemv(x, weight, bias, GEMV)
+    return F.linear(x, weight, bias)
 
 
 def add_rms_norm(

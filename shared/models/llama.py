@@ -60,7 +60,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.reshape(t, s.num_heads, s.head_dim)
         k = k.reshape(t, s.num_kv_heads, s.head_dim)
@@ -94,7 +94,7 @@ class Attention(nn.Module):
                 self.scale,
                 s.sliding_window,
             )
-        return self.o_proj(out.reshape(t, s.q_size))
+        return ops.linear(out.reshape(t, s.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -104,7 +104,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -161,7 +162,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in float32 (the LM head runs in model dtype, as HF)."""
-        return self.lm_head(hidden).float()
+        return ops.linear(hidden, self.lm_head.weight).float()
 
 
 def empty_model(spec: ModelSpec, device: torch.device) -> CausalLM:

