@@ -25,7 +25,7 @@ from hybridgen.sampling.params import SamplingParams
 
 log.configure(level="warning")
 if "--cublas" in sys.argv:
-    ops.GEMV = None
+    ops.USE_GEMV = False
 engine = Engine(
     EngineConfig(
         model="llama3-8b",
@@ -90,7 +90,7 @@ print(
 )
 out = os.environ.get("OUT")
 if out:
-    name = "profile_decode_cublas.json" if ops.GEMV is None else "profile_decode.json"
+    name = "profile_decode.json" if ops.USE_GEMV else "profile_decode_cublas.json"
     with open(os.path.join(out, name), "w") as f:
-        result = {"gemv": str(ops.GEMV), "replay_ms": replay, "ms_per_token_by_steps": sweep}
+        result = {"gemv": ops.USE_GEMV, "replay_ms": replay, "ms_per_token_by_steps": sweep}
         json.dump(result, f, indent=1)

@@ -43,14 +43,15 @@ def _use_triton(t: Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-GEMV: triton_gemv.GemvConfig | None = triton_gemv.GemvConfig() if HAS_TRITON else None
-"""Tiles of the Triton GEMV for one-row projections on CUDA; None: cuBLAS for every shape."""
+USE_GEMV = True
+"""One-row projections on CUDA take the Triton GEMV (False: cuBLAS for every shape; for
+benchmarks that compare the two)."""
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     # x: [T, K]; weight: [N, K]; bias: [N] -> [T, N]
-    if GEMV is not None and x.shape[0] == 1 and _use_triton(x):
-        return triton_gemv.gemv(x, weight, bias, GEMV)
+    if USE_GEMV and x.shape[0] == 1 and _use_triton(x):
+        return triton_gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -24,12 +24,26 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tile sizes and launch shape; the defaults are the H200 sweep's choice (bench/NOTES.md)."""
+    """Tile sizes and launch shape of one GEMV launch."""
 
     block_n: int = 8
     block_k: int = 512
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
+
+
+def tiles_for(n: int) -> GemvConfig:
+    """The H200 sweep's best tiles by output width (bench/gemv_bench.py, bench/NOTES.md).
+
+    Narrow outputs (o_proj, down_proj: N 4096) have few rows to spread over 132 SMs and
+    want long K tiles with more warps; wide ones (gate_up, lm_head) want short K tiles and
+    many programs; qkv (N 6144) sits between.
+    """
+    if n <= 4096:
+        return GemvConfig(16, 1024, 8, 4)
+    if n >= 16384:
+        return GemvConfig(16, 256, 4, 4)
+    return GemvConfig()
 
 
 @triton.jit
@@ -74,10 +88,11 @@ def gemv(
 ) -> Tensor:
     """x: [1, K] or [K]; weight: [N, K] with unit stride along K; bias: [N] or None.
 
-    Returns [1, N] (or [N]) in x.dtype, accumulated in fp32, like F.linear.
+    Returns [1, N] (or [N]) in x.dtype, accumulated in fp32, like F.linear. `config`
+    overrides the tiles `tiles_for` picks.
     """
-    cfg = config or GemvConfig()
     n, k = weight.shape
+    cfg = config or tiles_for(n)
     assert x.shape[-1] == k and x.numel() == k, "gemv takes one row of x"
     assert weight.stride(-1) == 1, "weight rows must be contiguous"
     x1 = x.reshape(k)
