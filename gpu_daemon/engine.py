@@ -72,6 +72,10 @@ class EngineStats:
     max_step_tokens: int = 0
     """Most tokens computed in one step (never above max_num_batched_tokens)."""
     peak_blocks_used: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens admitted."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens served from the prefix cache instead of computed."""
 
 
 @dataclass
@@ -119,7 +123,12 @@ class Engine:
         )
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.prefix_reuse,
+            ),
             self.pool,
         )
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
@@ -236,8 +245,11 @@ class Engine:
         st.steps += 1
         st.max_step_tokens = max(st.max_step_tokens, batch.total_tokens)
         st.peak_blocks_used = max(st.peak_blocks_used, self.pool.num_used)
+        st.prompt_tokens = self.scheduler.prompt_tokens
+        st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
+            self.scheduler.cache_blocks(seq)
         if on_host and defer_sampling:
             return [self._await_token(seq, c) for seq, c in picked]
         if on_host:

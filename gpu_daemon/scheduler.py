@@ -10,6 +10,12 @@ this order:
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed from its prompt plus what it has generated so far.
+
+Prefix reuse: every full, computed block is registered in the pool under the chained hash
+of its tokens, and stays cached after its sequence lets go until the space is needed. A
+sequence being admitted first takes the cached blocks of its longest cached prefix (never
+its last token, whose logits it needs), so a shared system prompt, the previous turn of a
+chat or a preempted sequence's own prefix is not computed again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from hybridgen.block_hash import chain_hash
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.sequence import Sequence, Status
 
@@ -31,6 +38,8 @@ class SchedulerConfig:
     """Tokens computed in one step; longer prompts are prefilled in chunks of this size."""
     max_model_len: int = 4096
     """Longest sequence, prompt plus output."""
+    prefix_reuse: bool = True
+    """Register computed blocks by prefix hash and reuse them at admission."""
 
 
 @dataclass
@@ -60,6 +69,12 @@ class Scheduler:
         self.pool = pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
+        self.prompt_tokens = 0
+        """Prompt tokens of every sequence admitted (first admissions only)."""
+        self.prefix_hit_tokens = 0
+        """Of those, tokens whose KV came from the prefix cache."""
+        self.resumed_tokens = 0
+        """Tokens of preempted sequences taken back from the cache at readmission."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -74,6 +89,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.cache_blocks(seq)
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.status = Status.FINISHED
@@ -127,11 +143,37 @@ class Scheduler:
         seq.block_ids += self.pool.allocate(max(need, 0))
         return True
 
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks for reuse (those not yet registered)."""
+        if not self.config.prefix_reuse:
+            return
+        full = min(seq.num_computed_tokens // self.pool.block_size, len(seq.block_ids))
+        for i, key in enumerate(self._hashes(seq, full)):
+            self.pool.register(seq.block_ids[i], key)
+
+    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """The chained hashes of the sequence's first `n` full blocks (computed once)."""
+        bs, hashes = self.pool.block_size, seq.block_hashes
+        while len(hashes) < n:
+            i = len(hashes)
+            block = seq.token_ids[i * bs : (i + 1) * bs]
+            hashes.append(chain_hash(hashes[-1] if i else b"", block))
+        return hashes[:n]
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Start a sequence with nothing computed from its longest cached prefix."""
+        if not self.config.prefix_reuse or seq.block_ids or seq.num_computed_tokens:
+            return
+        reusable = (seq.num_tokens - 1) // self.pool.block_size  # the last token is computed
+        seq.block_ids = self.pool.lookup(self._hashes(seq, reusable))
+        seq.num_computed_tokens = len(seq.block_ids) * self.pool.block_size
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
+        self.cache_blocks(seq)
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
@@ -144,10 +186,19 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
             if need > self.pool.num_free:
+                self.pool.free(seq.block_ids)  # the cached prefix goes back, still cached
+                seq.block_ids, seq.num_computed_tokens = [], 0
                 break
+            if seq.num_preemptions:
+                self.resumed_tokens += seq.num_computed_tokens
+            else:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.prompt_tokens += seq.prompt_len
+                self.prefix_hit_tokens += seq.num_cached_tokens
             seq.block_ids += self.pool.allocate(need)
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -51,6 +51,10 @@ class Sequence:
     num_preemptions: int = 0
     awaiting_token: bool = False
     """Its candidates went to the CPU daemon; it is not scheduled until the token comes."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of its first full token blocks (`hybridgen.block_hash`), grown on use."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at first admission."""
 
     @property
     def num_tokens(self) -> int:

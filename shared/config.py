@@ -127,6 +127,9 @@ class KvCacheConfig:
     """Warm-KV storage: lossless (as is), lz4, int8 (~2:1) or int4 group-quant (~4:1)."""
     block_size: Literal[8, 16, 32, 64, 128] = 16
     """Tokens per KV block, in every tier."""
+    prefix_reuse: bool = True
+    """Reuse the KV of a cached token prefix (a shared system prompt, a chat's earlier turns)
+    instead of computing it again."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,7 @@ class HybridGenConfig:
             max_num_batched_tokens=m.max_num_batched_tokens,
             max_model_len=m.max_model_len,
             kv_pool_mb=self.kv_cache.hot_region_mb,
+            prefix_reuse=self.kv_cache.prefix_reuse,
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
             sample_placement=self.placements.sample or "gpu",
             seed=m.seed,

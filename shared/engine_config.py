@@ -49,6 +49,8 @@ class EngineConfig:
     hot_region_mb; must still fit); ignored when num_kv_blocks is set."""
     max_model_len: int | None = None
     """Longest sequence; None: the model's, capped by what the KV pool can hold."""
+    prefix_reuse: bool = True
+    """Keep computed KV blocks cached by prefix hash and reuse them for new requests."""
     cuda_graphs: bool = True
     """Replay decode steps from CUDA graphs (CUDA only)."""
     max_graph_batch: int = 64

@@ -87,3 +87,113 @@ def test_no_overlap_and_no_leak(program: list[tuple[str, int, int]]) -> None:
     for blocks in list(held.values()):
         pool.free(blocks)
     assert pool.num_free == pool.num_blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# prefix cache: register / lookup / idle blocks
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_released_cached_block_is_found_again() -> None:
+    pool = BlockPool(4, 16)
+    a, b = pool.allocate(2)
+    pool.register(a, _key(1))
+    pool.register(b, _key(2))
+    pool.free([a, b])
+    assert pool.num_free == 4 and pool.num_cached == 2  # idle blocks count as free
+    assert pool.lookup([_key(1), _key(2), _key(3)]) == [a, b]
+    assert pool.refcount(a) == pool.refcount(b) == 1 and pool.num_free == 2
+
+
+def test_lookup_stops_at_the_first_miss() -> None:
+    pool = BlockPool(4, 16)
+    a, b = pool.allocate(2)
+    pool.register(a, _key(1))
+    pool.register(b, _key(3))
+    assert pool.lookup([_key(1), _key(2), _key(3)]) == [a]
+    assert pool.refcount(a) == 2
+
+
+def test_allocation_takes_free_blocks_before_evicting_idle_ones_lru() -> None:
+    pool = BlockPool(4, 16)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        pool.register(b, _key(i))
+    pool.free([blocks[2], blocks[1]])  # a sequence's blocks go idle tail first: 1, 2
+    pool.free([blocks[0]])  # idle order now 1, 2, 0
+    fresh = pool.allocate(2)  # the free block, then the least recently released idle one
+    assert blocks[1] in fresh and not set(fresh) & {blocks[0], blocks[2]}
+    assert pool.lookup([_key(1)]) == []  # evicted: no longer cached
+    assert pool.lookup([_key(0)]) == [blocks[0]]
+    assert pool.lookup([_key(2)]) == [blocks[2]]
+    assert pool.num_cached == 2
+
+
+def test_register_keeps_the_first_block_of_a_key() -> None:
+    pool = BlockPool(4, 16)
+    a, b = pool.allocate(2)
+    pool.register(a, _key(7))
+    pool.register(b, _key(7))  # same content computed twice: the first copy stays cached
+    pool.register(a, _key(8))  # a block has one key
+    assert pool.lookup([_key(7)]) == [a] and pool.lookup([_key(8)]) == []
+    pool.free([b])
+    assert pool.num_free == 3  # b was never cached: straight to the free list
+    with pytest.raises(ValueError, match="not held"):
+        pool.register(b, _key(9))
+
+
+cache_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "register", "free", "lookup"]),
+        st.integers(0, 5),
+        st.integers(1, 4),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cache_ops)
+def test_prefix_cache_never_hands_out_a_held_block(program: list[tuple[str, int, int]]) -> None:
+    """Under any mix of allocate / register / free / lookup: a fresh block is never one that
+    somebody holds, refcounts match the holders, a lookup returns only blocks registered
+    under those keys, and everything is free (or idle) once all holders let go."""
+    pool = BlockPool(12, 4)
+    held: dict[int, list[int]] = {}
+    keys: dict[bytes, int] = {}  # what a lookup may return for a key
+    for op, owner, n in program:
+        live = {b for blocks in held.values() for b in blocks}
+        if op == "alloc":
+            if n > pool.num_free:
+                with pytest.raises(OutOfBlocks):
+                    pool.allocate(n)
+                continue
+            fresh = pool.allocate(n)
+            assert not live & set(fresh), "allocate returned a held block"
+            keys = {k: b for k, b in keys.items() if b not in fresh}  # evicted on reuse
+            held.setdefault(owner, []).extend(fresh)
+        elif op == "register" and held.get(owner):
+            b = held[owner][n % len(held[owner])]
+            k = _key(owner * 100 + n)
+            if k not in keys and b not in keys.values():
+                keys[k] = b
+            pool.register(b, k)
+        elif op == "free" and owner in held:
+            pool.free(held.pop(owner))
+        elif op == "lookup":
+            k = _key(owner * 100 + n)
+            found = pool.lookup([k])
+            assert found == ([keys[k]] if k in keys else [])
+            held.setdefault(owner + 10, []).extend(found)
+        refs: dict[int, int] = {}
+        for blocks in held.values():
+            for b in blocks:
+                refs[b] = refs.get(b, 0) + 1
+        assert all(pool.refcount(b) == r for b, r in refs.items())
+        assert pool.num_free == pool.num_blocks - len(refs)
+    for blocks in list(held.values()):
+        pool.free(blocks)
+    assert pool.num_free == pool.num_blocks

@@ -33,6 +33,7 @@ FULL: dict[str, Any] = {
         "hot_codec": "int8",
         "warm_codec": "int4",
         "block_size": 32,
+        "prefix_reuse": False,
     },
     "offload_threshold": {"softmax": 12000, "layernorm": 800.5, "rotary_emb": 5000},
     "dynamic_tuning": {"enable": False, "warmup_steps": 8, "update_interval_ms": 250},
@@ -115,7 +116,12 @@ def test_every_section_parses() -> None:
     assert (topo.cpu.memory_mb, topo.cpu.bandwidth_gbps) == (128000, 204.8)
     kv = config.kv_cache
     assert (kv.hot_region_mb, kv.warm_region_mb, kv.cold_threshold_ms) == (4096, 8192, 150)
-    assert (kv.hot_codec, kv.warm_codec, kv.block_size) == ("int8", "int4", 32)
+    assert (kv.hot_codec, kv.warm_codec, kv.block_size, kv.prefix_reuse) == (
+        "int8",
+        "int4",
+        32,
+        False,
+    )
     off = config.offload_threshold
     assert (off.softmax, off.layernorm, off.rotary_emb) == (12000.0, 800.5, 5000.0)
     assert config.dynamic_tuning == type(config.dynamic_tuning)(False, 8, 250)
@@ -331,6 +337,7 @@ def test_engine_config_mapping() -> None:
         max_num_batched_tokens=512,
         max_model_len=8192,
         kv_pool_mb=4096,
+        prefix_reuse=False,
         sample_placement="cpu",
         seed=7,
     )

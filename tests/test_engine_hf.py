@@ -107,3 +107,37 @@ def test_sharded_bf16_checkpoint_loads(checkpoint) -> None:  # type: ignore[no-u
     expected = hf_greedy(path, [prompt], 8)[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert engine.generate([prompt], params)[0].token_ids == expected
+
+
+def test_second_turn_reuses_the_prefix_and_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A chat's second turn (first prompt + its answer + new tokens) computes only the new
+    tokens: the prefix cache serves every full block of the first turn, and the tokens are
+    still HF's. The same engine without prefix reuse computes everything."""
+    path = checkpoint("llama3")
+    first, extra = sample_prompts(path, 2, [70, 12])
+    engine = make_engine(path, block_size=8)
+    turn1 = engine.generate([first], GREEDY)[0].token_ids
+    second = first + turn1 + extra
+    expected = hf_greedy(path, [second], NEW_TOKENS)
+    before = engine.stats.prefix_hit_tokens
+    assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
+    # Turn 1's KV covers first + turn1[:-1] (the last sampled token was never fed back).
+    assert engine.stats.prefix_hit_tokens - before == (len(first) + NEW_TOKENS - 1) // 8 * 8
+    cold = make_engine(path, block_size=8, prefix_reuse=False)
+    cold.generate([first], GREEDY)
+    assert cold.generate([second], GREEDY)[0].token_ids == expected[0]
+    assert cold.stats.prefix_hit_tokens == 0
+
+
+def test_preempted_sequence_resumes_from_its_cached_blocks(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Preemption keeps the victim's computed blocks cached; when nothing else needed them,
+    its readmission takes them back instead of recomputing (and matches HF)."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [40, 33])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    engine = make_engine(path, block_size=8, num_kv_blocks=12, max_num_seqs=2)
+    got = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in got] == expected
+    assert engine.stats.preemptions > 0
+    assert engine.scheduler.prefix_hit_tokens == 0  # first admissions shared nothing
+    assert engine.scheduler.resumed_tokens > 0

@@ -38,7 +38,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import struct
@@ -51,6 +50,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
+from hybridgen.block_hash import block_hashes
 from hybridgen.ipc import shm
 from hybridgen.kvcodec.base import Codec
 from hybridgen.kvcodec.codecs import get_codec
@@ -312,23 +312,6 @@ class WarmPool:
         return self._view()[self._index(slot)]
 
 
-def _block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained digest per full block: h_i = blake2b(h_{i-1} || tokens of block i).
-
-    Equal prefixes give equal chains, and a block's digest covers every token before it, so
-    the same tokens after a different prefix get a different key. 128-bit digests make a
-    collision (which would serve wrong KV) negligible. The partial tail block is skipped.
-    """
-    ids = np.asarray(token_ids, dtype=np.int64)
-    out: list[bytes] = []
-    prev = b""
-    for i in range(len(ids) // block_size):
-        block = ids[i * block_size : (i + 1) * block_size]
-        prev = hashlib.blake2b(prev + block.tobytes(), digest_size=16).digest()
-        out.append(prev)
-    return out
-
-
 class PrefixIndex:
     """Maps chains of full-block token hashes to Warm slots, for prefix reuse.
 
@@ -362,7 +345,7 @@ class PrefixIndex:
         eviction cannot recycle a slot it is reading.
         """
         keys: list[bytes] = []
-        for key in _block_hashes(token_ids, self.block_size):
+        for key in block_hashes(token_ids, self.block_size):
             if key not in self._entries:
                 break
             keys.append(key)
@@ -376,7 +359,7 @@ class PrefixIndex:
         partial tail block or extra slots are ignored). A block already cached keeps its
         slot, and the caller's duplicate is not referenced. All or nothing: a free slot
         raises before anything changes. Returns how many entries were added."""
-        keys = _block_hashes(token_ids, self.block_size)[: len(slots)]
+        keys = block_hashes(token_ids, self.block_size)[: len(slots)]
         new = {k: s for k, s in zip(keys, slots, strict=False) if k not in self._entries}
         self.pool.share(new.values())
         self._entries.update(new)
