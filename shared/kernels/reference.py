@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks, quantize_tokens
+
 
 def add_rms_norm(
     x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
@@ -47,13 +49,17 @@ def rope_and_cache(
 ) -> None:
     # q: [T, Hq, D]; k, v: [T, Hkv, D]; positions, slot_mapping: [T]; cos, sin: [max_pos, D]
     # k_cache, v_cache: [N, S, Hkv, D]
+    _rope(q, k, positions, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _rope(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> None:
     # HF casts the fp32 tables to the model dtype before the multiply-add; keep that order so
     # fp32 CPU runs match HF bit for bit.
     cos_t = cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
     sin_t = sin[positions].to(q.dtype).unsqueeze(1)
     q.copy_(q * cos_t + _rotate_half(q) * sin_t)
     k.copy_(k * cos_t + _rotate_half(k) * sin_t)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def write_kv_cache(
@@ -188,6 +194,99 @@ def paged_prefill_attention(
         v = _gather_keys(v_cache, block_tables[i], k0, seq_len)
         out[lo:hi] = _prefill_one(q[lo:hi], k, v, seq_len, scale, sliding_window)
     return out
+
+
+# --- quantized Hot-KV (kv_quant.QuantKvCache): quantize on write, dequantize then attend -----
+
+
+def rope_and_cache_quant(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cache: QuantKvCache,
+    slot_mapping: Tensor,
+) -> None:
+    # As rope_and_cache; the cache holds the rotated k (rounded to the model dtype) and v,
+    # quantized per token.
+    _rope(q, k, positions, cos, sin)
+    write_kv_cache_quant(k, v, cache, slot_mapping)
+
+
+def write_kv_cache_quant(k: Tensor, v: Tensor, cache: QuantKvCache, slot_mapping: Tensor) -> None:
+    # k, v: [T, Hkv, D]; slot < 0 marks padding tokens.
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blk, off = slots // cache.block_size, slots % cache.block_size
+    for x, codes, scale, zero in (
+        (k, cache.k, cache.k_scale, cache.k_zero),
+        (v, cache.v, cache.v_scale, cache.v_zero),
+    ):
+        c, s, z = quantize_tokens(x[valid], cache.bits, cache.group_size, cache.scale_dtype)
+        codes[blk, off] = c
+        scale[blk, off] = s
+        if zero is not None and z is not None:
+            zero[blk, off] = z
+
+
+def _dequantize_live(
+    cache: QuantKvCache, block_tables: Tensor, key_ranges: list[tuple[int, int]], dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    # The blocks holding keys [lo, hi) of each row, dequantized to a native cache [n, S, Hkv, D],
+    # and block_tables [B, M] remapped into it. Other entries (past the sequence, or outside the
+    # window) may be garbage in the input; they become 0 and are never read.
+    s = cache.block_size
+    cols = [range(lo // s, -(-hi // s)) if hi > lo else range(0) for lo, hi in key_ranges]
+    rows = [i for i, c in enumerate(cols) for _ in c]
+    flat_cols = [j for c in cols for j in c]
+    table = torch.zeros(block_tables.shape, dtype=torch.int32, device=block_tables.device)
+    phys = block_tables[rows, flat_cols].long()
+    blocks, inverse = torch.unique(phys, return_inverse=True)
+    table[rows, flat_cols] = inverse.to(torch.int32)
+    k, v = dequantize_blocks(cache, blocks, dtype)
+    return k, v, table
+
+
+def paged_decode_attention_quant(
+    q: Tensor,
+    cache: QuantKvCache,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # As paged_decode_attention over the cache dequantized to q.dtype.
+    ranges = [
+        (max(0, n - sliding_window) if sliding_window > 0 else 0, n) for n in seq_lens.tolist()
+    ]
+    k, v, table = _dequantize_live(cache, block_tables, ranges, q.dtype)
+    return paged_decode_attention(
+        q, k, v, table, seq_lens, scale, sliding_window, out, return_lse, num_splits
+    )
+
+
+def paged_prefill_attention_quant(
+    q: Tensor,
+    cache: QuantKvCache,
+    block_tables: Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: int = 0,
+) -> Tensor:
+    # As paged_prefill_attention over the cache dequantized to q.dtype (torch on every device).
+    ranges = []
+    for i, seq_len in enumerate(seq_lens):
+        first_pos = seq_len - (query_start_loc[i + 1] - query_start_loc[i])
+        k0 = max(0, first_pos - sliding_window + 1) if sliding_window > 0 else 0
+        ranges.append((k0, seq_len) if first_pos < seq_len else (0, 0))
+    k, v, table = _dequantize_live(cache, block_tables, ranges, q.dtype)
+    return paged_prefill_attention(q, k, v, table, query_start_loc, seq_lens, scale, sliding_window)
 
 
 def paged_attention_naive(

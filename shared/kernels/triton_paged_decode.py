@@ -8,16 +8,27 @@ physical block of every key through the block table. Each split writes an unnorm
 (acc, running max m, running sum l) in the log2 domain; a second kernel merges the splits. With
 one split the first kernel normalizes and writes the output itself.
 
+Quantized caches (kv_quant.QuantKvCache, int8 or int4 per token and group of channels) take the
+same kernel: each K/V tile is loaded as codes plus per-group scales (and zeros), dequantized in
+registers and rounded to q's dtype, so the kernel computes the same attention as the torch
+reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). Scales
+(and int4 bytes, which hold two channels) are gathered once per channel; the repeats are meant
+to hit L1 so that HBM reads only the compressed bytes (not yet measured on a GPU).
+
 Everything is launch-shape static (grid, scratch sizes) given B, Hq, M and num_splits, so the
 wrapper is safe inside CUDA graph capture: no host syncs, no data-dependent Python branches.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from hybridgen.kernels.kv_quant import QuantKvCache
 
 _LOG2E = 1.4426950408889634
 _MIN_TILES_PER_SPLIT = 2
@@ -67,6 +78,32 @@ def _split_tiles(seq_len, window, num_splits, split, BLOCK_N: tl.constexpr):
     return start, t_lo, t_hi
 
 
+@triton.jit
+def _load_kv_tile(
+    code_ptr, scale_ptr, zero_ptr, code_row, meta_row, d, mask, OUT_TY: tl.constexpr,
+    QGROUP: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    # -> [BLOCK_N, BLOCK_D] keys or values; code_row / meta_row: [BLOCK_N] element offsets of
+    # each key's (block, offset, kv head) row. QUANT 0: the native cache's values as stored;
+    # 8: int8 code * scale; 4: u4 code * scale + zero (channel 2i in the low nibble of byte i).
+    # Masked lanes give 0.
+    if QUANT == 0:
+        x = tl.load(code_ptr + code_row[:, None] + d[None, :], mask=mask, other=0.0)
+    else:
+        meta = meta_row[:, None] + (d // QGROUP)[None, :]
+        scale = tl.load(scale_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        if QUANT == 8:
+            c = tl.load(code_ptr + code_row[:, None] + d[None, :], mask=mask, other=0)
+            x = c.to(tl.float32) * scale
+        else:
+            byte = tl.load(code_ptr + code_row[:, None] + (d // 2)[None, :], mask=mask, other=0)
+            c = (byte.to(tl.int32) >> ((d % 2) * 4)[None, :]) & 15
+            zero = tl.load(zero_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+            x = c.to(tl.float32) * scale + zero
+        x = x.to(OUT_TY)
+    return x
+
+
 # fmt: off
 @triton.jit
 def _decode_split_kernel(
@@ -74,12 +111,14 @@ def _decode_split_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
     qk_scale, sliding_window, num_splits, n_q_heads, group, head_dim,
     sq_b, sq_h, skc_n, skc_s, skc_h, svc_n, svc_s, svc_h, s_bt, so_b, so_h,
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, sm_n, sm_s, sm_h,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr,
 ):
     # fmt: on
-    # q: [B, Hq, D]; caches: [N, S, Hkv, D] with unit stride along D; bt: [B, M]
+    # q: [B, Hq, D]; caches: [N, S, Hkv, D] (or quantized codes, see _load_kv_tile) with unit
+    # stride along D; scales / zeros share strides sm_*; bt: [B, M]
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,7 +132,9 @@ def _decode_split_kernel(
     heads = kvh * group + g
     q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-    q = q.to(tl.float32) if DOT_FP32 else q.to(kc_ptr.dtype.element_ty)
+    # Quantized tiles are dequantized to q's dtype, in which the dots then run.
+    kv_ty = kc_ptr.dtype.element_ty if QUANT == 0 else q_ptr.dtype.element_ty
+    q = q.to(tl.float32) if DOT_FP32 else q.to(kv_ty)
 
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -104,8 +145,9 @@ def _decode_split_kernel(
         phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = j % BLOCK_SIZE
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + phys[:, None] * skc_n + off[:, None] * skc_s + kvh * skc_h
-                    + d[None, :], mask=kv_mask, other=0.0)  # fmt: skip
+        meta_row = phys * sm_n + off * sm_s + kvh * sm_h
+        k = _load_kv_tile(kc_ptr, ks_ptr, kz_ptr, phys * skc_n + off * skc_s + kvh * skc_h,
+                          meta_row, d, kv_mask, kv_ty, QGROUP, QUANT)  # fmt: skip
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
@@ -115,8 +157,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + phys[:, None] * svc_n + off[:, None] * svc_s + kvh * svc_h
-                    + d[None, :], mask=kv_mask, other=0.0)  # fmt: skip
+        v = _load_kv_tile(vc_ptr, vs_ptr, vz_ptr, phys * svc_n + off * svc_s + kvh * svc_h,
+                          meta_row, d, kv_mask, kv_ty, QGROUP, QUANT)  # fmt: skip
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -207,6 +249,21 @@ def _split_scratch(lse: Tensor, num_splits: int, block_d: int) -> tuple[Tensor, 
     return acc, m, torch.empty_like(m)
 
 
+class _Kv(NamedTuple):
+    """The cache operands of one launch; a native cache passes itself as unused scales."""
+
+    k: Tensor
+    v: Tensor
+    k_scale: Tensor
+    k_zero: Tensor
+    v_scale: Tensor
+    v_zero: Tensor
+    quant: int
+    """0 native, 8 int8, 4 int4 (the kernel's QUANT)."""
+    group: int
+    """Channels per scale; 1 for native."""
+
+
 def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -225,10 +282,49 @@ def paged_decode_attention(
     sum of exp(scaled scores)). Rows with seq_len == 0 give out 0 and lse -inf.
     """
     # q: [B, Hq, D]; caches: [N, S, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
-    batch, n_q_heads, head_dim = q.shape
-    block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    kv = _Kv(k_cache, v_cache, k_cache, k_cache, v_cache, v_cache, 0, 1)
+    return _decode(
+        q, kv, block_tables, seq_lens, scale, sliding_window, out, return_lse, num_splits
+    )
+
+
+def paged_decode_attention_quant(
+    q: Tensor,
+    cache: QuantKvCache,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """paged_decode_attention over an int8 / int4 cache, dequantized to q.dtype in registers."""
+    # q: [B, Hq, D]; cache: QuantKvCache; block_tables: [B, M] int32; seq_lens: [B] int32
+    assert q.shape[-1] == cache.head_dim, f"head_dim {q.shape[-1]} != {cache.head_dim}"
+    kz = cache.k_scale if cache.k_zero is None else cache.k_zero  # int8: never read
+    vz = cache.v_scale if cache.v_zero is None else cache.v_zero
+    kv = _Kv(cache.k, cache.v, cache.k_scale, kz, cache.v_scale, vz, cache.bits, cache.group_size)
+    return _decode(
+        q, kv, block_tables, seq_lens, scale, sliding_window, out, return_lse, num_splits
+    )
+
+
+def _decode(
+    q: Tensor,
+    kv: _Kv,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int,
+    out: Tensor | None,
+    return_lse: bool,
+    num_splits: int | None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    batch, n_q_heads, head_dim = q.shape
+    block_size, n_kv_heads = kv.k.shape[1], kv.k.shape[2]
+    assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = n_q_heads // n_kv_heads
     block_d, block_g, block_n = _tile_sizes(head_dim, group)
@@ -245,19 +341,23 @@ def paged_decode_attention(
     window = sliding_window if sliding_window > 0 else _NO_WINDOW
     # CPU tensors only run under the Triton interpreter, whose tl.dot multiplies bf16 operands
     # as their raw uint16 bits; there the dots run on fp32 copies instead (exact for bf16).
-    dot_fp32 = not q.is_cuda and k_cache.dtype == torch.bfloat16
+    dot_dtype = kv.k.dtype if kv.quant == 0 else q.dtype
+    dot_fp32 = not q.is_cuda and dot_dtype == torch.bfloat16
     acc, m, l_ = _split_scratch(lse, num_splits, block_d)
     # fmt: off
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
+        q, kv.k, kv.v, block_tables, seq_lens,
         acc, m, l_, out, lse,
         scale * _LOG2E, window, num_splits, n_q_heads, group, head_dim,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
+        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero,
+        kv.k_scale.stride(0), kv.k_scale.stride(1), kv.k_scale.stride(2),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
         DIRECT=direct, WRITE_LSE=return_lse, DOT_FP32=dot_fp32,
+        QUANT=kv.quant, QGROUP=kv.group,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not direct:
