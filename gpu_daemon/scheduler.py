@@ -148,25 +148,31 @@ class Scheduler:
         if not self.config.prefix_reuse:
             return
         full = min(seq.num_computed_tokens // self.pool.block_size, len(seq.block_ids))
-        for i, key in enumerate(self._hashes(seq, full)):
-            self.pool.register(seq.block_ids[i], key)
+        done = seq.num_registered_blocks
+        if full > done:
+            keys = self._hashes(seq, full)
+            for i in range(done, full):
+                self.pool.register(seq.block_ids[i], keys[i])
+            seq.num_registered_blocks = full
 
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """The chained hashes of the sequence's first `n` full blocks (computed once)."""
+        """The chained hashes of (at least) the sequence's first `n` full blocks, each
+        computed once; index it, do not take its length."""
         bs, hashes = self.pool.block_size, seq.block_hashes
         while len(hashes) < n:
             i = len(hashes)
             block = seq.token_ids[i * bs : (i + 1) * bs]
             hashes.append(chain_hash(hashes[-1] if i else b"", block))
-        return hashes[:n]
+        return hashes
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Start a sequence with nothing computed from its longest cached prefix."""
         if not self.config.prefix_reuse or seq.block_ids or seq.num_computed_tokens:
             return
         reusable = (seq.num_tokens - 1) // self.pool.block_size  # the last token is computed
-        seq.block_ids = self.pool.lookup(self._hashes(seq, reusable))
+        seq.block_ids = self.pool.lookup(self._hashes(seq, reusable)[:reusable])
         seq.num_computed_tokens = len(seq.block_ids) * self.pool.block_size
+        seq.num_registered_blocks = len(seq.block_ids)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -176,7 +182,7 @@ class Scheduler:
         self.cache_blocks(seq)
         self.pool.free(seq.block_ids)
         seq.block_ids = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         # Victims are the newest running sequences but older than anything waiting.
@@ -191,7 +197,7 @@ class Scheduler:
             need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
             if need > self.pool.num_free:
                 self.pool.free(seq.block_ids)  # the cached prefix goes back, still cached
-                seq.block_ids, seq.num_computed_tokens = [], 0
+                seq.block_ids, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
                 break
             if seq.num_preemptions:
                 self.resumed_tokens += seq.num_computed_tokens

@@ -53,6 +53,8 @@ class Sequence:
     """Its candidates went to the CPU daemon; it is not scheduled until the token comes."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of its first full token blocks (`hybridgen.block_hash`), grown on use."""
+    num_registered_blocks: int = 0
+    """Its first blocks already registered in the pool's prefix cache."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at first admission."""
 
