@@ -38,6 +38,7 @@ from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
 from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.models.rope import max_model_len as model_max_len
 from hybridgen.sampling.candidates import Candidates, sample_candidates
@@ -120,6 +121,7 @@ class Engine:
             self.max_model_len,
             self.device,
             graph_batch,
+            config.hot_codec,
         )
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -153,14 +155,21 @@ class Engine:
             return int(free * 0.9) + torch.cuda.memory_reserved(self.device)
         return 4096 * MIB
 
+    def _block_bytes(self) -> int:
+        """K and V of one block over all layers, in the Hot codec's layout."""
+        spec = self.spec
+        per_layer = hot_kv_bytes_per_token(
+            self.config.hot_codec, spec.num_kv_heads, spec.head_dim, spec.dtype
+        )
+        return per_layer * spec.num_layers * self.config.block_size
+
     def _plan_memory(self) -> tuple[MemoryPlan, int]:
         """Fit the longest context the budget allows (or fail naming what to change)."""
         c, spec = self.config, self.spec
         length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
         blocks = c.num_kv_blocks
         if blocks is None and c.kv_pool_mb is not None:
-            block_bytes = spec.kv_bytes_per_token() * c.block_size
-            blocks = max(1, int(c.kv_pool_mb * MIB) // block_bytes)
+            blocks = max(1, int(c.kv_pool_mb * MIB) // self._block_bytes())
         if blocks is not None and c.max_model_len is None:
             length = min(length, blocks * c.block_size)
         weights, budget = _weight_bytes(self.loaded.model), self._budget_bytes()
@@ -186,7 +195,7 @@ class Engine:
             )
             try:
                 plan = plan_memory(
-                    spec, weights, work, budget, c.block_size, spec.dtype, length, blocks
+                    weights, work, budget, c.block_size, self._block_bytes(), length, blocks
                 )
                 return plan, length
             except BudgetTooSmall:

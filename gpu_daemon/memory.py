@@ -98,18 +98,17 @@ def workspace_bytes(
 
 
 def plan_memory(
-    spec: ModelSpec,
     weights: int,
     workspace: int,
     budget: int,
     block_size: int,
-    kv_dtype: torch.dtype,
+    block_bytes: int,
     min_tokens: int,
     num_blocks_override: int | None = None,
 ) -> MemoryPlan:
     """Give the KV pool what the budget leaves (or exactly `num_blocks_override` blocks, if
-    they fit); it must hold at least `min_tokens` tokens."""
-    block_bytes = spec.kv_bytes_per_token(kv_dtype) * block_size
+    they fit); it must hold at least `min_tokens` tokens. `block_bytes`: K and V of one block
+    over all layers, in the Hot codec's layout."""
     free = budget - weights - workspace
     num_blocks = max(free // block_bytes, 0)
     if num_blocks_override is not None:

@@ -7,7 +7,7 @@ is the step's one synchronisation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -15,6 +15,8 @@ import torch
 from hybridgen.gpu_daemon.cuda_graphs import DecodeGraphs
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch
 from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.kernels import ops
+from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.models.llama import AttentionBatch, CausalLM
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import ModelSpec
@@ -54,17 +56,12 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         graph_batch: int,
+        hot_codec: str = "native",
     ) -> None:
         self.model, self.spec, self.device = model, spec, device
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
-        # kv: [L, 2, N, S, Hkv, D]; each layer gets contiguous K and V views.
-        self.kv = torch.empty(
-            (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype,
-            device=device,
-        )
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
+        self.kv_caches = _allocate_kv(spec, num_blocks, block_size, device, hot_codec)
         cos, sin = rope_tables(
             spec.rope, spec.head_dim, spec.max_position_embeddings, max_model_len
         )
@@ -73,6 +70,14 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graph_batch and device.type == "cuda":
             self.graphs = DecodeGraphs(self._decode_logits, graph_batch, self.max_blocks, device)
+
+    def kv_bytes(self) -> int:
+        """Device bytes of every layer's Hot-KV (codes, scales and zeros included)."""
+        total = 0
+        for kv in self.kv_caches:
+            parts = kv if isinstance(kv, tuple) else [getattr(kv, f.name) for f in fields(kv)]
+            total += sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return total
 
     def _decode_logits(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = self.model(input_ids, batch, self.kv_caches, self.rope)
@@ -235,6 +240,22 @@ class ModelRunner:
                 tp = list(zip(ids[:n], vals[:n], strict=True))
             result.append(Sampled(seq, token_ids[i], lp, tp))
         return result
+
+
+def _allocate_kv(
+    spec: ModelSpec, num_blocks: int, block_size: int, device: torch.device, hot_codec: str
+) -> list[ops.KvCache]:
+    """Each layer's Hot-KV: native K and V views of one [L, 2, N, S, Hkv, D] tensor, or an
+    int8/int4 QuantKvCache (kernels/kv_quant.py) per layer."""
+    if hot_codec == "native":
+        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        kv = torch.empty(shape, dtype=spec.dtype, device=device)
+        return [(kv[i, 0], kv[i, 1]) for i in range(spec.num_layers)]
+    codec = "int8" if hot_codec == "int8" else "int4"
+    return [
+        QuantKvCache.empty(codec, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, device)
+        for _ in range(spec.num_layers)
+    ]
 
 
 def has_penalty(p: SamplingParams) -> bool:

@@ -291,6 +291,7 @@ class HybridGenConfig:
             max_num_batched_tokens=m.max_num_batched_tokens,
             max_model_len=m.max_model_len,
             kv_pool_mb=self.kv_cache.hot_region_mb,
+            hot_codec=self.kv_cache.hot_codec,
             prefix_reuse=self.kv_cache.prefix_reuse,
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
             sample_placement=self.placements.sample or "gpu",

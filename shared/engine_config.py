@@ -49,6 +49,9 @@ class EngineConfig:
     hot_region_mb; must still fit); ignored when num_kv_blocks is set."""
     max_model_len: int | None = None
     """Longest sequence; None: the model's, capped by what the KV pool can hold."""
+    hot_codec: str = "native"
+    """Hot-KV storage (kv_cache.hot_codec): native (the model dtype), int8 or int4, both
+    group-quantized per token and dequantized inside the attention kernel."""
     prefix_reuse: bool = True
     """Keep computed KV blocks cached by prefix hash and reuse them for new requests."""
     cuda_graphs: bool = True
@@ -114,6 +117,12 @@ class EngineConfig:
             "gpu or cpu",
         )
         _check(1 <= self.num_candidates <= 1024, "num_candidates", self.num_candidates, "1..1024")
+        _check(
+            self.hot_codec in ("native", "int8", "int4"),
+            "hot_codec",
+            self.hot_codec,
+            "native, int8 or int4",
+        )
         _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
 

@@ -337,6 +337,7 @@ def test_engine_config_mapping() -> None:
         max_num_batched_tokens=512,
         max_model_len=8192,
         kv_pool_mb=4096,
+        hot_codec="int8",
         prefix_reuse=False,
         sample_placement="cpu",
         seed=7,

@@ -90,16 +90,23 @@ def test_bad_engine_config_names_the_key(field: str, value: object) -> None:
         EngineConfig(**{field: value})  # type: ignore[arg-type]
 
 
-def test_budget_accounting_holds_on_cpu() -> None:
-    """The plan never exceeds the budget, the KV tensor is exactly the planned pool, and a
-    budget too small for one sequence is refused with a message naming the key."""
+@pytest.mark.parametrize("hot_codec", ["native", "int8", "int4"])
+def test_budget_accounting_holds_on_cpu(hot_codec: str) -> None:
+    """The plan never exceeds the budget, the KV tensors are exactly the planned pool (in
+    each Hot codec's layout), and a budget too small for one sequence is refused with a
+    message naming the key."""
     engine = Engine(
-        EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=160, max_model_len=1024)
+        EngineConfig(
+            model="tiny-llama",
+            device="cpu",
+            gpu_memory_mb=160,
+            max_model_len=1024,
+            hot_codec=hot_codec,
+        )
     )
     plan = engine.plan
     assert plan.planned_peak <= plan.budget
-    kv_bytes = engine.runner.kv.numel() * engine.runner.kv.element_size()
-    assert kv_bytes == plan.kv_pool
+    assert engine.runner.kv_bytes() == plan.kv_pool
     weights = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
     assert weights == plan.weights
     prompts = [list(range(1, 300)) for _ in range(40)]

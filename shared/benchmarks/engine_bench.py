@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gpu-memory-mb", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--hot-codec", choices=("native", "int8", "int4"), default="native")
     ap.add_argument("--hf", action="store_true", help="run HF transformers on the same weights")
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=max(args.batches),
         max_model_len=args.max_model_len,
         max_graph_batch=max(args.batches),
+        hot_codec=args.hot_codec,
     )
     engine = Engine(config)
     vocab = engine.spec.vocab_size

@@ -8,10 +8,13 @@ device. Note the one aliasing difference: on CUDA, add_rms_norm writes residual_
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch.nn.functional as F
 from torch import Tensor
 
 from hybridgen.kernels import reference
+from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.kernels.reference import merge_attention_partials, paged_prefill_attention
 
 try:
@@ -29,14 +32,21 @@ except ImportError:  # CPU-only installs ship without triton
 
 __all__ = [
     "HAS_TRITON",
+    "KvCache",
     "add_rms_norm",
+    "decode_attention",
     "linear",
     "merge_attention_partials",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "prefill_attention",
     "rope_and_cache",
     "silu_and_mul",
+    "write_kv",
 ]
+
+KvCache: TypeAlias = tuple[Tensor, Tensor] | QuantKvCache
+"""One layer's Hot-KV: native (k_cache, v_cache) [N, S, Hkv, D], or int8/int4 (kv_quant)."""
 
 
 def _use_triton(t: Tensor) -> bool:
@@ -116,4 +126,76 @@ def paged_decode_attention(
         out=out,
         return_lse=return_lse,
         num_splits=num_splits,
+    )
+
+
+def write_kv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv: KvCache,
+    slot_mapping: Tensor,
+) -> None:
+    """RoPE on q and k in place, then k and v into the layer's cache, whatever its codec."""
+    if not isinstance(kv, QuantKvCache):
+        rope_and_cache(q, k, v, positions, cos, sin, kv[0], kv[1], slot_mapping)
+        return
+    fn = (
+        triton_rope_cache.rope_and_cache_quant if _use_triton(q) else reference.rope_and_cache_quant
+    )
+    fn(q, k, v, positions, cos, sin, kv, slot_mapping)
+
+
+def decode_attention(
+    q: Tensor,
+    kv: KvCache,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """paged_decode_attention over the layer's cache; a quantized one is dequantized to
+    q.dtype inside the kernel."""
+    if not isinstance(kv, QuantKvCache):
+        return paged_decode_attention(
+            q, kv[0], kv[1], block_tables, seq_lens, scale, sliding_window, out, return_lse
+        )
+    fn = (
+        triton_paged_decode.paged_decode_attention_quant
+        if _use_triton(q)
+        else reference.paged_decode_attention_quant
+    )
+    return fn(
+        q,
+        kv,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window=sliding_window,
+        out=out,
+        return_lse=return_lse,
+    )
+
+
+def prefill_attention(
+    q: Tensor,
+    kv: KvCache,
+    block_tables: Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: int = 0,
+) -> Tensor:
+    """Torch on every device; a quantized cache dequantizes only the blocks the queries see."""
+    if isinstance(kv, QuantKvCache):
+        return reference.paged_prefill_attention_quant(
+            q, kv, block_tables, query_start_loc, seq_lens, scale, sliding_window
+        )
+    return paged_prefill_attention(
+        q, kv[0], kv[1], block_tables, query_start_loc, seq_lens, scale, sliding_window
     )

@@ -55,7 +55,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: AttentionBatch,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: ops.KvCache,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         s = self.spec
@@ -65,17 +65,13 @@ class Attention(nn.Module):
         q = q.reshape(t, s.num_heads, s.head_dim)
         k = k.reshape(t, s.num_kv_heads, s.head_dim)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        k_cache, v_cache = kv
-        ops.rope_and_cache(
-            q, k, v, batch.positions, rope[0], rope[1], k_cache, v_cache, batch.slot_mapping
-        )
+        ops.write_kv(q, k, v, batch.positions, rope[0], rope[1], kv, batch.slot_mapping)
         out = torch.empty_like(q)  # [T, Hq, D]
         nd = batch.num_decode
         if nd:
-            ops.paged_decode_attention(
+            ops.decode_attention(
                 q[:nd],
-                k_cache,
-                v_cache,
+                kv,
                 batch.block_tables[:nd],
                 batch.seq_lens[:nd],
                 self.scale,
@@ -84,10 +80,9 @@ class Attention(nn.Module):
             )
         if nd < len(batch.seq_lens_host):
             first = batch.query_start_loc[nd]
-            out[first:] = ops.paged_prefill_attention(
+            out[first:] = ops.prefill_attention(
                 q[first:],
-                k_cache,
-                v_cache,
+                kv,
                 batch.block_tables[nd:],
                 [i - first for i in batch.query_start_loc[nd:]],
                 batch.seq_lens_host[nd:],
@@ -122,7 +117,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         batch: AttentionBatch,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: ops.KvCache,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # HF order: residual add in model dtype, then RMSNorm; fused into one op here.
@@ -149,7 +144,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         batch: AttentionBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[ops.KvCache],
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """input_ids: [T] -> final hidden states [T, H] (normed)."""
