@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks, quantize_tokens
 
@@ -158,6 +159,12 @@ def _prefill_one(
     window_applies = 0 < sliding_window < seq_len
     if n == n_keys and not window_applies:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    elif not window_applies:
+        # A chunk after cached context: causal aligned to the last key. As a CausalBias (not a
+        # tensor mask) it keeps SDPA on a fused CUDA kernel, with no [Hq, n, keys] scores or
+        # mask in memory, which long contexts cannot afford.
+        bias = causal_lower_right(n, n_keys)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
     else:
         pos = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)  # [n, 1]
         key = torch.arange(seq_len - n_keys, seq_len, device=q.device).unsqueeze(0)  # [1, L']
