@@ -148,14 +148,16 @@ def _prefill_one(
     n, hq, _ = q.shape
     n_keys = k.shape[0]
     group = hq // k.shape[1]
-    qt = q.transpose(0, 1)  # [Hq, n, D]
-    kt = k.transpose(0, 1).to(q.dtype)  # [Hkv, L', D]
-    vt = v.transpose(0, 1).to(q.dtype)
+    # 4-D [1, H, len, D]: SDPA's fused CUDA kernels (flash, memory-efficient) take only 4-D
+    # inputs; 3-D ones run the math backend, which materialises [Hq, n, keys] scores.
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    kt = k.transpose(0, 1).to(q.dtype).unsqueeze(0)  # [1, Hkv, L', D]
+    vt = v.transpose(0, 1).to(q.dtype).unsqueeze(0)
     if group > 1:
         # Explicit expansion rather than enable_gqa: with a mask, fused CUDA backends that take
         # GQA would be skipped and the math backend would run anyway.
-        kt = kt.repeat_interleave(group, dim=0)
-        vt = vt.repeat_interleave(group, dim=0)
+        kt = kt.repeat_interleave(group, dim=1)
+        vt = vt.repeat_interleave(group, dim=1)
     window_applies = 0 < sliding_window < seq_len
     if n == n_keys and not window_applies:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
@@ -172,7 +174,7 @@ def _prefill_one(
         if sliding_window > 0:
             mask &= (pos - key) < sliding_window
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def paged_prefill_attention(
