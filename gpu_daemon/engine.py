@@ -192,6 +192,7 @@ class Engine:
                 length,
                 graphs if self.device.type == "cuda" else 0,
                 measured,
+                c.hot_codec != "native",
             )
             try:
                 plan = plan_memory(

@@ -69,11 +69,13 @@ def workspace_bytes(
     max_model_len: int,
     graph_batch: int,
     measured_step: int | None = None,
+    quantized_kv: bool = False,
 ) -> int:
     """Largest transient footprint of one step, plus what CUDA graphs keep.
 
     `measured_step` is the peak a profiling step allocated on the device (CUDA); without it
-    the activations and sampler temporaries are counted tensor by tensor.
+    the activations and sampler temporaries are counted tensor by tensor. `quantized_kv`:
+    the Hot-KV is int8/int4, so prefill also holds its keys dequantized.
     """
     e = dtype.itemsize
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
@@ -87,6 +89,8 @@ def workspace_bytes(
     # expanded, at most max_model_len keys) and may build a boolean mask of [chunk, keys];
     # the profiling step has no such context, so this is always counted.
     gather = 2 * max_model_len * spec.q_size * e + max_tokens * max_model_len
+    if quantized_kv:  # the gathered blocks are first dequantized at their own head count
+        gather += 2 * max_model_len * spec.kv_size * e
     rope = 2 * max_model_len * spec.head_dim * 4
     graphs = 0
     if graph_batch:

@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         max_graph_batch=max(args.batches),
         hot_codec=args.hot_codec,
+        # Every timed run repeats the warm-up's prompts: a prefix cache would serve them and
+        # TTFT would no longer time the prefill. Prefix reuse has its own benchmark.
+        prefix_reuse=False,
     )
     engine = Engine(config)
     vocab = engine.spec.vocab_size
