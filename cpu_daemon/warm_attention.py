@@ -132,8 +132,9 @@ def _gather(pool: WarmPool, layer: int, slots: Sequence[int]) -> Tensor:
     return torch.from_numpy(np.stack(rows))
 
 
-def _partial(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """q: [Hkv, G, D] (pre-scaled), k, v: [L, Hkv, D] fp32, L >= 1 -> out [Hq, D], lse [Hq]."""
+def dense_partial(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """q: [Hkv, G, D] (pre-scaled), k, v: [L, Hkv, D] fp32, L >= 1 -> out [Hq, D], lse [Hq];
+    plain torch, so it also runs on the GPU (the Warm tier's gpu mode)."""
     scores = torch.matmul(q, k.permute(1, 2, 0))  # [Hkv, G, L]; BLAS reads the strided k
     peak = scores.amax(-1, keepdim=True)  # finite: L >= 1 and finite inputs
     probs = scores.sub_(peak).exp_()
@@ -161,7 +162,7 @@ def _attend_chunk(
         if lo >= hi:
             continue
         b = run.seq
-        o, s = _partial(qs[b], k[lo - lo_tok : hi - lo_tok], v[lo - lo_tok : hi - lo_tok])
+        o, s = dense_partial(qs[b], k[lo - lo_tok : hi - lo_tok], v[lo - lo_tok : hi - lo_tok])
         if seen[b]:
             o, s = merge_attention_partials(out[b : b + 1], lse[b : b + 1], o[None], s[None])
         out[b], lse[b], seen[b] = o.reshape(out.shape[1:]), s.reshape(lse.shape[1:]), True

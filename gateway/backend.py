@@ -272,7 +272,9 @@ class EngineBackend:
                     return
                 self._apply(engine, command)
             if engine.has_unfinished():
-                for out in engine.step():
+                outs = engine.step()
+                self._publish(engine)  # before the tokens go out, so a client sees it
+                for out in outs:
                     sink = self._sinks.get(out.request_id)
                     if out.finished:
                         self._sinks.pop(out.request_id, None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from hybridgen.engine_config import EngineConfig
+from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.memory import (
     MIB,
@@ -38,6 +38,7 @@ from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.gpu_daemon.warm_tier import WarmOffload, WarmTier
 from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
 from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.models.rope import max_model_len as model_max_len
@@ -113,6 +114,23 @@ class Engine:
                 min(1.0, self.plan.budget / total), self.device
             )
         graph_batch = min(config.max_graph_batch, config.max_num_seqs) if config.cuda_graphs else 0
+        self.warm: WarmTier | None = None
+        if config.warm_pool_mb > 0:
+            self.warm = WarmTier(
+                spec,
+                config.block_size,
+                config.warm_codec,
+                config.warm_pool_mb,
+                config.attn_warm,
+                config.warm_split,
+                self.device,
+            )
+            reach = (self.plan.num_blocks + self.warm.pool.capacity) * config.block_size
+            if reach < self.max_model_len:
+                raise ConfigError(
+                    f"warm_pool_mb={config.warm_pool_mb} is too small: Hot and Warm together "
+                    f"hold {reach} tokens, max_model_len is {self.max_model_len}"
+                )
         self.runner = ModelRunner(
             self.loaded.model,
             spec,
@@ -122,8 +140,12 @@ class Engine:
             self.device,
             graph_batch,
             config.hot_codec,
+            self.warm,
         )
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
+        offload = None
+        if self.warm is not None:
+            offload = WarmOffload(self.warm, self.pool, self.runner.kv_caches)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -132,6 +154,7 @@ class Engine:
                 config.prefix_reuse,
             ),
             self.pool,
+            offload,
         )
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
@@ -170,7 +193,7 @@ class Engine:
         blocks = c.num_kv_blocks
         if blocks is None and c.kv_pool_mb is not None:
             blocks = max(1, int(c.kv_pool_mb * MIB) // self._block_bytes())
-        if blocks is not None and c.max_model_len is None:
+        if blocks is not None and c.max_model_len is None and not c.warm_pool_mb:
             length = min(length, blocks * c.block_size)
         weights, budget = _weight_bytes(self.loaded.model), self._budget_bytes()
         measured = None
@@ -194,13 +217,18 @@ class Engine:
                 measured,
                 c.hot_codec != "native",
             )
+            # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
+            # for each running sequence (the rest of their KV can move to Warm).
+            hot_tokens = length
+            if c.warm_pool_mb:
+                hot_tokens = min(length, c.max_num_batched_tokens + c.max_num_seqs * c.block_size)
             try:
                 plan = plan_memory(
-                    weights, work, budget, c.block_size, self._block_bytes(), length, blocks
+                    weights, work, budget, c.block_size, self._block_bytes(), hot_tokens, blocks
                 )
                 return plan, length
             except BudgetTooSmall:
-                if c.max_model_len is not None or length <= 256:
+                if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:
                     raise
                 length //= 2
                 log.warning(
@@ -310,7 +338,7 @@ class Engine:
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many decode steps this batch can run before the host must look again."""
         k = self.config.decode_steps
-        if k == 1 or batch.num_decode != len(batch):
+        if k == 1 or batch.num_decode != len(batch) or any(s.warm_slots for s in batch.seqs):
             return 1
         for seq in batch.seqs:
             p = seq.params
@@ -374,6 +402,8 @@ class Engine:
         """Free the weights, the KV pool and the graphs, and lift the memory cap; the engine
         cannot be used afterwards."""
         del self.runner, self.loaded
+        if self.warm is not None:
+            self.warm.close()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

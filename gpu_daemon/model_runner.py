@@ -15,6 +15,7 @@ import torch
 from hybridgen.gpu_daemon.cuda_graphs import DecodeGraphs
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch
 from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.kernels import ops
 from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.models.llama import AttentionBatch, CausalLM
@@ -57,11 +58,13 @@ class ModelRunner:
         device: torch.device,
         graph_batch: int,
         hot_codec: str = "native",
+        warm: WarmTier | None = None,
     ) -> None:
         self.model, self.spec, self.device = model, spec, device
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         self.kv_caches = _allocate_kv(spec, num_blocks, block_size, device, hot_codec)
+        self.warm = warm
         cos, sin = rope_tables(
             spec.rope, spec.head_dim, spec.max_position_embeddings, max_model_len
         )
@@ -89,23 +92,32 @@ class ModelRunner:
         qsl, seq_lens = [0], []
         width = max(len(s.block_ids) for s in sched.seqs)
         tables = np.zeros((len(sched.seqs), width), dtype=np.int32)
+        hot_lens = []  # keys in the Hot cache: block tables start after the Warm prefix
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens, strict=True)):
-            c = seq.num_computed_tokens
+            c, warm = seq.num_computed_tokens, len(seq.warm_slots) * bs
             p = np.arange(c, c + n)
             blocks = np.asarray(seq.block_ids, dtype=np.int64)
             tables[i, : len(blocks)] = blocks
             ids.append(np.asarray(seq.token_ids[c : c + n], dtype=np.int64))
             pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
+            slots.append(blocks[(p - warm) // bs] * bs + p % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
+            hot_lens.append(c + n - warm)
             if c + n == seq.num_tokens:
                 rows.append(qsl[-1] - 1)
                 sample_seqs.append(seq)
         longs = torch.from_numpy(np.concatenate(ids + pos + slots)).to(self.device)
         ints = torch.from_numpy(
-            np.concatenate([np.asarray(seq_lens, np.int32), tables.ravel()])
+            np.concatenate([np.asarray(hot_lens, np.int32), tables.ravel()])
         ).to(self.device)
+        warm_keys = None
+        if self.warm is not None:
+            last = [n - 1 for n in seq_lens]
+            warm_keys = self.warm.context([s.warm_slots for s in sched.seqs], last)
+            nd, st = sched.num_decode, self.warm.stats
+            st.hot_keys += sum(hot_lens[:nd])
+            st.warm_keys += sum(seq_lens[:nd]) - sum(hot_lens[:nd])
         t, b = qsl[-1], len(seq_lens)
         batch = AttentionBatch(
             positions=longs[t : 2 * t],
@@ -115,6 +127,7 @@ class ModelRunner:
             num_decode=sched.num_decode,
             query_start_loc=qsl,
             seq_lens_host=seq_lens,
+            warm=warm_keys,
         )
         return StepInputs(longs[:t], batch, rows, sample_seqs)
 
@@ -123,7 +136,11 @@ class ModelRunner:
         """One forward pass; logits [N, V] fp32 of the N sequences that sample this step."""
         inputs = self.prepare(sched)
         graphs = self.graphs
-        if graphs is not None and sched.num_decode == len(sched) <= graphs.max_batch:
+        if (
+            graphs is not None
+            and inputs.batch.warm is None
+            and sched.num_decode == len(sched) <= graphs.max_batch
+        ):
             logits = graphs.run(inputs.input_ids, inputs.batch)
             if len(inputs.sample_rows) < len(sched):  # a one-token prompt chunk samples nothing
                 logits = logits[inputs.sample_rows]

@@ -21,7 +21,9 @@ chat or a preempted sequence's own prefix is not computed again.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hybridgen.block_hash import chain_hash
 from hybridgen.gpu_daemon.block_pool import BlockPool
@@ -63,10 +65,23 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+class Offload(Protocol):
+    """Somewhere to move Hot blocks (gpu_daemon.warm_tier.WarmOffload)."""
+
+    def spill(self, running: Seq[Sequence], need: int) -> int: ...
+
+    def swap_out(self, seq: Sequence) -> bool: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: BlockPool, offload: Offload | None = None
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.offload = offload
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
         self.prompt_tokens = 0
@@ -92,6 +107,8 @@ class Scheduler:
         self.cache_blocks(seq)
         self.pool.free(seq.block_ids)
         seq.block_ids = []
+        if self.offload is not None:
+            self.offload.release(seq)
         seq.status = Status.FINISHED
 
     def schedule(self) -> ScheduledBatch:
@@ -121,10 +138,7 @@ class Scheduler:
     def reserve_lookahead(self, batch: ScheduledBatch, steps: int) -> bool:
         """Give every sequence of a decode batch the blocks for `steps` tokens instead of one;
         all or nothing, and never by preempting (False when the pool is short)."""
-        needs = [
-            self.pool.blocks_for(s.num_computed_tokens + steps) - len(s.block_ids)
-            for s in batch.seqs
-        ]
+        needs = [self._blocks_needed(s, steps) for s in batch.seqs]
         if sum(needs) > self.pool.num_free:
             return False
         for seq, need in zip(batch.seqs, needs, strict=True):
@@ -134,8 +148,10 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Give `seq` the blocks for `n` more tokens, preempting newer sequences if needed."""
-        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+        need = self._blocks_needed(seq, n)
         while need > self.pool.num_free:
+            if self.offload and self.offload.spill(self.running, need - self.pool.num_free):
+                continue
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim, batch)
             if victim is seq:
@@ -143,16 +159,22 @@ class Scheduler:
         seq.block_ids += self.pool.allocate(max(need, 0))
         return True
 
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """Hot blocks `seq` must gain to compute `n` more tokens (its Warm prefix counts)."""
+        held = len(seq.warm_slots) + len(seq.block_ids)
+        return self.pool.blocks_for(seq.num_computed_tokens + n) - held
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks for reuse (those not yet registered)."""
         if not self.config.prefix_reuse:
             return
-        full = min(seq.num_computed_tokens // self.pool.block_size, len(seq.block_ids))
-        done = seq.num_registered_blocks
+        warm = len(seq.warm_slots)  # block i is Hot block_ids[i - warm]
+        full = min(seq.num_computed_tokens // self.pool.block_size, warm + len(seq.block_ids))
+        done = max(seq.num_registered_blocks, warm)
         if full > done:
             keys = self._hashes(seq, full)
             for i in range(done, full):
-                self.pool.register(seq.block_ids[i], keys[i])
+                self.pool.register(seq.block_ids[i - warm], keys[i])
             seq.num_registered_blocks = full
 
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
@@ -167,7 +189,7 @@ class Scheduler:
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Start a sequence with nothing computed from its longest cached prefix."""
-        if not self.config.prefix_reuse or seq.block_ids or seq.num_computed_tokens:
+        if not self.config.prefix_reuse or seq.num_computed_tokens:
             return
         reusable = (seq.num_tokens - 1) // self.pool.block_size  # the last token is computed
         seq.block_ids = self.pool.lookup(self._hashes(seq, reusable)[:reusable])
@@ -180,9 +202,14 @@ class Scheduler:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
         self.cache_blocks(seq)
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = seq.num_registered_blocks = 0
+        if self.offload is not None and self.offload.swap_out(seq):
+            seq.num_registered_blocks = len(seq.warm_slots)
+        else:
+            if self.offload is not None:
+                self.offload.release(seq)
+            self.pool.free(seq.block_ids)
+            seq.block_ids = []
+            seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         # Victims are the newest running sequences but older than anything waiting.
@@ -194,8 +221,12 @@ class Scheduler:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+            need = self._blocks_needed(seq, n)
+            if need > self.pool.num_free and self.offload is not None:
+                self.offload.spill(self.running, need - self.pool.num_free)
             if need > self.pool.num_free:
+                if seq.warm_slots:  # swapped out: its Warm prefix waits with it
+                    break
                 self.pool.free(seq.block_ids)  # the cached prefix goes back, still cached
                 seq.block_ids, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
                 break

@@ -26,7 +26,7 @@ class FinishReason(enum.Enum):
 @dataclass
 class Sequence:
     """One request. Invariant: num_computed_tokens <= len(token_ids), and the KV of exactly
-    the first num_computed_tokens tokens sits in `block_ids` (in order)."""
+    the first num_computed_tokens tokens sits in `warm_slots` then `block_ids` (in order)."""
 
     request_id: str
     prompt_len: int
@@ -42,6 +42,9 @@ class Sequence:
     """Ids that end the sequence unless ignore_eos."""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    """Hot blocks, holding the tokens after the Warm prefix."""
+    warm_slots: list[int] = field(default_factory=list)
+    """Warm-tier slots holding the KV of its first len(warm_slots) full blocks."""
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     logprobs: list[float] = field(default_factory=list)

@@ -118,7 +118,7 @@ class KvCacheConfig:
     """GPU memory for Hot-KV blocks (fractions allowed); null: what the GPU budget leaves
     after weights and workspace."""
     warm_region_mb: int | None = _at_least(None, 0)
-    """Host shm for Warm-KV blocks after compression; null: derived from the model; 0: none."""
+    """Host shm for Warm-KV blocks after compression; null or 0: no Warm tier."""
     cold_threshold_ms: int = _at_least(150, 1)
     """A warm block untouched this long is moved to Cold."""
     hot_codec: Literal["native", "int8", "int4"] = "native"
@@ -292,6 +292,9 @@ class HybridGenConfig:
             max_model_len=m.max_model_len,
             kv_pool_mb=self.kv_cache.hot_region_mb,
             hot_codec=self.kv_cache.hot_codec,
+            warm_pool_mb=self.kv_cache.warm_region_mb or 0,
+            warm_codec=self.kv_cache.warm_codec,
+            attn_warm=self.placements.attn_warm or "cpu",
             prefix_reuse=self.kv_cache.prefix_reuse,
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
             sample_placement=self.placements.sample or "gpu",

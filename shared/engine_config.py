@@ -52,6 +52,16 @@ class EngineConfig:
     hot_codec: str = "native"
     """Hot-KV storage (kv_cache.hot_codec): native (the model dtype), int8 or int4, both
     group-quantized per token and dequantized inside the attention kernel."""
+    warm_pool_mb: float = 0.0
+    """Host memory (MiB) for the Warm tier (kv_cache.warm_region_mb): Hot blocks move there
+    when the Hot pool runs short or their sequence is preempted. 0: no Warm tier."""
+    warm_codec: str = "int8"
+    """Warm-KV codec (kv_cache.warm_codec): lossless, lz4, int8 or int4."""
+    attn_warm: str = "cpu"
+    """Where attention over Warm blocks runs (placements.attn_warm): cpu (mode a), gpu (mode
+    b: compressed blocks cross PCIe, the device decodes) or split (mode c)."""
+    warm_split: float = 0.5
+    """With attn_warm split: the share of each sequence's Warm blocks the CPU attends."""
     prefix_reuse: bool = True
     """Keep computed KV blocks cached by prefix hash and reuse them for new requests."""
     cuda_graphs: bool = True
@@ -122,6 +132,26 @@ class EngineConfig:
             "hot_codec",
             self.hot_codec,
             "native, int8 or int4",
+        )
+        _check(self.warm_pool_mb >= 0, "warm_pool_mb", self.warm_pool_mb, ">= 0")
+        _check(
+            self.warm_codec in ("lossless", "lz4", "int8", "int4"),
+            "warm_codec",
+            self.warm_codec,
+            "lossless, lz4, int8 or int4",
+        )
+        _check(
+            self.attn_warm in ("cpu", "gpu", "split"),
+            "attn_warm",
+            self.attn_warm,
+            "cpu, gpu or split",
+        )
+        _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
+        _check(
+            self.warm_pool_mb == 0 or self.hot_codec == "native",
+            "hot_codec",
+            self.hot_codec,
+            "native while warm_pool_mb > 0 (the Warm tier moves native Hot blocks)",
         )
         _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")

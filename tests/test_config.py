@@ -30,7 +30,7 @@ FULL: dict[str, Any] = {
         "hot_region_mb": 4096,
         "warm_region_mb": 8192,
         "cold_threshold_ms": 150,
-        "hot_codec": "int8",
+        "hot_codec": "native",
         "warm_codec": "int4",
         "block_size": 32,
         "prefix_reuse": False,
@@ -117,7 +117,7 @@ def test_every_section_parses() -> None:
     kv = config.kv_cache
     assert (kv.hot_region_mb, kv.warm_region_mb, kv.cold_threshold_ms) == (4096, 8192, 150)
     assert (kv.hot_codec, kv.warm_codec, kv.block_size, kv.prefix_reuse) == (
-        "int8",
+        "native",
         "int4",
         32,
         False,
@@ -337,7 +337,10 @@ def test_engine_config_mapping() -> None:
         max_num_batched_tokens=512,
         max_model_len=8192,
         kv_pool_mb=4096,
-        hot_codec="int8",
+        hot_codec="native",
+        warm_pool_mb=8192,
+        warm_codec="int4",
+        attn_warm="split",
         prefix_reuse=False,
         sample_placement="cpu",
         seed=7,

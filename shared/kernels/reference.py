@@ -186,9 +186,12 @@ def paged_prefill_attention(
     seq_lens: list[int],
     scale: float,
     sliding_window: int = 0,
+    prefixes: list[tuple[Tensor, Tensor] | None] | None = None,
 ) -> Tensor:
     # q: [T, Hq, D] packed; caches: [N, S, Hkv, D]; block_tables: [B, M]
     # query_start_loc: host list [B+1]; seq_lens: host list [B] (context + new tokens)
+    # prefixes[i]: K, V [P, Hkv, D] of sequence i's first P keys, held outside the cache;
+    # its block table then starts at key P (P a multiple of the block size; no window).
     out = torch.empty_like(q)
     if query_start_loc[-1] < q.shape[0]:
         out[query_start_loc[-1] :].zero_()
@@ -199,8 +202,14 @@ def paged_prefill_attention(
         # Keys before the first query's window are not gathered (their blocks may be freed).
         first_pos = seq_len - (hi - lo)
         k0 = max(0, first_pos - sliding_window + 1) if sliding_window > 0 else 0
-        k = _gather_keys(k_cache, block_tables[i], k0, seq_len)
-        v = _gather_keys(v_cache, block_tables[i], k0, seq_len)
+        prefix = prefixes[i] if prefixes is not None else None
+        if prefix is None:
+            k = _gather_keys(k_cache, block_tables[i], k0, seq_len)
+            v = _gather_keys(v_cache, block_tables[i], k0, seq_len)
+        else:
+            p = prefix[0].shape[0]
+            k = torch.cat([prefix[0], _gather_keys(k_cache, block_tables[i], 0, seq_len - p)])
+            v = torch.cat([prefix[1], _gather_keys(v_cache, block_tables[i], 0, seq_len - p)])
         out[lo:hi] = _prefill_one(q[lo:hi], k, v, seq_len, scale, sliding_window)
     return out
 

@@ -9,12 +9,29 @@ projection is a single matmul; only attention looks at sequence boundaries, thro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from hybridgen.kernels import ops
 from hybridgen.models.spec import ModelSpec
+
+
+class WarmKeys(Protocol):
+    """Keys of this step's sequences that live in the Warm tier (gpu_daemon.warm_tier): a
+    leading run of `warm_tokens[i]` tokens of sequence i; the Hot cache holds the rest."""
+
+    @property
+    def warm_tokens(self) -> list[int]: ...
+
+    def decode_partial(
+        self, layer: int, q: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def prefix(
+        self, layer: int, seq: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 @dataclass
@@ -38,7 +55,9 @@ class AttentionBatch:
     query_start_loc: list[int]
     """Host copy: B + 1 offsets of each sequence's tokens in the packed batch."""
     seq_lens_host: list[int]
-    """Host copy of seq_lens, used by the prefill path without a device sync."""
+    """Host: keys per sequence after this step, Warm ones included (prefill path)."""
+    warm: WarmKeys | None = None
+    """Keys in the Warm tier; then block_tables and seq_lens cover only the Hot part."""
 
 
 class Attention(nn.Module):
@@ -68,7 +87,8 @@ class Attention(nn.Module):
         ops.write_kv(q, k, v, batch.positions, rope[0], rope[1], kv, batch.slot_mapping)
         out = torch.empty_like(q)  # [T, Hq, D]
         nd = batch.num_decode
-        if nd:
+        warm = batch.warm
+        if nd and warm is None:
             ops.decode_attention(
                 q[:nd],
                 kv,
@@ -78,6 +98,17 @@ class Attention(nn.Module):
                 s.sliding_window,
                 out=out[:nd],
             )
+        elif nd and warm is not None:  # Hot and Warm partials, merged by log-sum-exp
+            hot = ops.decode_attention(
+                q[:nd],
+                kv,
+                batch.block_tables[:nd],
+                batch.seq_lens[:nd],
+                self.scale,
+                return_lse=True,
+            )
+            w_out, w_lse = warm.decode_partial(self.layer, q[:nd], self.scale)
+            out[:nd] = ops.merge_attention_partials(hot[0], hot[1], w_out, w_lse)[0]
         if nd < len(batch.seq_lens_host):
             first = batch.query_start_loc[nd]
             out[first:] = ops.prefill_attention(
@@ -88,6 +119,11 @@ class Attention(nn.Module):
                 batch.seq_lens_host[nd:],
                 self.scale,
                 s.sliding_window,
+                None
+                if warm is None
+                else [
+                    warm.prefix(self.layer, i, q.dtype) for i in range(nd, len(batch.seq_lens_host))
+                ],
             )
         return ops.linear(out.reshape(t, s.q_size), self.o_proj.weight)
 

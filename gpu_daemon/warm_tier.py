@@ -1,0 +1,248 @@
+"""The Warm tier inside the engine: Hot blocks spilled to compressed host memory, and the
+attention over them.
+
+A sequence's KV is a prefix in Warm and the rest in Hot::
+
+    tokens:  [0 ........ W*S) [W*S ........... num_computed)
+    where:    seq.warm_slots    seq.block_ids (Hot blocks)      S = block_size, W = warm blocks
+
+Blocks move Hot -> Warm when the Hot pool runs short (`spill`, oldest blocks of the sequence
+holding the most Hot blocks first) and when a sequence is preempted (`swap_out`: it keeps its
+computed prefix instead of recomputing it). They never move back: a token's key is read every
+step wherever it lives, so Warm attention is part of every decode step of such a sequence:
+
+    decode:  out = merge_lse(hot partial (GPU paged kernel), warm partial)
+    prefill: keys = [Warm prefix decoded on the device] + [gathered Hot keys]
+
+The warm partial runs in one of three modes (`attn_warm`): `cpu`, mode (a), the CPU decodes
+and attends (cpu_daemon.warm_attention); `gpu`, mode (b), the compressed records cross PCIe and
+the device decodes and attends; `split`, mode (c), the first `warm_split` of each sequence's
+Warm blocks go to the CPU and the rest to the device, three partials merged by log-sum-exp.
+Every partial is fp32, so exact codecs give exact attention.
+
+Here the engine owns the pool (in-process serving); the daemons' split of it over the rings
+is the next step. Not for sliding-window models (their old blocks are never read again).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hybridgen.cpu_daemon.warm_attention import (
+    WarmAttnStats,
+    WarmSpan,
+    dense_partial,
+    warm_decode_attention,
+)
+from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.kernels import ops
+from hybridgen.kernels.reference import merge_attention_partials
+from hybridgen.kvcodec import get_codec
+from hybridgen.kvcodec.warm_pool import WarmPool, capacity_for
+from hybridgen.models.spec import ModelSpec
+
+
+@dataclass
+class WarmStats:
+    """Counters of the Warm tier since start (the engine's "Warm" metrics)."""
+
+    spilled_blocks: int = 0
+    """Hot blocks moved to Warm to make room."""
+    swapped_blocks: int = 0
+    """Hot blocks moved to Warm by preemption (instead of recomputing them later)."""
+    d2h_bytes: int = 0
+    """Compressed bytes written to the Warm pool."""
+    h2d_bytes: int = 0
+    """Compressed bytes copied to the device (gpu and split modes, prefill)."""
+    gpu_decode_s: float = 0.0
+    """Host-side seconds of device decompression (gpu mode and prefill; includes the copy)."""
+    hot_keys: int = 0
+    """Keys decode steps attended in Hot (per step, not per layer)."""
+    warm_keys: int = 0
+    """Keys decode steps attended in Warm (per step, not per layer)."""
+    cpu: WarmAttnStats = field(default_factory=WarmAttnStats)
+    """CPU mode: decompression ("Warm Decompress Latency") and attention time."""
+
+    @property
+    def hot_hit_rate(self) -> float:
+        """Share of attended keys that were in Hot (1.0 before any Warm use)."""
+        total = self.hot_keys + self.warm_keys
+        return self.hot_keys / total if total else 1.0
+
+
+class WarmTier:
+    """The Warm pool of one engine and the Hot <-> Warm moves."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        block_size: int,
+        codec: str,
+        pool_mb: float,
+        mode: str,
+        split: float,
+        device: torch.device,
+    ) -> None:
+        if spec.sliding_window:
+            raise ValueError(
+                f"kv_cache.warm_region_mb: the Warm tier does not serve sliding-window models "
+                f"({spec.name} has a {spec.sliding_window}-token window); set it to 0"
+            )
+        self.spec, self.block_size, self.device = spec, block_size, device
+        self.mode, self.split = mode, split
+        c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        capacity = capacity_for(pool_mb, c, spec.num_layers)
+        self.pool = WarmPool.create(f"engine{uuid.uuid4().hex[:10]}", c, spec.num_layers, capacity)
+        self.stats = WarmStats()
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:
+        """Copy Hot blocks (every layer) into fresh Warm slots; the caller frees the blocks."""
+        slots = self.pool.alloc(len(blocks))
+        for block, slot in zip(blocks, slots, strict=True):
+            k = torch.stack([_native(kv)[0][block] for kv in kv_caches])  # [L, S, H, D]
+            v = torch.stack([_native(kv)[1][block] for kv in kv_caches])
+            self.pool.store(slot, k, v)
+        self.stats.d2h_bytes += len(slots) * self.pool.slot_bytes
+        return slots
+
+    def free(self, slots: Seq[int]) -> None:
+        self.pool.free(slots)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.unlink()
+
+    def _records(self, slots: Seq[int], layer: int) -> Tensor:
+        """The compressed records of `slots` at `layer`, copied out of shm onto the device."""
+        rows = np.stack([self.pool.record_view(s)[layer] for s in slots])
+        self.stats.h2d_bytes += rows.nbytes
+        return torch.from_numpy(rows).to(self.device)
+
+    def dense(self, slots: Seq[int], layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Decode `slots` at `layer` on the device -> k, v [len(slots) * S, Hkv, D]."""
+        t0 = time.perf_counter()
+        k, v = self.pool.codec.decode_blocks(self._records(slots, layer), dtype)
+        self.stats.gpu_decode_s += time.perf_counter() - t0
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def context(self, warm_slots: list[list[int]], positions: list[int]) -> WarmContext | None:
+        """What the model needs this step; None when no sequence has Warm blocks."""
+        if not any(warm_slots):
+            return None
+        return WarmContext(self, warm_slots, positions)
+
+
+@dataclass
+class WarmContext:
+    """One step's Warm keys, per sequence of the batch (in batch order)."""
+
+    tier: WarmTier
+    warm_slots: list[list[int]]
+    positions: list[int]
+    """Position of each sequence's last query token this step."""
+
+    @property
+    def warm_tokens(self) -> list[int]:
+        return [len(s) * self.tier.block_size for s in self.warm_slots]
+
+    def decode_partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Partial attention of the decode rows q [nd, Hq, D] over their Warm keys ->
+        out [nd, Hq, D] fp32, lse [nd, Hq] fp32 on q's device (lse -inf: no Warm keys)."""
+        tier, nd = self.tier, q.shape[0]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+        for i in range(nd):
+            slots = self.warm_slots[i]
+            if not slots:
+                continue
+            n_cpu = {"cpu": len(slots), "gpu": 0}.get(tier.mode, round(tier.split * len(slots)))
+            if n_cpu:
+                span = WarmSpan(slots[:n_cpu], 0, tier.block_size, self.positions[i])
+                o, s = warm_decode_attention(
+                    tier.pool, layer, q[i : i + 1], [span], scale, stats=tier.stats.cpu
+                )
+                out[i], lse[i] = o[0].to(q.device), s[0].to(q.device)
+            if n_cpu < len(slots):
+                k, v = tier.dense(slots[n_cpu:], layer, torch.float32)
+                qs = q[i].float().mul(scale).view(k.shape[1], -1, k.shape[2])
+                o, s = dense_partial(qs, k, v)
+                if n_cpu:
+                    o, s = merge_attention_partials(
+                        out[i : i + 1], lse[i : i + 1], o[None], s[None]
+                    )
+                out[i], lse[i] = o.reshape(out.shape[1:]), s.reshape(lse.shape[1:])
+        return out, lse
+
+    def prefix(self, layer: int, seq: int, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        """Sequence `seq`'s Warm keys at `layer`, decoded on the device (for its prefill)."""
+        slots = self.warm_slots[seq]
+        return self.tier.dense(slots, layer, dtype) if slots else None
+
+
+def _native(kv: ops.KvCache) -> tuple[Tensor, Tensor]:
+    if not isinstance(kv, tuple):
+        raise ValueError("the Warm tier needs kv_cache.hot_codec: native")
+    return kv
+
+
+class WarmOffload:
+    """The scheduler's hook into the Warm tier: frees Hot blocks by moving KV to Warm."""
+
+    def __init__(self, tier: WarmTier, pool: BlockPool, kv_caches: Seq[ops.KvCache]) -> None:
+        self.tier, self.pool, self.kv_caches = tier, pool, kv_caches
+
+    def _hot_full(self, seq: Sequence) -> int:
+        """Hot blocks of `seq` that are full and computed (movable)."""
+        return seq.num_computed_tokens // self.pool.block_size - len(seq.warm_slots)
+
+    def _move(self, seq: Sequence, n: int) -> None:
+        blocks = seq.block_ids[:n]
+        seq.warm_slots += self.tier.store(self.kv_caches, blocks)
+        seq.block_ids = seq.block_ids[n:]
+        self.pool.free(blocks)
+
+    def spill(self, running: Seq[Sequence], need: int) -> int:
+        """Move the oldest full Hot blocks of the sequences holding the most Hot blocks to
+        Warm until `need` Hot blocks are free (or nothing movable is left); returns how many
+        were freed (a block another sequence shares stays held)."""
+        before = self.pool.num_free
+        for seq in sorted(running, key=lambda s: -len(s.block_ids)):
+            short = need - (self.pool.num_free - before)
+            n = min(self._hot_full(seq), short, self.tier.num_free)
+            if short <= 0:
+                break
+            if n > 0:
+                self._move(seq, n)
+                self.tier.stats.spilled_blocks += n
+        return self.pool.num_free - before
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Preemption: keep the computed prefix in Warm and free every Hot block (the tail
+        of a partial block is recomputed). False, changing nothing, when Warm is short."""
+        n = self._hot_full(seq)
+        if n > self.tier.num_free:
+            return False
+        self._move(seq, n)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = len(seq.warm_slots) * self.pool.block_size
+        self.tier.stats.swapped_blocks += n
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Drop a finished (or recomputed) sequence's Warm slots."""
+        self.tier.free(seq.warm_slots)
+        seq.warm_slots = []

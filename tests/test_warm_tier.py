@@ -1,0 +1,90 @@
+"""The engine's Warm tier on the CPU: Hot blocks spilled to compressed host memory, attended
+in each attn_warm mode, and swapped there on preemption, with HF's exact greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.scheduler import ScheduledBatch
+from hybridgen.sampling.params import SamplingParams
+from tests.hf_reference import hf_greedy, sample_prompts
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _engine(path: Path, **options: object) -> Engine:
+    config = EngineConfig(
+        model=str(path),
+        device="cpu",
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        **{"max_num_seqs": 4, "warm_codec": "lossless", **options},  # type: ignore[arg-type]
+    )
+    return Engine(config)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "split"])
+def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Hot holds 6 blocks (48 tokens); two prompts of 150 and 97 tokens plus 32 new tokens
+    each live mostly in Warm (lossless), and every decode step attends both tiers."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [150, 97])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    unbudgeted = _engine(path).generate(prompts, GREEDY)
+    assert [c.token_ids for c in unbudgeted] == expected
+    engine = _engine(
+        path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2, attn_warm=mode, warm_split=0.5
+    )
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+    st = engine.warm.stats  # type: ignore[union-attr]
+    assert st.spilled_blocks >= (150 + 97 + 2 * NEW_TOKENS) // 8 - 6 - 2
+    assert st.warm_keys > 3 * st.hot_keys  # most keys were read from Warm
+    if mode != "gpu":
+        assert st.cpu.calls > 0 and st.cpu.decode_s > 0
+    if mode != "cpu":
+        assert st.h2d_bytes > 0
+    assert engine.warm.pool.num_free == engine.warm.pool.capacity  # type: ignore[union-attr]
+    engine.release()
+
+
+def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A preempted sequence keeps its computed full blocks in Warm, frees all its Hot blocks,
+    and on readmission recomputes only its partial last block; tokens are still HF's."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [60, 45])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    engine = _engine(path, warm_pool_mb=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    tokens: dict[str, list[int]] = {"r0": [], "r1": []}
+    while len(tokens["r1"]) < 5:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    victim = engine.seqs["r1"]
+    computed = victim.num_computed_tokens
+    engine.scheduler._preempt(victim, ScheduledBatch())  # what a short Hot pool triggers
+    assert victim.block_ids == [] and len(victim.warm_slots) == computed // 8
+    assert victim.num_computed_tokens == computed // 8 * 8
+    assert engine.warm.stats.swapped_blocks == computed // 8  # type: ignore[union-attr]
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens["r0"], tokens["r1"]] == expected
+    assert engine.scheduler.resumed_tokens == computed // 8 * 8
+
+
+def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=r"^attn_warm="):
+        EngineConfig(attn_warm="tpu")
+    with pytest.raises(ConfigError, match=r"^hot_codec="):
+        EngineConfig(warm_pool_mb=8, hot_codec="int8")
+    with pytest.raises(ConfigError, match=r"warm_pool_mb=0\.01 is too small"):
+        _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=0.01)
+    with pytest.raises(ValueError, match="sliding-window"):
+        _engine(checkpoint("mistral"), warm_pool_mb=2)
