@@ -113,6 +113,8 @@ class _PoolSnapshot:
     """Blocks held by sequences."""
     running_requests: int = 0
     """Sequences running."""
+    tiers: tuple[tuple[str, float | int], ...] = ()
+    """Engine.tier_stats() items."""
 
 
 def _post(
@@ -172,6 +174,7 @@ class EngineBackend:
         snap = self._snapshot
         return {
             **self._info,
+            **dict(snap.tiers),
             "kv_blocks_used": snap.kv_blocks_used,
             "running_requests": snap.running_requests,
             "queued_requests": self._waiting,
@@ -307,7 +310,8 @@ class EngineBackend:
             log.info("request_aborted", request_id=command.request_id)
 
     def _publish(self, engine: Engine) -> None:
-        snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running))
+        tiers = tuple(engine.tier_stats().items())
+        snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running), tiers)
         if snap == self._snapshot:
             return
         self._snapshot = snap  # one reference assignment: readers see old or new, never half
@@ -315,6 +319,7 @@ class EngineBackend:
             total = max(self._info["kv_blocks_total"], 1)
             self._metrics.kv_usage.labels(tier="hot").set(snap.kv_blocks_used / total)
             self._metrics.running.set(snap.running_requests)
+            self._metrics.set_kv_tiers(dict(snap.tiers))
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail running requests and any submit still queued (the thread is leaving)."""

@@ -8,6 +8,8 @@ knows about (KV usage, ring occupancy, heartbeat jitter); the service records th
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -76,6 +78,47 @@ class Metrics:
             "Requests the engine is running (set by the backend).",
             registry=r,
         )
+        self.hot_hit = Gauge(
+            "hybridgen_kv_hot_hit_ratio",
+            "Hot Hit Rate: share of the keys decode steps attended that were in GPU memory.",
+            registry=r,
+        )
+        self.warm_decompress = Gauge(
+            "hybridgen_warm_decompress_latency_seconds",
+            "Warm Decompress Latency over recent (layer, step) calls, by quantile.",
+            ["quantile"],
+            registry=r,
+        )
+        self.cpu_attention = Gauge(
+            "hybridgen_cpu_attention_seconds",
+            "CPU time spent on attention over Warm-KV blocks since start.",
+            registry=r,
+        )
+        self.pcie_bytes = Gauge(
+            "hybridgen_kv_transfer_bytes",
+            "Compressed Warm-KV bytes moved since start: h2d to the device, d2h into Warm.",
+            ["direction"],
+            registry=r,
+        )
+        self.prefix_cached = Gauge(
+            "hybridgen_prefix_cached_tokens",
+            "Prompt tokens served from the prefix cache since start.",
+            registry=r,
+        )
+
+    def set_kv_tiers(self, info: Mapping[str, Any]) -> None:
+        """Mirror the engine's KV tier figures (GetModelInfo fields) into the gauges."""
+        warm_total = info.get("warm_blocks_total", 0)
+        if warm_total:
+            self.kv_usage.labels(tier="warm").set(info["warm_blocks_used"] / warm_total)
+            self.hot_hit.set(info["hot_hit_rate"])
+            for q in ("50", "95"):
+                seconds = info[f"warm_decompress_p{q}_ms"] / 1e3
+                self.warm_decompress.labels(quantile=f"0.{q}").set(seconds)
+            self.cpu_attention.set(info["cpu_attention_ms"] / 1e3)
+            self.pcie_bytes.labels(direction="h2d").set(info["pcie_h2d_bytes"])
+            self.pcie_bytes.labels(direction="d2h").set(info["pcie_d2h_bytes"])
+        self.prefix_cached.set(info.get("prefix_cached_tokens", 0))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> threading.Thread:
         """Serve /metrics over HTTP on a daemon thread; returns that thread."""

@@ -315,6 +315,7 @@ class ProxyBackend:
             total = max(info["kv_blocks_total"], 1)
             self._metrics.kv_usage.labels(tier="hot").set(info["kv_blocks_used"] / total)
             self._metrics.running.set(info["running_requests"])
+            self._metrics.set_kv_tiers(info)
             for ring in ("c2g", "g2c"):
                 self._metrics.ring_occupancy.labels(ring=ring).set(info[f"ring_occupancy_{ring}"])
             for daemon in ("gpu", "cpu"):

@@ -65,6 +65,10 @@ class RequestOutput:
     yet; answer with Engine.accept_token)."""
 
 
+TIER_LOG_STEPS = 256
+"""With a Warm tier in use, the KV tier figures are logged every this many steps."""
+
+
 @dataclass
 class EngineStats:
     """Counters since start."""
@@ -237,6 +241,14 @@ class Engine:
                     reason="KV pool too small for the model's full context",
                 )
 
+    def tier_stats(self) -> dict[str, float | int]:
+        """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and
+        the Warm tier's (hot hit rate, decompress latency, PCIe bytes, CPU attention)."""
+        stats: dict[str, float | int] = {"prefix_cached_tokens": self.scheduler.prefix_hit_tokens}
+        if self.warm is not None:
+            stats.update(self.warm.info())
+        return stats
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)
 
@@ -281,6 +293,8 @@ class Engine:
         else:
             per_step = [self.runner.execute(batch)]
         st.steps += 1
+        if self.warm is not None and st.steps % TIER_LOG_STEPS == 0 and self.warm.stats.warm_keys:
+            log.info("kv_tiers", steps=st.steps, **self.tier_stats())
         st.max_step_tokens = max(st.max_step_tokens, batch.total_tokens)
         st.peak_blocks_used = max(st.peak_blocks_used, self.pool.num_used)
         st.prompt_tokens = self.scheduler.prompt_tokens

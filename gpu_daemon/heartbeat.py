@@ -127,6 +127,7 @@ class GpuHeartbeat:
         elif ticket.op is Op.STATS:
             info = dict(
                 engine_info(self.engine),
+                **self.engine.tier_stats(),
                 kv_blocks_used=self.engine.pool.num_used,
                 running_requests=len(self.engine.seqs),
                 ring_occupancy_c2g=self.ch.c2g.occupancy() / self.ch.c2g.capacity,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -70,7 +71,17 @@ class WarmStats:
     warm_keys: int = 0
     """Keys decode steps attended in Warm (per step, not per layer)."""
     cpu: WarmAttnStats = field(default_factory=WarmAttnStats)
-    """CPU mode: decompression ("Warm Decompress Latency") and attention time."""
+    """CPU mode: decompression and attention time, summed."""
+    decompress_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    """Recent Warm Decompress Latencies: one per (layer, step) call that decoded blocks,
+    host-side time including the copy out of shm (and to the device in gpu mode)."""
+
+    def record_decompress(self, seconds: float) -> None:
+        self.decompress_ms.append(seconds * 1e3)
+
+    def decompress_percentile(self, q: float) -> float:
+        """The q-th percentile (0..100) of the recent decompress latencies in ms; 0 if none."""
+        return float(np.percentile(self.decompress_ms, q)) if self.decompress_ms else 0.0
 
     @property
     def hot_hit_rate(self) -> float:
@@ -108,6 +119,20 @@ class WarmTier:
     def num_free(self) -> int:
         return self.pool.num_free
 
+    def info(self) -> dict[str, float | int]:
+        """The tier's figures, keyed by GetModelInfo field names."""
+        st = self.stats
+        return {
+            "warm_blocks_total": self.pool.capacity,
+            "warm_blocks_used": self.pool.capacity - self.pool.num_free,
+            "hot_hit_rate": st.hot_hit_rate,
+            "warm_decompress_p50_ms": st.decompress_percentile(50),
+            "warm_decompress_p95_ms": st.decompress_percentile(95),
+            "cpu_attention_ms": st.cpu.attn_s * 1e3,
+            "pcie_h2d_bytes": st.h2d_bytes,
+            "pcie_d2h_bytes": st.d2h_bytes,
+        }
+
     def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:
         """Copy Hot blocks (every layer) into fresh Warm slots; the caller frees the blocks."""
         slots = self.pool.alloc(len(blocks))
@@ -135,7 +160,9 @@ class WarmTier:
         """Decode `slots` at `layer` on the device -> k, v [len(slots) * S, Hkv, D]."""
         t0 = time.perf_counter()
         k, v = self.pool.codec.decode_blocks(self._records(slots, layer), dtype)
-        self.stats.gpu_decode_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.gpu_decode_s += elapsed
+        self.stats.record_decompress(elapsed)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def context(self, warm_slots: list[list[int]], positions: list[int]) -> WarmContext | None:
@@ -171,9 +198,11 @@ class WarmContext:
             n_cpu = {"cpu": len(slots), "gpu": 0}.get(tier.mode, round(tier.split * len(slots)))
             if n_cpu:
                 span = WarmSpan(slots[:n_cpu], 0, tier.block_size, self.positions[i])
+                before = tier.stats.cpu.decode_s
                 o, s = warm_decode_attention(
                     tier.pool, layer, q[i : i + 1], [span], scale, stats=tier.stats.cpu
                 )
+                tier.stats.record_decompress(tier.stats.cpu.decode_s - before)
                 out[i], lse[i] = o[0].to(q.device), s[0].to(q.device)
             if n_cpu < len(slots):
                 k, v = tier.dense(slots[n_cpu:], layer, torch.float32)

@@ -88,3 +88,28 @@ def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-
         _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=0.01)
     with pytest.raises(ValueError, match="sliding-window"):
         _engine(checkpoint("mistral"), warm_pool_mb=2)
+
+
+def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """After Warm use, the engine's tier figures are set, survive GetModelInfo's protobuf,
+    and land in the Prometheus gauges."""
+    from hybridgen.gateway.metrics import Metrics
+    from hybridgen.gateway.service import model_info_to_pb
+    from hybridgen.gpu_daemon.info import engine_info
+
+    path = checkpoint("llama3")
+    engine = _engine(path, num_kv_blocks=8, warm_pool_mb=2, attn_warm="split")
+    engine.generate(sample_prompts(path, 1, [120]), GREEDY)
+    stats = engine.tier_stats()
+    assert stats["warm_blocks_total"] > 0 and 0 < stats["hot_hit_rate"] < 0.5
+    assert stats["warm_decompress_p95_ms"] >= stats["warm_decompress_p50_ms"] > 0
+    assert stats["cpu_attention_ms"] > 0 and stats["pcie_h2d_bytes"] > 0
+    assert stats["pcie_d2h_bytes"] > 0
+    pb = model_info_to_pb({**engine_info(engine), **stats, "max_queue": 1})
+    assert pb.hot_hit_rate == pytest.approx(stats["hot_hit_rate"])
+    assert pb.pcie_h2d_bytes == stats["pcie_h2d_bytes"]
+    metrics = Metrics()
+    metrics.set_kv_tiers(stats)
+    value = metrics.registry.get_sample_value
+    assert value("hybridgen_kv_hot_hit_ratio") == pytest.approx(stats["hot_hit_rate"])
+    assert value("hybridgen_kv_transfer_bytes", {"direction": "d2h"}) == stats["pcie_d2h_bytes"]

@@ -131,7 +131,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure")
+    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,15 @@ class GetModelInfoResponse(_message.Message):
     GPU_HEARTBEAT_JITTER_P99_MS_FIELD_NUMBER: _ClassVar[int]
     CPU_HEARTBEAT_JITTER_P99_MS_FIELD_NUMBER: _ClassVar[int]
     GPU_BACKPRESSURE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    WARM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    HOT_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    WARM_DECOMPRESS_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    WARM_DECOMPRESS_P95_MS_FIELD_NUMBER: _ClassVar[int]
+    CPU_ATTENTION_MS_FIELD_NUMBER: _ClassVar[int]
+    PCIE_H2D_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PCIE_D2H_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     synthetic: bool
@@ -174,4 +183,13 @@ class GetModelInfoResponse(_message.Message):
     gpu_heartbeat_jitter_p99_ms: float
     cpu_heartbeat_jitter_p99_ms: float
     gpu_backpressure: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ...) -> None: ...
+    prefix_cached_tokens: int
+    warm_blocks_total: int
+    warm_blocks_used: int
+    hot_hit_rate: float
+    warm_decompress_p50_ms: float
+    warm_decompress_p95_ms: float
+    cpu_attention_ms: float
+    pcie_h2d_bytes: int
+    pcie_d2h_bytes: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ...) -> None: ...
