@@ -149,7 +149,7 @@ class Engine:
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         offload = None
         if self.warm is not None:
-            offload = WarmOffload(self.warm, self.pool, self.runner.kv_caches)
+            offload = WarmOffload(self.warm, self.pool, self.runner.kv_caches, config.prefix_reuse)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,

@@ -25,7 +25,6 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hybridgen.block_hash import chain_hash
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.sequence import Sequence, Status
 
@@ -73,6 +72,10 @@ class Offload(Protocol):
     def swap_out(self, seq: Sequence) -> bool: ...
 
     def release(self, seq: Sequence) -> None: ...
+
+    def lookup(self, keys: Seq[bytes]) -> list[int]: ...
+
+    def unlookup(self, slots: Seq[int]) -> None: ...
 
 
 class Scheduler:
@@ -172,29 +175,29 @@ class Scheduler:
         full = min(seq.num_computed_tokens // self.pool.block_size, warm + len(seq.block_ids))
         done = max(seq.num_registered_blocks, warm)
         if full > done:
-            keys = self._hashes(seq, full)
+            keys = seq.hashes(full, self.pool.block_size)
             for i in range(done, full):
                 self.pool.register(seq.block_ids[i - warm], keys[i])
             seq.num_registered_blocks = full
 
-    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """The chained hashes of (at least) the sequence's first `n` full blocks, each
-        computed once; index it, do not take its length."""
-        bs, hashes = self.pool.block_size, seq.block_hashes
-        while len(hashes) < n:
-            i = len(hashes)
-            block = seq.token_ids[i * bs : (i + 1) * bs]
-            hashes.append(chain_hash(hashes[-1] if i else b"", block))
-        return hashes
-
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Start a sequence with nothing computed from its longest cached prefix."""
+        """Start a sequence with nothing computed from its longest cached prefix: in Hot, or
+        in Warm (then Hot may continue it) when Warm holds the longer one."""
         if not self.config.prefix_reuse or seq.num_computed_tokens:
             return
         reusable = (seq.num_tokens - 1) // self.pool.block_size  # the last token is computed
-        seq.block_ids = self.pool.lookup(self._hashes(seq, reusable)[:reusable])
-        seq.num_computed_tokens = len(seq.block_ids) * self.pool.block_size
-        seq.num_registered_blocks = len(seq.block_ids)
+        keys = seq.hashes(reusable, self.pool.block_size)
+        seq.block_ids = self.pool.lookup(keys)
+        if self.offload is not None and len(seq.block_ids) < reusable:
+            warm = self.offload.lookup(keys)
+            if len(warm) > len(seq.block_ids):
+                self.pool.free(seq.block_ids)
+                seq.warm_slots, seq.block_ids = warm, self.pool.lookup(keys[len(warm) :])
+            else:
+                self.offload.unlookup(warm)
+        blocks = len(seq.warm_slots) + len(seq.block_ids)
+        seq.num_computed_tokens = blocks * self.pool.block_size
+        seq.num_registered_blocks = blocks
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -223,7 +226,8 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, n)
             if need > self.pool.num_free and self.offload is not None:
-                self.offload.spill(self.running, need - self.pool.num_free)
+                # Its own cached prefix may be what fills Hot: it can move to Warm too.
+                self.offload.spill([*self.running, seq], need - self.pool.num_free)
             if need > self.pool.num_free:
                 if seq.warm_slots:  # swapped out: its Warm prefix waits with it
                     break

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from hybridgen.block_hash import chain_hash
 from hybridgen.sampling.params import SamplingParams
 
 
@@ -60,6 +61,16 @@ class Sequence:
     """Its first blocks already registered in the pool's prefix cache."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at first admission."""
+
+    def hashes(self, n: int, block_size: int) -> list[bytes]:
+        """The chained hashes of its first `n` full blocks (each computed once, kept in
+        `block_hashes`)."""
+        hashes = self.block_hashes
+        while len(hashes) < n:
+            i = len(hashes)
+            block = self.token_ids[i * block_size : (i + 1) * block_size]
+            hashes.append(chain_hash(hashes[-1] if i else b"", block))
+        return hashes[:n]
 
     @property
     def num_tokens(self) -> int:

@@ -48,7 +48,7 @@ from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.kernels import ops
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import WarmPool, capacity_for
+from hybridgen.kvcodec.warm_pool import PrefixIndex, WarmPool, capacity_for
 from hybridgen.models.spec import ModelSpec
 
 
@@ -113,11 +113,14 @@ class WarmTier:
         c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
         capacity = capacity_for(pool_mb, c, spec.num_layers)
         self.pool = WarmPool.create(f"engine{uuid.uuid4().hex[:10]}", c, spec.num_layers, capacity)
+        self.index = PrefixIndex(self.pool)
+        """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
         self.stats = WarmStats()
 
     @property
     def num_free(self) -> int:
-        return self.pool.num_free
+        """Slots a store can take: free ones plus those only the prefix index holds."""
+        return self.pool.num_free + self.index.evictable()
 
     def info(self) -> dict[str, float | int]:
         """The tier's figures, keyed by GetModelInfo field names."""
@@ -135,7 +138,7 @@ class WarmTier:
 
     def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:
         """Copy Hot blocks (every layer) into fresh Warm slots; the caller frees the blocks."""
-        slots = self.pool.alloc(len(blocks))
+        slots = self.index.alloc(len(blocks))
         for block, slot in zip(blocks, slots, strict=True):
             k = torch.stack([_native(kv)[0][block] for kv in kv_caches])  # [L, S, H, D]
             v = torch.stack([_native(kv)[1][block] for kv in kv_caches])
@@ -230,8 +233,15 @@ def _native(kv: ops.KvCache) -> tuple[Tensor, Tensor]:
 class WarmOffload:
     """The scheduler's hook into the Warm tier: frees Hot blocks by moving KV to Warm."""
 
-    def __init__(self, tier: WarmTier, pool: BlockPool, kv_caches: Seq[ops.KvCache]) -> None:
+    def __init__(
+        self,
+        tier: WarmTier,
+        pool: BlockPool,
+        kv_caches: Seq[ops.KvCache],
+        prefix_reuse: bool = True,
+    ) -> None:
         self.tier, self.pool, self.kv_caches = tier, pool, kv_caches
+        self.prefix_reuse = prefix_reuse
 
     def _hot_full(self, seq: Sequence) -> int:
         """Hot blocks of `seq` that are full and computed (movable)."""
@@ -242,6 +252,17 @@ class WarmOffload:
         seq.warm_slots += self.tier.store(self.kv_caches, blocks)
         seq.block_ids = seq.block_ids[n:]
         self.pool.free(blocks)
+        if self.prefix_reuse:  # the whole chain, head included: LRU eviction takes tails first
+            keys = seq.hashes(len(seq.warm_slots), self.pool.block_size)
+            self.tier.index.insert_keys(keys, seq.warm_slots)
+
+    def lookup(self, keys: Seq[bytes]) -> list[int]:
+        """Warm slots of the longest cached prefix of this key chain (one reference each)."""
+        return self.tier.index.lookup_keys(keys)
+
+    def unlookup(self, slots: Seq[int]) -> None:
+        """Give back the references a lookup took."""
+        self.tier.free(slots)
 
     def spill(self, running: Seq[Sequence], need: int) -> int:
         """Move the oldest full Hot blocks of the sequences holding the most Hot blocks to

@@ -8,6 +8,12 @@ import pytest
 from hybridgen.tools import kv_stress_test
 
 
+@pytest.fixture(autouse=True)
+def keep_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main() configures logging onto this test's captured stderr; keep pytest's instead."""
+    monkeypatch.setattr(kv_stress_test.hlog, "configure", lambda: None)
+
+
 def test_stress_test_reports_both_tiers(capsys: pytest.CaptureFixture[str]) -> None:
     results = kv_stress_test.main(
         [

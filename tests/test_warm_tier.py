@@ -49,7 +49,9 @@ def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> 
         assert st.cpu.calls > 0 and st.cpu.decode_s > 0
     if mode != "cpu":
         assert st.h2d_bytes > 0
-    assert engine.warm.pool.num_free == engine.warm.pool.capacity  # type: ignore[union-attr]
+    warm = engine.warm
+    assert warm is not None  # finished: every used slot is held by the prefix index alone
+    assert warm.pool.num_free + warm.index.evictable() == warm.pool.capacity
     engine.release()
 
 
@@ -155,3 +157,18 @@ def test_lossy_warm_codecs_keep_greedy_agreement(tiny_reference, codec: str) -> 
     )
     assert engine.warm is not None and engine.warm.stats.spilled_blocks > 0
     assert hits / len(positions) >= LOSSY_AGREEMENT[codec]
+
+
+def test_second_turn_reuses_a_prefix_held_in_warm(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Turn 1's KV was spilled to Warm (Hot holds 48 tokens); turn 2 starts from it: only
+    the new tokens are computed, and the tokens are HF's."""
+    path = checkpoint("llama3")
+    first, extra = sample_prompts(path, 2, [150, 10])
+    engine = _engine(path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2)
+    answer = engine.generate([first], GREEDY)[0].token_ids
+    second = first + answer + extra
+    expected = hf_greedy(path, [second], NEW_TOKENS)
+    before = engine.stats.prefix_hit_tokens
+    assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
+    reused = engine.stats.prefix_hit_tokens - before
+    assert reused >= (len(first) + NEW_TOKENS) // 8 * 8 - 8 * 6  # at most Hot's part recomputed

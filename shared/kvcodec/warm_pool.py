@@ -344,13 +344,17 @@ class PrefixIndex:
         The caller gets one pool reference per returned slot (free them when done), so an
         eviction cannot recycle a slot it is reading.
         """
-        keys: list[bytes] = []
-        for key in block_hashes(token_ids, self.block_size):
+        return self.lookup_keys(block_hashes(token_ids, self.block_size))
+
+    def lookup_keys(self, keys: Sequence[bytes]) -> list[int]:
+        """`lookup` by the chain's block hashes (`hybridgen.block_hash`), in order."""
+        found: list[bytes] = []
+        for key in keys:
             if key not in self._entries:
                 break
-            keys.append(key)
-        self._touch(keys)
-        slots = [self._entries[k] for k in keys]
+            found.append(key)
+        self._touch(found)
+        slots = [self._entries[k] for k in found]
         self.pool.share(slots)
         return slots
 
@@ -359,7 +363,10 @@ class PrefixIndex:
         partial tail block or extra slots are ignored). A block already cached keeps its
         slot, and the caller's duplicate is not referenced. All or nothing: a free slot
         raises before anything changes. Returns how many entries were added."""
-        keys = block_hashes(token_ids, self.block_size)[: len(slots)]
+        return self.insert_keys(block_hashes(token_ids, self.block_size)[: len(slots)], slots)
+
+    def insert_keys(self, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        """`insert` by the chain's block hashes, one per slot, from the chain's head."""
         new = {k: s for k, s in zip(keys, slots, strict=False) if k not in self._entries}
         self.pool.share(new.values())
         self._entries.update(new)
@@ -378,6 +385,10 @@ class PrefixIndex:
             self.pool.free([slot])
             dropped += 1
         return dropped
+
+    def evictable(self) -> int:
+        """Entries whose slot only the index holds: what `evict` could free."""
+        return sum(1 for slot in self._entries.values() if self.pool.refcount(slot) == 1)
 
     def alloc(self, n: int) -> list[int]:
         """`pool.alloc(n)`, evicting cached prefixes first when the pool is short."""

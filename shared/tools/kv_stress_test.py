@@ -70,6 +70,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         "max_model_len": max(length, config.max_model_len or 0),
         "max_num_seqs": 1,  # one sequence: Hot needs only a prefill chunk and a block
         "max_num_batched_tokens": min(config.max_num_batched_tokens, CHUNK),
+        "prefix_reuse": False,  # every run repeats the prompt: each must fill the tiers anew
     }
     if args.hot_region_mb is not None:
         overrides["kv_pool_mb"] = args.hot_region_mb
