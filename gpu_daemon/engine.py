@@ -128,6 +128,7 @@ class Engine:
                 config.attn_warm,
                 config.warm_split,
                 self.device,
+                config.shm_instance,
             )
             reach = (self.plan.num_blocks + self.warm.pool.capacity) * config.block_size
             if reach < self.max_model_len:

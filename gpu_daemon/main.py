@@ -10,6 +10,7 @@ a SHUTDOWN ticket) removes every segment it created.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from types import FrameType
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     channels = Channels.create(instance)
     try:
         sd_notify.status("loading model")
-        engine = Engine(config.engine_config(args.device))
+        engine_config = config.engine_config(args.device)
+        engine = Engine(dataclasses.replace(engine_config, shm_instance=instance))
         loop = GpuHeartbeat(engine, channels)
 
         def stop(signum: int, frame: FrameType | None) -> None:

@@ -102,6 +102,7 @@ class WarmTier:
         mode: str,
         split: float,
         device: torch.device,
+        instance: str | None = None,
     ) -> None:
         if spec.sliding_window:
             raise ValueError(
@@ -112,7 +113,8 @@ class WarmTier:
         self.mode, self.split = mode, split
         c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
         capacity = capacity_for(pool_mb, c, spec.num_layers)
-        self.pool = WarmPool.create(f"engine{uuid.uuid4().hex[:10]}", c, spec.num_layers, capacity)
+        name = instance or f"engine{uuid.uuid4().hex[:10]}"
+        self.pool = WarmPool.create(name, c, spec.num_layers, capacity)
         self.index = PrefixIndex(self.pool)
         """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
         self.stats = WarmStats()

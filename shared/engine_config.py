@@ -62,6 +62,9 @@ class EngineConfig:
     b: compressed blocks cross PCIe, the device decodes) or split (mode c)."""
     warm_split: float = 0.5
     """With attn_warm split: the share of each sequence's Warm blocks the CPU attends."""
+    shm_instance: str | None = None
+    """Server instance to name the engine's shared memory (the Warm pool) after, so that the
+    daemon's cleanup removes it even after a crash; None: a private name (in-process use)."""
     prefix_reuse: bool = True
     """Keep computed KV blocks cached by prefix hash and reuse them for new requests."""
     cuda_graphs: bool = True

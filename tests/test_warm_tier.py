@@ -3,6 +3,7 @@ in each attn_warm mode, and swapped there on preemption, with HF's exact greedy 
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,15 @@ def test_second_turn_reuses_a_prefix_held_in_warm(checkpoint) -> None:  # type: 
     assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
     reused = engine.stats.prefix_hit_tokens - before
     assert reused >= (len(first) + NEW_TOKENS) // 8 * 8 - 8 * 6  # at most Hot's part recomputed
+
+
+def test_warm_pool_is_named_after_the_server_instance(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Under a daemon the Warm pool lives in the instance's namespace, so the daemon's
+    unlink_all on exit (or the next start) removes it; release() removes it too."""
+    from hybridgen.ipc import shm
+
+    instance = f"wt{uuid.uuid4().hex[:8]}"
+    engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, shm_instance=instance)
+    assert shm.segment_name(instance, "warm").lstrip("/") in {p.name for p in shm.SHM_DIR.iterdir()}
+    engine.release()
+    assert not [p for p in shm.SHM_DIR.iterdir() if instance in p.name]
