@@ -30,10 +30,12 @@ import math
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 import torch
 from torch import Tensor
 
@@ -50,6 +52,8 @@ from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
 from hybridgen.kvcodec.warm_pool import PrefixIndex, WarmPool, capacity_for
 from hybridgen.models.spec import ModelSpec
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -118,6 +122,53 @@ class WarmTier:
         self.index = PrefixIndex(self.pool)
         """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
         self.stats = WarmStats()
+        if mode == "auto":
+            self.mode, self.split = self._measure_placement()
+
+    def cpu_blocks(self, n: int) -> int:
+        """Of a sequence's n Warm blocks, how many the CPU attends (the first ones)."""
+        if self.mode == "cpu":
+            return n
+        return 0 if self.mode == "gpu" else round(self.split * n)
+
+    def _measure_placement(self) -> tuple[str, float]:
+        """attn_warm without a pin: time the CPU (mode a) and the device (mode b) on the same
+        synthetic Warm blocks and pick the faster, or split the blocks so that both finish
+        together when neither is 4x faster. On a CPU-only engine both are the CPU: cpu."""
+        n = min(64, self.pool.capacity)
+        if self.device.type != "cuda" or n == 0:
+            return "cpu", 1.0
+        spec = self.spec
+        shape = (spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim)
+        slots = self.pool.alloc(n)
+        k = torch.randn(shape, dtype=spec.dtype, device=self.device)
+        for slot in slots:
+            self.pool.store(slot, k, k)
+        q = torch.randn(1, spec.num_heads, spec.head_dim, device=self.device)
+        span = WarmSpan(slots, 0, self.block_size, n * self.block_size)
+        scale = spec.head_dim**-0.5
+
+        def cpu() -> None:
+            warm_decode_attention(self.pool, 0, q, [span], scale)
+
+        def gpu() -> None:
+            kd, vd = self.dense(slots, 0, torch.float32)
+            dense_partial(q[0].mul(scale).view(kd.shape[1], -1, kd.shape[2]), kd, vd)
+            torch.cuda.synchronize(self.device)
+
+        t_cpu, t_gpu = (_best_of(3, fn) for fn in (cpu, gpu))
+        self.pool.free(slots)
+        self.stats = WarmStats()  # the probe is not traffic
+        choice = choose_placement(t_cpu, t_gpu)
+        log.info(
+            "attn_warm_measured",
+            cpu_ms=t_cpu * 1e3,
+            gpu_ms=t_gpu * 1e3,
+            blocks=n,
+            mode=choice[0],
+            cpu_share=round(choice[1], 3),
+        )
+        return choice
 
     @property
     def num_free(self) -> int:
@@ -196,28 +247,29 @@ class WarmContext:
         tier, nd = self.tier, q.shape[0]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+        cuts = [tier.cpu_blocks(len(slots)) for slots in self.warm_slots[:nd]]
+        # The device's share first: its kernels run while the CPU works on its share below.
         for i in range(nd):
-            slots = self.warm_slots[i]
-            if not slots:
-                continue
-            n_cpu = {"cpu": len(slots), "gpu": 0}.get(tier.mode, round(tier.split * len(slots)))
-            if n_cpu:
-                span = WarmSpan(slots[:n_cpu], 0, tier.block_size, self.positions[i])
-                before = tier.stats.cpu.decode_s
-                o, s = warm_decode_attention(
-                    tier.pool, layer, q[i : i + 1], [span], scale, stats=tier.stats.cpu
-                )
-                tier.stats.record_decompress(tier.stats.cpu.decode_s - before)
-                out[i], lse[i] = o[0].to(q.device), s[0].to(q.device)
-            if n_cpu < len(slots):
-                k, v = tier.dense(slots[n_cpu:], layer, torch.float32)
+            slots = self.warm_slots[i][cuts[i] :]
+            if slots:
+                k, v = tier.dense(slots, layer, torch.float32)
                 qs = q[i].float().mul(scale).view(k.shape[1], -1, k.shape[2])
                 o, s = dense_partial(qs, k, v)
-                if n_cpu:
-                    o, s = merge_attention_partials(
-                        out[i : i + 1], lse[i : i + 1], o[None], s[None]
-                    )
                 out[i], lse[i] = o.reshape(out.shape[1:]), s.reshape(lse.shape[1:])
+        rows = [i for i in range(nd) if cuts[i]]
+        if rows:
+            bs = tier.block_size
+            spans = [
+                WarmSpan(self.warm_slots[i][: cuts[i]], 0, bs, self.positions[i]) for i in rows
+            ]
+            before = tier.stats.cpu.decode_s
+            o, s = warm_decode_attention(
+                tier.pool, layer, q[rows], spans, scale, stats=tier.stats.cpu
+            )
+            tier.stats.record_decompress(tier.stats.cpu.decode_s - before)
+            idx = torch.tensor(rows, device=q.device)
+            o, s = o.to(q.device), s.to(q.device)
+            out[idx], lse[idx] = merge_attention_partials(out[idx], lse[idx], o, s)
         return out, lse
 
     def prefix(self, layer: int, seq: int, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
@@ -298,3 +350,25 @@ class WarmOffload:
         """Drop a finished (or recomputed) sequence's Warm slots."""
         self.tier.free(seq.warm_slots)
         seq.warm_slots = []
+
+
+def choose_placement(t_cpu: float, t_gpu: float) -> tuple[str, float]:
+    """attn_warm from the measured times of the same Warm blocks on the CPU and the device:
+    (mode, CPU share of the blocks). One side 4x faster takes everything; otherwise the
+    blocks are split in inverse proportion to the times, so both sides finish together."""
+    if t_cpu > 4 * t_gpu:
+        return "gpu", 0.0
+    if t_gpu > 4 * t_cpu:
+        return "cpu", 1.0
+    return "split", t_gpu / (t_cpu + t_gpu)
+
+
+def _best_of(n: int, fn: Callable[[], None]) -> float:
+    """Shortest wall time of n calls, after one warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -57,9 +57,10 @@ class EngineConfig:
     when the Hot pool runs short or their sequence is preempted. 0: no Warm tier."""
     warm_codec: str = "int8"
     """Warm-KV codec (kv_cache.warm_codec): lossless, lz4, int8 or int4."""
-    attn_warm: str = "cpu"
+    attn_warm: str = "auto"
     """Where attention over Warm blocks runs (placements.attn_warm): cpu (mode a), gpu (mode
-    b: compressed blocks cross PCIe, the device decodes) or split (mode c)."""
+    b: compressed blocks cross PCIe, the device decodes), split (mode c), or auto: measured
+    at start (CUDA; the CPU on a CPU-only engine)."""
     warm_split: float = 0.5
     """With attn_warm split: the share of each sequence's Warm blocks the CPU attends."""
     shm_instance: str | None = None
@@ -144,10 +145,10 @@ class EngineConfig:
             "lossless, lz4, int8 or int4",
         )
         _check(
-            self.attn_warm in ("cpu", "gpu", "split"),
+            self.attn_warm in ("auto", "cpu", "gpu", "split"),
             "attn_warm",
             self.attn_warm,
-            "cpu, gpu or split",
+            "auto, cpu, gpu or split",
         )
         _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
         _check(

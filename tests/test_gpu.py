@@ -102,3 +102,32 @@ def test_bf16_logits_close_to_hf(checkpoint) -> None:  # type: ignore[no-untyped
         assert rel(ours, ref32) <= 2 * hf_err + 1e-3, (len(prompt), rel(ours, ref32), hf_err)
         assert rel(ours, ref16) <= 3 * hf_err + 1e-3
     engine.release()
+
+
+@pytest.mark.parametrize("mode", ["auto", "cpu", "gpu", "split"])
+def test_warm_tier_on_cuda_matches_hf(checkpoint, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """fp32 on the GPU with most KV spilled to a lossless Warm tier, in each attn_warm mode
+    (auto measures the placement), gives HF's greedy tokens. test_warm_tier.py covers the
+    same paths with the engine on the CPU."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [150, 97])
+    expected = hf_greedy(path, prompts, 24)
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            device="cuda",
+            gpu_memory_mb=2048,
+            block_size=8,
+            num_kv_blocks=6,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            max_model_len=256,
+            warm_pool_mb=2,
+            warm_codec="lossless",
+            attn_warm=mode,
+        )
+    )
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    assert engine.warm is not None and engine.warm.stats.spilled_blocks > 0
+    engine.release()
+    assert got == expected

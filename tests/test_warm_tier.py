@@ -185,3 +185,16 @@ def test_warm_pool_is_named_after_the_server_instance(checkpoint) -> None:  # ty
     assert shm.segment_name(instance, "warm").lstrip("/") in {p.name for p in shm.SHM_DIR.iterdir()}
     engine.release()
     assert not [p for p in shm.SHM_DIR.iterdir() if instance in p.name]
+
+
+def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Without a pin (auto) the engine picks the placement: the CPU on a CPU-only engine;
+    on CUDA from measured times, through choose_placement."""
+    from hybridgen.gpu_daemon.warm_tier import choose_placement
+
+    engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, attn_warm="auto")
+    assert engine.warm is not None and engine.warm.mode == "cpu"
+    assert choose_placement(1.0, 0.1) == ("gpu", 0.0)
+    assert choose_placement(0.1, 1.0) == ("cpu", 1.0)
+    mode, share = choose_placement(3.0, 1.0)  # the CPU 3x slower: it takes a quarter
+    assert mode == "split" and share == pytest.approx(0.25)
