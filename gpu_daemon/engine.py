@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import secrets
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -129,6 +130,7 @@ class Engine:
                 config.warm_split,
                 self.device,
                 config.shm_instance,
+                config.cold_threshold_ms,
             )
             reach = (self.plan.num_blocks + self.warm.pool.capacity) * config.block_size
             if reach < self.max_model_len:
@@ -164,6 +166,7 @@ class Engine:
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
         log.info(
             "engine_ready",
@@ -294,6 +297,9 @@ class Engine:
         else:
             per_step = [self.runner.execute(batch)]
         st.steps += 1
+        if self.warm is not None and time.monotonic() >= self._next_age:
+            self.warm.age()
+            self._next_age = time.monotonic() + self.warm.cold.threshold_s / 2
         if self.warm is not None and st.steps % TIER_LOG_STEPS == 0 and self.warm.stats.warm_keys:
             log.info("kv_tiers", steps=st.steps, **self.tier_stats())
         st.max_step_tokens = max(st.max_step_tokens, batch.total_tokens)

@@ -29,11 +29,12 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import lz4.frame
 import numpy as np
 import structlog
 import torch
@@ -74,6 +75,10 @@ class WarmStats:
     """Keys decode steps attended in Hot (per step, not per layer)."""
     warm_keys: int = 0
     """Keys decode steps attended in Warm (per step, not per layer)."""
+    cold_blocks: int = 0
+    """Cached Warm blocks moved to Cold after cold_threshold_ms unused."""
+    promoted_blocks: int = 0
+    """Cold blocks brought back to Warm by a prefix hit."""
     cpu: WarmAttnStats = field(default_factory=WarmAttnStats)
     """CPU mode: decompression and attention time, summed."""
     decompress_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
@@ -94,6 +99,35 @@ class WarmStats:
         return self.hot_keys / total if total else 1.0
 
 
+class ColdStore:
+    """Cold tier: lz4 over Warm records (the warm codec's bytes), in host memory, keyed by
+    prefix hash; at most `capacity` compressed bytes, least recently stored dropped first."""
+
+    def __init__(self, capacity: int, threshold_s: float) -> None:
+        self.capacity, self.threshold_s = capacity, threshold_s
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def put(self, key: bytes, record: bytes) -> None:
+        data = lz4.frame.compress(record)
+        self._blocks[key] = data
+        self.nbytes += len(data)
+        while self.nbytes > self.capacity and self._blocks:
+            _, old = self._blocks.popitem(last=False)
+            self.nbytes -= len(old)
+
+    def take(self, key: bytes) -> bytes | None:
+        """The record stored under `key` (decompressed), removed from Cold; None if absent."""
+        data = self._blocks.pop(key, None)
+        if data is None:
+            return None
+        self.nbytes -= len(data)
+        return bytes(lz4.frame.decompress(data))
+
+
 class WarmTier:
     """The Warm pool of one engine and the Hot <-> Warm moves."""
 
@@ -107,6 +141,7 @@ class WarmTier:
         split: float,
         device: torch.device,
         instance: str | None = None,
+        cold_threshold_ms: float = 150.0,
     ) -> None:
         if spec.sliding_window:
             raise ValueError(
@@ -122,8 +157,36 @@ class WarmTier:
         self.index = PrefixIndex(self.pool)
         """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
         self.stats = WarmStats()
+        self.cold = ColdStore(self.pool.slot_bytes * capacity, cold_threshold_ms / 1e3)
         if mode == "auto":
             self.mode, self.split = self._measure_placement()
+
+    def age(self) -> int:
+        """Move cached Warm blocks nobody used for cold_threshold_ms to Cold (lz4 of their
+        records, in host memory), freeing their Warm slots; returns how many moved. Blocks of
+        sequences in flight are held by them, so only cached prefixes age."""
+        moved = 0
+        for key, slot in self.index.idle_since(time.monotonic() - self.cold.threshold_s):
+            self.cold.put(key, self.pool.record_view(slot).tobytes())
+            self.index.drop(key)
+            moved += 1
+        self.stats.cold_blocks += moved
+        return moved
+
+    def lookup(self, keys: Seq[bytes]) -> list[int]:
+        """Warm slots of the longest cached prefix of this key chain (one reference each),
+        promoting Cold blocks that continue it back into Warm."""
+        slots = self.index.lookup_keys(keys)
+        for key in keys[len(slots) :]:
+            data = self.cold.take(key) if self.num_free else None
+            if data is None:
+                break
+            slot = self.index.alloc(1)[0]
+            self.pool.store_raw(slot, data)
+            slots.append(slot)
+            self.index.insert_keys(keys[: len(slots)], slots)
+            self.stats.promoted_blocks += 1
+        return slots
 
     def cpu_blocks(self, n: int) -> int:
         """Of a sequence's n Warm blocks, how many the CPU attends (the first ones)."""
@@ -312,7 +375,7 @@ class WarmOffload:
 
     def lookup(self, keys: Seq[bytes]) -> list[int]:
         """Warm slots of the longest cached prefix of this key chain (one reference each)."""
-        return self.tier.index.lookup_keys(keys)
+        return self.tier.lookup(keys)
 
     def unlookup(self, slots: Seq[int]) -> None:
         """Give back the references a lookup took."""

@@ -294,6 +294,7 @@ class HybridGenConfig:
             hot_codec=self.kv_cache.hot_codec,
             warm_pool_mb=self.kv_cache.warm_region_mb or 0,
             warm_codec=self.kv_cache.warm_codec,
+            cold_threshold_ms=self.kv_cache.cold_threshold_ms,
             attn_warm=self.placements.attn_warm or "auto",
             prefix_reuse=self.kv_cache.prefix_reuse,
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").

@@ -61,6 +61,8 @@ class EngineConfig:
     """Where attention over Warm blocks runs (placements.attn_warm): cpu (mode a), gpu (mode
     b: compressed blocks cross PCIe, the device decodes), split (mode c), or auto: measured
     at start (CUDA; the CPU on a CPU-only engine)."""
+    cold_threshold_ms: float = 150.0
+    """A cached Warm block unused this long moves to Cold (kv_cache.cold_threshold_ms)."""
     warm_split: float = 0.5
     """With attn_warm split: the share of each sequence's Warm blocks the CPU attends."""
     shm_instance: str | None = None
@@ -150,6 +152,7 @@ class EngineConfig:
             self.attn_warm,
             "auto, cpu, gpu or split",
         )
+        _check(self.cold_threshold_ms > 0, "cold_threshold_ms", self.cold_threshold_ms, "> 0")
         _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
         _check(
             self.warm_pool_mb == 0 or self.hot_codec == "native",

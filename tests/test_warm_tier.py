@@ -3,6 +3,7 @@ in each attn_warm mode, and swapped there on preemption, with HF's exact greedy 
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -198,3 +199,25 @@ def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-
     assert choose_placement(0.1, 1.0) == ("cpu", 1.0)
     mode, share = choose_placement(3.0, 1.0)  # the CPU 3x slower: it takes a quarter
     assert mode == "split" and share == pytest.approx(0.25)
+
+
+def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A finished turn's Warm blocks, unused past cold_threshold_ms, move to Cold (lz4 over
+    the warm records) and free their slots; the next turn promotes them back, and its tokens
+    are still HF's."""
+    path = checkpoint("llama3")
+    first, extra = sample_prompts(path, 2, [150, 10])
+    engine = _engine(path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2, cold_threshold_ms=1)
+    warm = engine.warm
+    assert warm is not None
+    answer = engine.generate([first], GREEDY)[0].token_ids
+    time.sleep(0.01)
+    moved = warm.age()
+    assert moved > 0 and len(warm.cold) == moved and warm.cold.nbytes > 0
+    assert warm.pool.num_free == warm.pool.capacity  # Cold holds them now, not Warm
+    second = first + answer + extra
+    expected = hf_greedy(path, [second], NEW_TOKENS)
+    before = engine.stats.prefix_hit_tokens
+    assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
+    assert warm.stats.promoted_blocks > 0
+    assert engine.stats.prefix_hit_tokens - before >= warm.stats.promoted_blocks * 8

@@ -303,6 +303,15 @@ class WarmPool:
         records = torch.from_numpy(self._view()[self._index(slot)].copy())  # [L, record_bytes]
         return self.codec.decode_blocks(records, dtype)
 
+    def store_raw(self, slot: int, data: bytes) -> None:
+        """Owner: put back the exact bytes of a slot (all layers) read from it earlier."""
+        self._owner_only("store_raw")
+        if self._refs[self._index(slot)] == 0:
+            raise ValueError(f"slot {slot} is free; alloc it before storing")
+        if len(data) != self.slot_bytes:
+            raise ValueError(f"{len(data)} bytes for a {self.slot_bytes}-byte slot")
+        self._view()[slot] = np.frombuffer(data, dtype=np.uint8).reshape(self._view()[slot].shape)
+
     def record_view(self, slot: int) -> npt.NDArray[np.uint8]:
         """Zero-copy [L, record_bytes] uint8 view of `slot` (e.g. for a pinned PCIe copy).
 
@@ -330,13 +339,33 @@ class PrefixIndex:
         self.pool = pool
         self.block_size: int = pool.codec.spec.block_size
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> slot, LRU first
+        self._touched: dict[bytes, float] = {}  # chain hash -> time.monotonic() of last use
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _touch(self, keys: Sequence[bytes]) -> None:
+        now = time.monotonic()
         for key in reversed(keys):  # tail first, so the head ends up most recent
             self._entries.move_to_end(key)
+            self._touched[key] = now
+
+    def idle_since(self, cutoff: float) -> list[tuple[bytes, int]]:
+        """(key, slot) of entries untouched since `cutoff` (time.monotonic()) whose slot only
+        the index holds, least recently used first."""
+        out = []
+        for key, slot in self._entries.items():
+            if self._touched[key] >= cutoff:
+                break  # LRU order: everything after is more recent
+            if self.pool.refcount(slot) == 1:
+                out.append((key, slot))
+        return out
+
+    def drop(self, key: bytes) -> None:
+        """Forget one entry and release the index's reference to its slot."""
+        slot = self._entries.pop(key)
+        del self._touched[key]
+        self.pool.free([slot])
 
     def lookup(self, token_ids: Sequence[int]) -> list[int]:
         """Slots of the longest cached prefix of whole blocks of `token_ids`.
@@ -381,8 +410,7 @@ class PrefixIndex:
         """
         dropped = 0
         while self.pool.num_free < need_free and self._entries:
-            _, slot = self._entries.popitem(last=False)
-            self.pool.free([slot])
+            self.drop(next(iter(self._entries)))
             dropped += 1
         return dropped
 
