@@ -51,7 +51,7 @@ from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.kernels import ops
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import PrefixIndex, WarmPool, capacity_for
+from hybridgen.kvcodec.warm_pool import PrefixIndex, WarmPool, capacity_for, slot_bytes_for
 from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
@@ -413,6 +413,13 @@ class WarmOffload:
         """Drop a finished (or recomputed) sequence's Warm slots."""
         self.tier.free(seq.warm_slots)
         seq.warm_slots = []
+
+
+def warm_mb_for(spec: ModelSpec, codec: str, block_size: int, tokens: int) -> float:
+    """MiB of Warm pool that holds `tokens` tokens of every layer in `codec`, plus headroom."""
+    c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    slots = -(-tokens // block_size) + 2
+    return slots * slot_bytes_for(c, spec.num_layers) / 2**20 + 1.0
 
 
 def choose_placement(t_cpu: float, t_gpu: float) -> tuple[str, float]:

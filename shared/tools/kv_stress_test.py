@@ -29,9 +29,7 @@ from hybridgen.config import load_config
 from hybridgen.engine_config import ConfigError
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
-from hybridgen.gpu_daemon.warm_tier import WarmStats
-from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import slot_bytes_for
+from hybridgen.gpu_daemon.warm_tier import WarmStats, warm_mb_for
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 
@@ -81,13 +79,8 @@ def _engine(args: argparse.Namespace) -> Engine:
     config = dataclasses.replace(config, **overrides)
     loaded = load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed)
     warm_mb = args.warm_region_mb if args.warm_region_mb is not None else config.warm_pool_mb
-    if not warm_mb:  # enough Warm for the whole context, in the codec's record size
-        spec = loaded.model.spec
-        codec = get_codec(
-            config.warm_codec, config.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype
-        )
-        slot_mb = slot_bytes_for(codec, spec.num_layers) / 2**20
-        warm_mb = (length // config.block_size + 2) * slot_mb + 1.0
+    if not warm_mb:  # enough Warm for the whole context
+        warm_mb = warm_mb_for(loaded.model.spec, config.warm_codec, config.block_size, length)
     return Engine(dataclasses.replace(config, warm_pool_mb=warm_mb), loaded=loaded)
 
 

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The H200 run for B3 (issue 4): llama3-8b, a 128K-token context within a 24 GB budget, every
+# tier case beside the pure-GPU, unbudgeted and HF baselines. Extra arguments go to the
+# benchmark, e.g. --cases b3a,b3b to fit one device call. Invoked through the device tool from
+# the repo root with `.whl` carried; HYBRIDGEN_COMMIT names the commit being measured.
+source scripts/device_setup.sh
+set -o pipefail
+python3 -m hybridgen.benchmarks.umv_bench --model llama3-8b --context-len 131072 \
+  --new-tokens 64 --budget-mb 24576 --out "$OUT/umv.json" "$@" \
+  2>"$OUT/umv_stderr.log" | tee "$OUT/umv_table.txt"
+tail -n 5 "$OUT/umv_stderr.log"

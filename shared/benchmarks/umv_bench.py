@@ -1,0 +1,245 @@
+"""Long contexts within a GPU budget (BENCHMARKS.md B3): the KV tiers against the baselines.
+
+    python -m hybridgen.benchmarks.umv_bench --model llama3-8b --context-len 131072 \\
+        --new-tokens 64 --budget-mb 24576 --out bench/results/umv.json
+
+Cases, each a fresh engine on the same weights (loaded once), with the budget enforced by
+the engine's allocator cap:
+- b3a: one sequence, int4 KV: all in an int4 Hot cache; b3a_warm: native Hot, int4 Warm;
+- b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split;
+- b3c: four sequences at once, native Hot and int4 Warm (the Warm tier moves native Hot
+  blocks, so an int4 Hot cache cannot spill yet);
+- pure_gpu: native Hot and no Warm, in the budget: it fits or fails with the engine's error;
+- unbudgeted: native Hot, no budget: the ceiling;
+- hf: HF transformers (offloaded cache on CUDA), one sequence, --hf-new-tokens tokens.
+Each reports TTFT (the last sequence's first token), decode tok/s over the steps where all
+its sequences decode together, peak reserved GPU memory and the tier figures. A case that
+fails records its error and the run goes on. Writes the JSON file after every case and
+prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from hybridgen import log as hlog
+from hybridgen.benchmarks.engine_bench import random_prompts
+from hybridgen.benchmarks.report import machine_info
+from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.memory import BudgetTooSmall
+from hybridgen.gpu_daemon.warm_tier import warm_mb_for
+from hybridgen.models.loader import LoadedModel, load_model, to_hf_state_dict
+from hybridgen.sampling.params import SamplingParams
+
+log = structlog.get_logger()
+
+TARGETS = {"b3a": 60.0, "b3b": 10.0, "b3c": 25.0}
+"""Decode tok/s targets (BENCHMARKS.md B3); b3b holds for its best attn_warm mode."""
+
+
+def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
+    """name -> (sequences, EngineConfig overrides)."""
+    budget = {"gpu_memory_mb": args.budget_mb}
+    exact = {**budget, "warm_codec": "lossless"}
+    out: dict[str, tuple[int, dict[str, Any]]] = {
+        "b3a": (1, {**budget, "hot_codec": "int4", "warm": False}),
+        "b3a_warm": (1, {**budget, "warm_codec": "int4"}),
+        **{f"b3b_{m}": (1, {**exact, "attn_warm": m}) for m in ("cpu", "gpu", "split")},
+        "b3c": (4, {**budget, "warm_codec": "int4"}),
+        "pure_gpu": (1, {**budget, "warm": False}),
+        "unbudgeted": (1, {"warm": False}),
+    }
+    return {k: v for k, v in out.items() if not args.cases or k.split("_")[0] in args.cases}
+
+
+def run_case(
+    loaded: LoadedModel, args: argparse.Namespace, seqs: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    spec, length = loaded.model.spec, args.context_len + args.new_tokens
+    warm = options.pop("warm", True)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        max_num_seqs=seqs,
+        max_model_len=length + 16,
+        max_num_batched_tokens=args.chunk,
+        prefix_reuse=False,
+        **options,
+    )
+    if warm:
+        tokens = seqs * length
+        config = EngineConfig(
+            **{
+                **asdict(config),
+                "warm_pool_mb": warm_mb_for(spec, config.warm_codec, config.block_size, tokens),
+            }
+        )
+    cuda = config.torch_device().type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine(config, loaded=loaded)
+    try:
+        prompts = random_prompts(seqs, args.context_len, spec.vocab_size, seed=seqs)
+        # Prefills run one after another; an earlier sequence decodes through the later ones'
+        # prefills, so it asks for more tokens and all `seqs` then decode together for the
+        # last --new-tokens steps, which are the ones timed.
+        prefill_steps = -(-args.context_len // args.chunk) + 1
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            extra = (seqs - 1 - i) * prefill_steps
+            params = SamplingParams(
+                temperature=0.0, max_tokens=args.new_tokens + extra, ignore_eos=True
+            )
+            engine.add_request(f"umv-{i}", p, params)
+        first: dict[str, float] = {}
+        decode_tokens, decode_s = 0, 0.0
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync()
+            t1 = time.perf_counter()
+            decoding = len(outs) == seqs and all(o.output_tokens > 1 for o in outs)
+            if decoding:
+                decode_tokens += sum(len(o.new_token_ids) for o in outs)
+                decode_s += t1 - t0
+            for o in outs:
+                first.setdefault(o.request_id, t1 - start)
+        result: dict[str, Any] = {
+            "sequences": seqs,
+            "config": {k: v for k, v in asdict(config).items() if k != "model"},
+            "ttft_ms": max(first.values()) * 1e3,
+            "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+            "hot_blocks": engine.plan.num_blocks,
+            "tiers": engine.tier_stats(),
+        }
+        if engine.warm is not None:
+            result["attn_warm"] = {"mode": engine.warm.mode, "cpu_share": engine.warm.split}
+        if cuda:
+            result["peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+        return result
+    finally:
+        engine.release()
+
+
+def hf_case(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
+    """HF transformers on the same weights, one sequence; the offloaded cache on CUDA."""
+    from transformers import GenerationConfig
+
+    from hybridgen.benchmarks.hf_baseline import HFBaseline
+
+    spec, device = loaded.model.spec, loaded.model.embed_tokens.weight.device
+    weights = {k: v.to("cpu") for k, v in to_hf_state_dict(loaded.model).items()}
+    hf = HFBaseline(spec, weights, device)
+    del weights
+    cache = "offloaded" if device.type == "cuda" else None
+    ids = torch.tensor(random_prompts(1, args.context_len, spec.vocab_size, seed=1), device=device)
+    timings = []
+    for n in (1, 1, args.hf_new_tokens):  # the first is a warm-up
+        cfg = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+            cache_implementation=cache,
+        )
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timings.append(time.perf_counter() - t0)
+    del hf
+    return {
+        "cache_implementation": cache or "default",
+        "ttft_ms": timings[1] * 1e3,
+        "decode_tok_s": (args.hf_new_tokens - 1) / (timings[2] - timings[1]),
+        "new_tokens": args.hf_new_tokens,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(
+        f"\nB3 umv: model={result['model']} context={result['context_len']} "
+        f"budget={result['budget_mb']} MiB commit={result['machine']['commit']}"
+    )
+    print(f"{'case':12} {'TTFT ms':>10} {'decode tok/s':>13} {'peak MiB':>9} {'hot hit':>8}  note")
+    for name, r in result["cases"].items():
+        if "error" in r:
+            print(f"{name:12} {'-':>10} {'-':>13} {'-':>9} {'-':>8}  {r['error'][:60]}")
+            continue
+        target = TARGETS.get(name.split("_")[0])
+        note = "" if target is None else f"target >= {target:g}"
+        hit = r.get("tiers", {}).get("hot_hit_rate")
+        print(
+            f"{name:12} {r['ttft_ms']:10.0f} {r['decode_tok_s']:13.2f} "
+            f"{r.get('peak_reserved_mb', 0):9.0f} {'' if hit is None else f'{hit:.1%}':>8}  {note}"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--context-len", type=int, default=131072)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--budget-mb", type=int, default=24576)
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step")
+    ap.add_argument(
+        "--cases",
+        type=lambda s: s.split(","),
+        default=None,
+        help="comma list of b3a, b3b, b3c, pure, unbudgeted, hf (default: all)",
+    )
+    ap.add_argument("--hf-new-tokens", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/umv.json"))
+    args = ap.parse_args(argv)
+    if args.context_len < 16 or args.new_tokens < 2 or args.hf_new_tokens < 2:
+        ap.error("need --context-len >= 16, --new-tokens >= 2, --hf-new-tokens >= 2")
+    hlog.configure()
+    device = EngineConfig(device=args.device).torch_device()
+    loaded = load_model(args.model, device, None, 0)
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "command": " ".join(["python -m hybridgen.benchmarks.umv_bench", *sys.argv[1:]]),
+        "model": args.model,
+        "synthetic": loaded.model.spec.synthetic,
+        "context_len": args.context_len,
+        "new_tokens": args.new_tokens,
+        "budget_mb": args.budget_mb,
+        "targets_decode_tok_s": TARGETS,
+        "cases": {},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name, (seqs, options) in cases(args).items():
+        log.info("umv_case", case=name, sequences=seqs)
+        try:
+            result["cases"][name] = run_case(loaded, args, seqs, dict(options))
+        except (BudgetTooSmall, ConfigError, torch.OutOfMemoryError) as exc:
+            result["cases"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if not args.cases or "hf" in args.cases:
+        log.info("umv_case", case="hf", sequences=1)
+        try:
+            result["cases"]["hf"] = hf_case(loaded, args)
+        except (torch.OutOfMemoryError, RuntimeError, ValueError) as exc:
+            result["cases"]["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
