@@ -154,6 +154,8 @@ class WarmTier:
         capacity = capacity_for(pool_mb, c, spec.num_layers)
         name = instance or f"engine{uuid.uuid4().hex[:10]}"
         self.pool = WarmPool.create(name, c, spec.num_layers, capacity)
+        if instance is None:  # private: no other process attaches, so nothing can leak
+            self.pool.unlink()
         self.index = PrefixIndex(self.pool)
         """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
         self.stats = WarmStats()

@@ -221,3 +221,14 @@ def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ig
     assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
     assert warm.stats.promoted_blocks > 0
     assert engine.stats.prefix_hit_tokens - before >= warm.stats.promoted_blocks * 8
+
+
+def test_private_warm_pool_leaves_nothing_in_dev_shm(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """An in-process engine's Warm pool has no name in /dev/shm at all, so an engine that is
+    never released (a crash, a script) cannot leave one behind."""
+    from hybridgen.ipc import shm
+
+    before = {p.name for p in shm.SHM_DIR.iterdir()}
+    engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1)
+    assert engine.warm is not None
+    assert {p.name for p in shm.SHM_DIR.iterdir()} - before == set()
