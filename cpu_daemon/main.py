@@ -22,6 +22,7 @@ import structlog
 from hybridgen import log as hlog
 from hybridgen.config import ConfigError, load_config
 from hybridgen.cpu_daemon.ring_backend import RingBackend
+from hybridgen.cpu_daemon.warm_link import WarmLinkWorker
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.server import ServerConfig, serve
 from hybridgen.ipc.channels import Channels
@@ -79,10 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     structlog.contextvars.bind_contextvars(process="cpu_daemon", instance=instance)
     tokenizer = load_tokenizer(config.model.name_or_path)
     channels = Channels.attach(instance, wait=args.attach_timeout)
+    worker = None
+    if config.kv_cache.warm_region_mb:  # the GPU daemon asks for attn_warm's CPU share
+        worker = WarmLinkWorker(instance)
+        worker.start()
     try:
         backend = RingBackend(channels, tokenizer)
         return asyncio.run(run(backend, listen, config.server.max_queue))
     finally:
+        if worker is not None:
+            worker.stop()
         channels.close()
 
 

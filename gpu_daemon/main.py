@@ -20,6 +20,7 @@ import structlog
 from hybridgen import log as hlog
 from hybridgen import sd_notify
 from hybridgen.config import ConfigError, load_config
+from hybridgen.cpu_daemon.warm_link import WarmLinkClient
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.heartbeat import GpuHeartbeat
 from hybridgen.ipc import shm
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         sd_notify.status("loading model")
         engine_config = config.engine_config(args.device)
         engine = Engine(dataclasses.replace(engine_config, shm_instance=instance))
+        if engine.warm is not None:  # the CPU daemon computes the CPU share of attn_warm
+            engine.warm.remote = WarmLinkClient(instance)
         loop = GpuHeartbeat(engine, channels)
 
         def stop(signum: int, frame: FrameType | None) -> None:

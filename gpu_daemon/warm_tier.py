@@ -46,6 +46,7 @@ from hybridgen.cpu_daemon.warm_attention import (
     dense_partial,
     warm_decode_attention,
 )
+from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.kernels import ops
@@ -159,6 +160,8 @@ class WarmTier:
         self.index = PrefixIndex(self.pool)
         """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
         self.stats = WarmStats()
+        self.remote: WarmLinkClient | None = None
+        """Set under the daemons: the CPU daemon computes the CPU share (else this process)."""
         self.cold = ColdStore(self.pool.slot_bytes * capacity, cold_threshold_ms / 1e3)
         if mode == "auto":
             self.mode, self.split = self._measure_placement()
@@ -189,6 +192,19 @@ class WarmTier:
             self.index.insert_keys(keys[: len(slots)], slots)
             self.stats.promoted_blocks += 1
         return slots
+
+    def cpu_partial(
+        self, layer: int, q: Tensor, spans: list[WarmSpan], scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """warm_decode_attention, by the CPU daemon when linked; here when not, or when it
+        does not answer (the link is then dropped: a dead CPU daemon restarts the pair)."""
+        if self.remote is not None:
+            try:
+                return self.remote.partial(layer, q, spans, scale, stats=self.stats.cpu)
+            except WarmLinkDown as exc:
+                log.warning("attn_warm_link_down", reason=str(exc))
+                self.remote = None
+        return warm_decode_attention(self.pool, layer, q, spans, scale, stats=self.stats.cpu)
 
     def cpu_blocks(self, n: int) -> int:
         """Of a sequence's n Warm blocks, how many the CPU attends (the first ones)."""
@@ -328,9 +344,7 @@ class WarmContext:
                 WarmSpan(self.warm_slots[i][: cuts[i]], 0, bs, self.positions[i]) for i in rows
             ]
             before = tier.stats.cpu.decode_s
-            o, s = warm_decode_attention(
-                tier.pool, layer, q[rows], spans, scale, stats=tier.stats.cpu
-            )
+            o, s = tier.cpu_partial(layer, q[rows], spans, scale)
             tier.stats.record_decompress(tier.stats.cpu.decode_s - before)
             idx = torch.tensor(rows, device=q.device)
             o, s = o.to(q.device), s.to(q.device)

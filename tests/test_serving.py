@@ -68,17 +68,23 @@ def wait_serving(port: int, timeout: float = 120.0, want: bool = True) -> float:
 
 
 class Server:
-    def __init__(self, checkpoint: Path, tmp: Path, extra_config: str = "") -> None:
+    def __init__(
+        self, checkpoint: Path, tmp: Path, extra_config: str = "", engine_config: str = ""
+    ) -> None:
+        """`engine_config` replaces the default model and kv_cache sections."""
         self.instance = f"s{uuid.uuid4().hex[:10]}"
         self.port = free_port()
         config = tmp / "hybridgen_config.yaml"
         spec = parse_config(checkpoint / "config.json")
         pool_mb = 2 * MAX_LEN * spec.kv_bytes_per_token(torch.float32) / 2**20
         config.write_text(
-            f"model:\n  max_model_len: {MAX_LEN}\n  max_num_seqs: 8\n  dtype: float32\n"
-            # Room for exactly two full-length sequences of KV.
-            f"kv_cache:\n  hot_region_mb: {pool_mb}\n  block_size: 16\n"
-            f"server:\n  metrics_port: 0\n  runtime_dir: {tmp}/run\n{extra_config}"
+            (
+                engine_config
+                or f"model:\n  max_model_len: {MAX_LEN}\n  max_num_seqs: 8\n  dtype: float32\n"
+                # Room for exactly two full-length sequences of KV.
+                f"kv_cache:\n  hot_region_mb: {pool_mb}\n  block_size: 16\n"
+            )
+            + f"server:\n  metrics_port: 0\n  runtime_dir: {tmp}/run\n{extra_config}"
         )
         cmd = [
             sys.executable,

@@ -1,0 +1,217 @@
+"""attn_warm mode (a) between the daemons: the GPU daemon asks, the CPU daemon's worker answers.
+
+    w2c ring + w2c_meta arena:  GPU -> CPU  ATTN_WARM, payload = request (below)
+    c2w ring + c2w_meta arena:  CPU -> GPU  ATTN_WARM_DONE, payload = out, lse and timings
+
+One request is in flight at a time: the GPU daemon needs a layer's answer before its next
+layer, so it waits (its own share of the work, already launched on the device, runs
+meanwhile). The Warm pool is mapped by both; the GPU daemon (its owner) keeps every slot of a
+request referenced until the answer, so the slots cannot change under the CPU daemon.
+
+Request payload, little-endian::
+
+    u32 rows, u32 heads, u32 head_dim, u32 layer, f32 scale, u32 slots, u32 window, u32 pad
+    i64 [rows, 4]        per row: start, last_len, query_pos, number of slots
+    i32 [slots]          every row's slots, in row order
+    f32 [rows, heads, head_dim]  the queries
+
+Answer payload: f64 decode_s, f64 attn_s, f32 out [rows, heads, head_dim], f32 lse [rows, heads].
+A ticket's `request_id` carries a request number, echoed by the answer.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+from torch import Tensor
+
+from hybridgen.cpu_daemon.warm_attention import WarmAttnStats, WarmSpan, warm_decode_attention
+from hybridgen.ipc.meta_buffer import MetaBuffer
+from hybridgen.ipc.ring import Ring
+from hybridgen.ipc.ticket import Op, Ticket
+from hybridgen.kvcodec.warm_pool import WarmPool
+
+log = structlog.get_logger()
+
+_HEADER = struct.Struct("<IIIIfIII")
+_TIMES = struct.Struct("<dd")
+ARENA_BYTES = 8 << 20
+"""Each direction's arena: queries and answers of a batch of rows, far below this."""
+
+
+class WarmLinkDown(RuntimeError):
+    """The CPU daemon did not answer in time (dead or stuck); compute locally instead."""
+
+
+@dataclass
+class _Shm:
+    w2c: Ring
+    c2w: Ring
+    w2c_meta: MetaBuffer
+    c2w_meta: MetaBuffer
+
+    def close(self) -> None:
+        for obj in (self.w2c, self.c2w, self.w2c_meta, self.c2w_meta):
+            obj.close()
+
+
+def _create(instance: str) -> _Shm:
+    return _Shm(
+        Ring.create(instance, "w2c", 16),
+        Ring.create(instance, "c2w", 16),
+        MetaBuffer.create(instance, "w2c_meta", ARENA_BYTES),
+        MetaBuffer.create(instance, "c2w_meta", ARENA_BYTES),
+    )
+
+
+def _attach(instance: str, wait: float) -> _Shm:
+    return _Shm(
+        Ring.attach(instance, "w2c", wait),
+        Ring.attach(instance, "c2w", wait),
+        MetaBuffer.attach(instance, "w2c_meta", wait),
+        MetaBuffer.attach(instance, "c2w_meta", wait),
+    )
+
+
+def encode_request(
+    layer: int, q: Tensor, spans: Sequence[WarmSpan], scale: float, window: int
+) -> bytes:
+    rows, heads, dim = q.shape
+    slots = [s for span in spans for s in span.slots]
+    meta = np.array(
+        [[sp.start, sp.last_len, sp.query_pos, len(sp.slots)] for sp in spans], dtype=np.int64
+    )
+    header = _HEADER.pack(rows, heads, dim, layer, scale, len(slots), window, 0)
+    q32 = q.detach().to("cpu", torch.float32).contiguous().numpy()
+    return header + meta.tobytes() + np.asarray(slots, np.int32).tobytes() + q32.tobytes()
+
+
+def decode_request(data: bytes) -> tuple[int, Tensor, list[WarmSpan], float, int]:
+    rows, heads, dim, layer, scale, n_slots, window, _ = _HEADER.unpack_from(data, 0)
+    at = _HEADER.size
+    meta = np.frombuffer(data, np.int64, rows * 4, at).reshape(rows, 4)
+    at += meta.nbytes
+    slots = np.frombuffer(data, np.int32, n_slots, at).tolist()
+    at += n_slots * 4
+    q = torch.from_numpy(np.frombuffer(data, np.float32, rows * heads * dim, at).copy())
+    spans, used = [], 0
+    for start, last_len, query_pos, count in meta.tolist():
+        spans.append(WarmSpan(slots[used : used + count], start, last_len, query_pos))
+        used += count
+    return layer, q.view(rows, heads, dim), spans, scale, window
+
+
+class WarmLinkClient:
+    """GPU daemon side: creates the link's shared memory and asks for warm partials."""
+
+    def __init__(self, instance: str, timeout_s: float = 5.0) -> None:
+        self.shm = _create(instance)
+        self.timeout_s = timeout_s
+        self._seq = 0
+
+    def partial(
+        self,
+        layer: int,
+        q: Tensor,
+        spans: Sequence[WarmSpan],
+        scale: float,
+        window: int = 0,
+        stats: WarmAttnStats | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """What warm_decode_attention returns, computed by the CPU daemon; raises
+        WarmLinkDown when no answer comes within timeout_s."""
+        self._seq += 1
+        offset, length = self.shm.w2c_meta.write(encode_request(layer, q, spans, scale, window))
+        ticket = Ticket(
+            Op.ATTN_WARM, self._seq, layer=layer, payload_offset=offset, payload_len=length
+        )
+        if not self.shm.w2c.put(ticket, self.timeout_s):
+            raise WarmLinkDown("the CPU daemon's attn_warm ring stayed full")
+        while True:
+            answer = self.shm.c2w.get(self.timeout_s)
+            if answer is None:
+                raise WarmLinkDown(f"no ATTN_WARM_DONE within {self.timeout_s} s")
+            if answer.request_id == self._seq:
+                break
+            # A late answer to a request that timed out: drop it.
+            self.shm.c2w_meta.release(answer.payload_offset, answer.payload_len)
+        data = self.shm.c2w_meta.read_bytes(answer.payload_offset, answer.payload_len)
+        self.shm.c2w_meta.release(answer.payload_offset, answer.payload_len)
+        decode_s, attn_s = _TIMES.unpack_from(data, 0)
+        rows, heads, dim = q.shape
+        n_out = rows * heads * dim
+        values = np.frombuffer(data, np.float32, n_out + rows * heads, _TIMES.size)
+        if stats is not None:
+            stats.decode_s += decode_s
+            stats.attn_s += attn_s
+            stats.calls += 1
+        out = torch.from_numpy(values[:n_out].copy()).view(rows, heads, dim)
+        return out, torch.from_numpy(values[n_out:].copy()).view(rows, heads)
+
+    def close(self) -> None:
+        self.shm.close()
+
+
+class WarmLinkWorker:
+    """CPU daemon side: a thread that answers ATTN_WARM with warm_decode_attention over the
+    Warm pool it maps read-only. It waits for the GPU daemon's shared memory to appear."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="attn-warm", daemon=True)
+        self.answered = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        shm = pool = None
+        try:
+            while not self._stop.is_set() and (shm is None or pool is None):
+                try:
+                    shm = shm or _attach(self.instance, wait=0.5)
+                    pool = pool or WarmPool.attach(self.instance, wait=0.5)
+                except (FileNotFoundError, ValueError):
+                    continue
+            while not self._stop.is_set():
+                assert shm is not None and pool is not None
+                ticket = shm.w2c.get(0.2)
+                if ticket is not None:
+                    self._answer(shm, pool, ticket)
+        finally:
+            if pool is not None:
+                pool.close()
+            if shm is not None:
+                shm.close()
+
+    def _answer(self, shm: _Shm, pool: WarmPool, ticket: Ticket) -> None:
+        data = shm.w2c_meta.read_bytes(ticket.payload_offset, ticket.payload_len)
+        shm.w2c_meta.release(ticket.payload_offset, ticket.payload_len)
+        layer, q, spans, scale, window = decode_request(data)
+        stats = WarmAttnStats()
+        out, lse = warm_decode_attention(pool, layer, q, spans, scale, window, stats=stats)
+        reply = (
+            _TIMES.pack(stats.decode_s, stats.attn_s)
+            + out.numpy().tobytes()
+            + lse.numpy().tobytes()
+        )
+        offset, length = shm.c2w_meta.write(reply)
+        answer = Ticket(
+            Op.ATTN_WARM_DONE, ticket.request_id, payload_offset=offset, payload_len=length
+        )
+        if not shm.c2w.put(answer, 5.0):  # the GPU daemon stopped reading: it is going away
+            log.warning("attn_warm_answer_dropped", request=ticket.request_id)
+        self.answered += 1
+        if self.answered == 1:
+            log.info("attn_warm_worker_serving", first_request=ticket.request_id)

@@ -1,0 +1,57 @@
+"""`hybridgen serve` with a Warm tier: the GPU daemon spills KV to the Warm pool and the CPU
+daemon computes attention over it (attn_warm cpu, over the w2c/c2w rings), and the streamed
+tokens are still HF's greedy ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridgen.models.spec import parse_config
+from hybridgen.v1 import generation_pb2 as pb
+from tests.hf_reference import hf_greedy, sample_prompts
+from tests.test_serving import Server, wait_serving
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # type: ignore[no-untyped-def]
+    path = checkpoint("llama3")
+    spec = parse_config(path / "config.json")
+    hot_mb = 64 * spec.kv_bytes_per_token(torch.float32) / 2**20  # 64 tokens of Hot
+    config = (
+        "model:\n  max_model_len: 192\n  max_num_seqs: 2\n  max_num_batched_tokens: 32\n"
+        "  dtype: float32\n"
+        f"kv_cache:\n  hot_region_mb: {hot_mb}\n  warm_region_mb: 2\n  warm_codec: lossless\n"
+        "  block_size: 16\n"
+        "placements:\n  attn_warm: cpu\n"
+    )
+    srv = Server(path, tmp_path_factory.mktemp("serve_warm"), engine_config=config)
+    wait_serving(srv.port)
+    yield srv
+    assert srv.stop() == 0
+    assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
+
+
+def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    path = checkpoint("llama3")
+    prompt = sample_prompts(path, 1, [150])[0]
+    expected = hf_greedy(path, [prompt], NEW_TOKENS)[0]
+    request = pb.GenerateRequest(
+        prompt_token_ids=prompt,
+        max_tokens=NEW_TOKENS,
+        ignore_eos=True,
+        sampling=pb.SamplingParams(temperature=0.0),
+    )
+    tokens = [t for reply in server.stub.Generate(request, timeout=120) for t in reply.token_ids]
+    assert tokens == expected
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.warm_blocks_total > 0 and info.hot_hit_rate < 0.6
+    assert info.cpu_attention_ms > 0 and info.warm_decompress_p50_ms > 0
+    logs = Path(server.log.name).parent / "run" / server.instance
+    assert "attn_warm_worker_serving" in (logs / "cpu.log").read_text()  # the CPU daemon answered
+    assert "attn_warm_link_down" not in (logs / "gpu.log").read_text()  # ... every request
