@@ -289,9 +289,11 @@ class WarmTier:
 
     def _records(self, slots: Seq[int], layer: int) -> Tensor:
         """The compressed records of `slots` at `layer`, copied out of shm onto the device."""
-        rows = np.stack([self.pool.record_view(s)[layer] for s in slots])
-        self.stats.h2d_bytes += rows.nbytes
-        return torch.from_numpy(rows).to(self.device)
+        rows = torch.from_numpy(np.stack([self.pool.record_view(s)[layer] for s in slots]))
+        self.stats.h2d_bytes += rows.numel()
+        if self.device.type == "cuda":  # a pinned copy is a true async DMA: the host goes on
+            return rows.pin_memory().to(self.device, non_blocking=True)
+        return rows
 
     def dense(self, slots: Seq[int], layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Decode `slots` at `layer` on the device -> k, v [len(slots) * S, Hkv, D]."""
