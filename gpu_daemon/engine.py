@@ -39,7 +39,8 @@ from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
-from hybridgen.gpu_daemon.warm_tier import WarmOffload, WarmTier
+from hybridgen.gpu_daemon.warm_offload import WarmOffload
+from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
 from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.models.rope import max_model_len as model_max_len
@@ -79,10 +80,6 @@ class EngineStats:
     max_step_tokens: int = 0
     """Most tokens computed in one step (never above max_num_batched_tokens)."""
     peak_blocks_used: int = 0
-    prompt_tokens: int = 0
-    """Prompt tokens admitted."""
-    prefix_hit_tokens: int = 0
-    """Prompt tokens served from the prefix cache instead of computed."""
 
 
 @dataclass
@@ -304,8 +301,6 @@ class Engine:
             log.info("kv_tiers", steps=st.steps, **self.tier_stats())
         st.max_step_tokens = max(st.max_step_tokens, batch.total_tokens)
         st.peak_blocks_used = max(st.peak_blocks_used, self.pool.num_used)
-        st.prompt_tokens = self.scheduler.prompt_tokens
-        st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
             self.scheduler.cache_blocks(seq)

@@ -87,10 +87,8 @@ class Scheduler:
         self.offload = offload
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
-        self.prompt_tokens = 0
-        """Prompt tokens of every sequence admitted (first admissions only)."""
         self.prefix_hit_tokens = 0
-        """Of those, tokens whose KV came from the prefix cache."""
+        """Prompt tokens whose KV came from the prefix cache (first admissions only)."""
         self.resumed_tokens = 0
         """Tokens of preempted sequences taken back from the cache at readmission."""
 
@@ -237,9 +235,7 @@ class Scheduler:
             if seq.num_preemptions:
                 self.resumed_tokens += seq.num_computed_tokens
             else:
-                seq.num_cached_tokens = seq.num_computed_tokens
-                self.prompt_tokens += seq.prompt_len
-                self.prefix_hit_tokens += seq.num_cached_tokens
+                self.prefix_hit_tokens += seq.num_computed_tokens
             seq.block_ids += self.pool.allocate(need)
             self.waiting.popleft()
             seq.status = Status.RUNNING

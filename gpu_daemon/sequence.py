@@ -59,8 +59,6 @@ class Sequence:
     """Chained hashes of its first full token blocks (`hybridgen.block_hash`), grown on use."""
     num_registered_blocks: int = 0
     """Its first blocks already registered in the pool's prefix cache."""
-    num_cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache at first admission."""
 
     def hashes(self, n: int, block_size: int) -> list[bytes]:
         """The chained hashes of its first `n` full blocks (each computed once, kept in

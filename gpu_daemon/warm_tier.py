@@ -6,9 +6,10 @@ A sequence's KV is a prefix in Warm and the rest in Hot::
     tokens:  [0 ........ W*S) [W*S ........... num_computed)
     where:    seq.warm_slots    seq.block_ids (Hot blocks)      S = block_size, W = warm blocks
 
-Blocks move Hot -> Warm when the Hot pool runs short (`spill`, oldest blocks of the sequence
-holding the most Hot blocks first) and when a sequence is preempted (`swap_out`: it keeps its
-computed prefix instead of recomputing it). They never move back: a token's key is read every
+Blocks move Hot -> Warm when the Hot pool runs short (`WarmOffload.spill` in warm_offload.py,
+oldest blocks of the sequence holding the most Hot blocks first) and when a sequence is
+preempted (`swap_out`: it keeps its computed prefix instead of recomputing it). Cached blocks
+nobody uses go on to Cold (cold_store.py). They never move back: a token's key is read every
 step wherever it lives, so Warm attention is part of every decode step of such a sequence:
 
     decode:  out = merge_lse(hot partial (GPU paged kernel), warm partial)
@@ -20,8 +21,9 @@ the device decodes and attends; `split`, mode (c), the first `warm_split` of eac
 Warm blocks go to the CPU and the rest to the device, three partials merged by log-sum-exp.
 Every partial is fp32, so exact codecs give exact attention.
 
-Here the engine owns the pool (in-process serving); the daemons' split of it over the rings
-is the next step. Not for sliding-window models (their old blocks are never read again).
+The engine owns the pool. Under the daemons the CPU share is computed by the CPU daemon, which
+maps the pool (cpu_daemon.warm_link); in one process, here. Not for sliding-window models
+(their old blocks are never read again).
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import lz4.frame
 import numpy as np
 import structlog
 import torch
@@ -47,8 +48,7 @@ from hybridgen.cpu_daemon.warm_attention import (
     warm_decode_attention,
 )
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
-from hybridgen.gpu_daemon.block_pool import BlockPool
-from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.gpu_daemon.cold_store import ColdStore
 from hybridgen.kernels import ops
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
@@ -70,8 +70,6 @@ class WarmStats:
     """Compressed bytes written to the Warm pool."""
     h2d_bytes: int = 0
     """Compressed bytes copied to the device (gpu and split modes, prefill)."""
-    gpu_decode_s: float = 0.0
-    """Host-side seconds of device decompression (gpu mode and prefill; includes the copy)."""
     hot_keys: int = 0
     """Keys decode steps attended in Hot (per step, not per layer)."""
     warm_keys: int = 0
@@ -98,35 +96,6 @@ class WarmStats:
         """Share of attended keys that were in Hot (1.0 before any Warm use)."""
         total = self.hot_keys + self.warm_keys
         return self.hot_keys / total if total else 1.0
-
-
-class ColdStore:
-    """Cold tier: lz4 over Warm records (the warm codec's bytes), in host memory, keyed by
-    prefix hash; at most `capacity` compressed bytes, least recently stored dropped first."""
-
-    def __init__(self, capacity: int, threshold_s: float) -> None:
-        self.capacity, self.threshold_s = capacity, threshold_s
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def put(self, key: bytes, record: bytes) -> None:
-        data = lz4.frame.compress(record)
-        self._blocks[key] = data
-        self.nbytes += len(data)
-        while self.nbytes > self.capacity and self._blocks:
-            _, old = self._blocks.popitem(last=False)
-            self.nbytes -= len(old)
-
-    def take(self, key: bytes) -> bytes | None:
-        """The record stored under `key` (decompressed), removed from Cold; None if absent."""
-        data = self._blocks.pop(key, None)
-        if data is None:
-            return None
-        self.nbytes -= len(data)
-        return bytes(lz4.frame.decompress(data))
 
 
 class WarmTier:
@@ -183,7 +152,7 @@ class WarmTier:
         promoting Cold blocks that continue it back into Warm."""
         slots = self.index.lookup_keys(keys)
         for key in keys[len(slots) :]:
-            data = self.cold.take(key) if self.num_free else None
+            data = self.cold.take(key) if self.room(1) else None
             if data is None:
                 break
             slot = self.index.alloc(1)[0]
@@ -251,10 +220,11 @@ class WarmTier:
         )
         return choice
 
-    @property
-    def num_free(self) -> int:
-        """Slots a store can take: free ones plus those only the prefix index holds."""
-        return self.pool.num_free + self.index.evictable()
+    def room(self, n: int) -> int:
+        """How many of `n` slots a store can take now: free ones, then those only the prefix
+        index holds (counted only when the free ones fall short: that is a scan)."""
+        free = self.pool.num_free
+        return n if free >= n else min(n, free + self.index.evictable())
 
     def info(self) -> dict[str, float | int]:
         """The tier's figures, keyed by GetModelInfo field names."""
@@ -299,9 +269,7 @@ class WarmTier:
         """Decode `slots` at `layer` on the device -> k, v [len(slots) * S, Hkv, D]."""
         t0 = time.perf_counter()
         k, v = self.pool.codec.decode_blocks(self._records(slots, layer), dtype)
-        elapsed = time.perf_counter() - t0
-        self.stats.gpu_decode_s += elapsed
-        self.stats.record_decompress(elapsed)
+        self.stats.record_decompress(time.perf_counter() - t0)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def context(self, warm_slots: list[list[int]], positions: list[int]) -> WarmContext | None:
@@ -319,10 +287,6 @@ class WarmContext:
     warm_slots: list[list[int]]
     positions: list[int]
     """Position of each sequence's last query token this step."""
-
-    @property
-    def warm_tokens(self) -> list[int]:
-        return [len(s) * self.tier.block_size for s in self.warm_slots]
 
     def decode_partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Partial attention of the decode rows q [nd, Hq, D] over their Warm keys ->
@@ -363,74 +327,6 @@ def _native(kv: ops.KvCache) -> tuple[Tensor, Tensor]:
     if not isinstance(kv, tuple):
         raise ValueError("the Warm tier needs kv_cache.hot_codec: native")
     return kv
-
-
-class WarmOffload:
-    """The scheduler's hook into the Warm tier: frees Hot blocks by moving KV to Warm."""
-
-    def __init__(
-        self,
-        tier: WarmTier,
-        pool: BlockPool,
-        kv_caches: Seq[ops.KvCache],
-        prefix_reuse: bool = True,
-    ) -> None:
-        self.tier, self.pool, self.kv_caches = tier, pool, kv_caches
-        self.prefix_reuse = prefix_reuse
-
-    def _hot_full(self, seq: Sequence) -> int:
-        """Hot blocks of `seq` that are full and computed (movable)."""
-        return seq.num_computed_tokens // self.pool.block_size - len(seq.warm_slots)
-
-    def _move(self, seq: Sequence, n: int) -> None:
-        blocks = seq.block_ids[:n]
-        seq.warm_slots += self.tier.store(self.kv_caches, blocks)
-        seq.block_ids = seq.block_ids[n:]
-        self.pool.free(blocks)
-        if self.prefix_reuse:  # the whole chain, head included: LRU eviction takes tails first
-            keys = seq.hashes(len(seq.warm_slots), self.pool.block_size)
-            self.tier.index.insert_keys(keys, seq.warm_slots)
-
-    def lookup(self, keys: Seq[bytes]) -> list[int]:
-        """Warm slots of the longest cached prefix of this key chain (one reference each)."""
-        return self.tier.lookup(keys)
-
-    def unlookup(self, slots: Seq[int]) -> None:
-        """Give back the references a lookup took."""
-        self.tier.free(slots)
-
-    def spill(self, running: Seq[Sequence], need: int) -> int:
-        """Move the oldest full Hot blocks of the sequences holding the most Hot blocks to
-        Warm until `need` Hot blocks are free (or nothing movable is left); returns how many
-        were freed (a block another sequence shares stays held)."""
-        before = self.pool.num_free
-        for seq in sorted(running, key=lambda s: -len(s.block_ids)):
-            short = need - (self.pool.num_free - before)
-            n = min(self._hot_full(seq), short, self.tier.num_free)
-            if short <= 0:
-                break
-            if n > 0:
-                self._move(seq, n)
-                self.tier.stats.spilled_blocks += n
-        return self.pool.num_free - before
-
-    def swap_out(self, seq: Sequence) -> bool:
-        """Preemption: keep the computed prefix in Warm and free every Hot block (the tail
-        of a partial block is recomputed). False, changing nothing, when Warm is short."""
-        n = self._hot_full(seq)
-        if n > self.tier.num_free:
-            return False
-        self._move(seq, n)
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = len(seq.warm_slots) * self.pool.block_size
-        self.tier.stats.swapped_blocks += n
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        """Drop a finished (or recomputed) sequence's Warm slots."""
-        self.tier.free(seq.warm_slots)
-        seq.warm_slots = []
 
 
 def warm_mb_for(spec: ModelSpec, codec: str, block_size: int, tokens: int) -> float:

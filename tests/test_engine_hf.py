@@ -119,14 +119,14 @@ def test_second_turn_reuses_the_prefix_and_matches_hf(checkpoint) -> None:  # ty
     turn1 = engine.generate([first], GREEDY)[0].token_ids
     second = first + turn1 + extra
     expected = hf_greedy(path, [second], NEW_TOKENS)
-    before = engine.stats.prefix_hit_tokens
+    before = engine.scheduler.prefix_hit_tokens
     assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
     # Turn 1's KV covers first + turn1[:-1] (the last sampled token was never fed back).
-    assert engine.stats.prefix_hit_tokens - before == (len(first) + NEW_TOKENS - 1) // 8 * 8
+    assert engine.scheduler.prefix_hit_tokens - before == (len(first) + NEW_TOKENS - 1) // 8 * 8
     cold = make_engine(path, block_size=8, prefix_reuse=False)
     cold.generate([first], GREEDY)
     assert cold.generate([second], GREEDY)[0].token_ids == expected[0]
-    assert cold.stats.prefix_hit_tokens == 0
+    assert cold.scheduler.prefix_hit_tokens == 0
 
 
 def test_preempted_sequence_resumes_from_its_cached_blocks(checkpoint) -> None:  # type: ignore[no-untyped-def]

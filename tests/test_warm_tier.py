@@ -170,9 +170,9 @@ def test_second_turn_reuses_a_prefix_held_in_warm(checkpoint) -> None:  # type: 
     answer = engine.generate([first], GREEDY)[0].token_ids
     second = first + answer + extra
     expected = hf_greedy(path, [second], NEW_TOKENS)
-    before = engine.stats.prefix_hit_tokens
+    before = engine.scheduler.prefix_hit_tokens
     assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
-    reused = engine.stats.prefix_hit_tokens - before
+    reused = engine.scheduler.prefix_hit_tokens - before
     assert reused >= (len(first) + NEW_TOKENS) // 8 * 8 - 8 * 6  # at most Hot's part recomputed
 
 
@@ -217,10 +217,10 @@ def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ig
     assert warm.pool.num_free == warm.pool.capacity  # Cold holds them now, not Warm
     second = first + answer + extra
     expected = hf_greedy(path, [second], NEW_TOKENS)
-    before = engine.stats.prefix_hit_tokens
+    before = engine.scheduler.prefix_hit_tokens
     assert engine.generate([second], GREEDY)[0].token_ids == expected[0]
     assert warm.stats.promoted_blocks > 0
-    assert engine.stats.prefix_hit_tokens - before >= warm.stats.promoted_blocks * 8
+    assert engine.scheduler.prefix_hit_tokens - before >= warm.stats.promoted_blocks * 8
 
 
 def test_private_warm_pool_leaves_nothing_in_dev_shm(checkpoint) -> None:  # type: ignore[no-untyped-def]
@@ -232,3 +232,21 @@ def test_private_warm_pool_leaves_nothing_in_dev_shm(checkpoint) -> None:  # typ
     engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1)
     assert engine.warm is not None
     assert {p.name for p in shm.SHM_DIR.iterdir()} - before == set()
+
+
+def test_cold_store_counts_a_re_aged_prefix_once() -> None:
+    """The same prefix can age into Cold twice (recomputed in between): its bytes count once,
+    and the byte cap drops the least recently stored first."""
+    from hybridgen.gpu_daemon.cold_store import ColdStore
+
+    record = bytes(range(256)) * 8
+    cold = ColdStore(capacity=10_000, threshold_s=0.1)
+    cold.put(b"a", record)
+    once = cold.nbytes
+    cold.put(b"a", record)
+    assert len(cold) == 1 and cold.nbytes == once
+    assert cold.take(b"a") == record and cold.nbytes == 0 and cold.take(b"a") is None
+    small = ColdStore(capacity=2 * once, threshold_s=0.1)
+    for key in (b"x", b"y", b"z"):
+        small.put(key, record)
+    assert small.take(b"x") is None and small.take(b"z") == record

@@ -60,11 +60,11 @@ def measure(loaded: LoadedModel, config: EngineConfig, args: argparse.Namespace)
         log.info("prefix_reuse_run", prefix_reuse=config.prefix_reuse, run=run)
         first, extra = random_prompts(2, args.prefix_len, vocab, seed=run + 1)
         t1, answer = ttft_ms(engine, first, args.answer_tokens)
-        before = engine.stats.prefix_hit_tokens
+        before = engine.scheduler.prefix_hit_tokens
         t2, _ = ttft_ms(engine, first + answer + extra[: args.new_len], 1)
         turn1.append(t1)
         turn2.append(t2)
-        hits.append(engine.stats.prefix_hit_tokens - before)
+        hits.append(engine.scheduler.prefix_hit_tokens - before)
     engine.release()
     return {
         "turn1_ttft_ms": statistics.median(turn1),

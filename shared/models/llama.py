@@ -20,10 +20,7 @@ from hybridgen.models.spec import ModelSpec
 
 class WarmKeys(Protocol):
     """Keys of this step's sequences that live in the Warm tier (gpu_daemon.warm_tier): a
-    leading run of `warm_tokens[i]` tokens of sequence i; the Hot cache holds the rest."""
-
-    @property
-    def warm_tokens(self) -> list[int]: ...
+    leading run of whole blocks of each sequence; the Hot cache holds the rest."""
 
     def decode_partial(
         self, layer: int, q: torch.Tensor, scale: float

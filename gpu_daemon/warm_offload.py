@@ -1,0 +1,82 @@
+"""The scheduler's Offload hook for the Warm tier: frees Hot blocks by moving their KV there.
+
+Spill (Hot runs short), swap out (preemption keeps the computed prefix), release (a sequence
+ends) and the Warm side of prefix lookups; the tier itself is gpu_daemon.warm_tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.gpu_daemon.warm_tier import WarmTier
+from hybridgen.kernels import ops
+
+
+class WarmOffload:
+    """The scheduler's hook into the Warm tier: frees Hot blocks by moving KV to Warm."""
+
+    def __init__(
+        self,
+        tier: WarmTier,
+        pool: BlockPool,
+        kv_caches: Seq[ops.KvCache],
+        prefix_reuse: bool = True,
+    ) -> None:
+        self.tier, self.pool, self.kv_caches = tier, pool, kv_caches
+        self.prefix_reuse = prefix_reuse
+
+    def _hot_full(self, seq: Sequence) -> int:
+        """Hot blocks of `seq` that are full and computed (movable)."""
+        return seq.num_computed_tokens // self.pool.block_size - len(seq.warm_slots)
+
+    def _move(self, seq: Sequence, n: int) -> None:
+        blocks = seq.block_ids[:n]
+        seq.warm_slots += self.tier.store(self.kv_caches, blocks)
+        seq.block_ids = seq.block_ids[n:]
+        self.pool.free(blocks)
+        if self.prefix_reuse:  # the whole chain, head included: LRU eviction takes tails first
+            keys = seq.hashes(len(seq.warm_slots), self.pool.block_size)
+            self.tier.index.insert_keys(keys, seq.warm_slots)
+
+    def lookup(self, keys: Seq[bytes]) -> list[int]:
+        """Warm slots of the longest cached prefix of this key chain (one reference each)."""
+        return self.tier.lookup(keys)
+
+    def unlookup(self, slots: Seq[int]) -> None:
+        """Give back the references a lookup took."""
+        self.tier.free(slots)
+
+    def spill(self, running: Seq[Sequence], need: int) -> int:
+        """Move the oldest full Hot blocks of the sequences holding the most Hot blocks to
+        Warm until `need` Hot blocks are free (or nothing movable is left); returns how many
+        were freed (a block another sequence shares stays held)."""
+        before = self.pool.num_free
+        for seq in sorted(running, key=lambda s: -len(s.block_ids)):
+            short = need - (self.pool.num_free - before)
+            if short <= 0:
+                break
+            n = self.tier.room(min(self._hot_full(seq), short))
+            if n > 0:
+                self._move(seq, n)
+                self.tier.stats.spilled_blocks += n
+        return self.pool.num_free - before
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Preemption: keep the computed prefix in Warm and free every Hot block (the tail
+        of a partial block is recomputed). False, changing nothing, when Warm is short."""
+        n = self._hot_full(seq)
+        if self.tier.room(n) < n:
+            return False
+        self._move(seq, n)
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = len(seq.warm_slots) * self.pool.block_size
+        self.tier.stats.swapped_blocks += n
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Drop a finished (or recomputed) sequence's Warm slots."""
+        self.tier.free(seq.warm_slots)
+        seq.warm_slots = []
