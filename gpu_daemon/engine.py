@@ -21,18 +21,11 @@ import torch
 
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
-from hybridgen.gpu_daemon.memory import (
-    MIB,
-    BudgetTooSmall,
-    MemoryPlan,
-    plan_memory,
-    workspace_bytes,
-)
+from hybridgen.gpu_daemon.memory import plan_engine_memory
 from hybridgen.gpu_daemon.model_runner import (
     ModelRunner,
     Sampled,
     has_penalty,
-    profile_step_peak,
 )
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
@@ -41,9 +34,7 @@ from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
 from hybridgen.gpu_daemon.warm_tier import WarmTier
-from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
 from hybridgen.models.loader import LoadedModel, load_model
-from hybridgen.models.rope import max_model_len as model_max_len
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 
@@ -97,10 +88,6 @@ def _pick(seq: Sequence, cands: Candidates) -> Sampled:
     return Sampled(seq, token, logprob if seq.params.logprobs is not None else None, None)
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -109,7 +96,7 @@ class Engine:
             config.model, self.device, config.torch_dtype(), config.seed
         )
         spec = self.spec = self.loaded.model.spec
-        self.plan, self.max_model_len = self._plan_memory()
+        self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(
@@ -174,73 +161,6 @@ class Engine:
             max_model_len=self.max_model_len,
             **self.plan.summary(),
         )
-
-    def _budget_bytes(self) -> int:
-        if self.config.gpu_memory_mb is not None:
-            return self.config.gpu_memory_mb * MIB
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9) + torch.cuda.memory_reserved(self.device)
-        return 4096 * MIB
-
-    def _block_bytes(self) -> int:
-        """K and V of one block over all layers, in the Hot codec's layout."""
-        spec = self.spec
-        per_layer = hot_kv_bytes_per_token(
-            self.config.hot_codec, spec.num_kv_heads, spec.head_dim, spec.dtype
-        )
-        return per_layer * spec.num_layers * self.config.block_size
-
-    def _plan_memory(self) -> tuple[MemoryPlan, int]:
-        """Fit the longest context the budget allows (or fail naming what to change)."""
-        c, spec = self.config, self.spec
-        length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
-        blocks = c.num_kv_blocks
-        if blocks is None and c.kv_pool_mb is not None:
-            blocks = max(1, int(c.kv_pool_mb * MIB) // self._block_bytes())
-        if blocks is not None and c.max_model_len is None and not c.warm_pool_mb:
-            length = min(length, blocks * c.block_size)
-        weights, budget = _weight_bytes(self.loaded.model), self._budget_bytes()
-        measured = None
-        if self.device.type == "cuda":
-            measured = profile_step_peak(
-                self.loaded.model,
-                c.max_num_batched_tokens,
-                c.max_num_seqs,
-                c.block_size,
-                self.device,
-            )
-        while True:
-            graphs = min(c.max_graph_batch, c.max_num_seqs) if c.cuda_graphs else 0
-            work = workspace_bytes(
-                spec,
-                spec.dtype,
-                c.max_num_batched_tokens,
-                c.max_num_seqs,
-                length,
-                graphs if self.device.type == "cuda" else 0,
-                measured,
-                c.hot_codec != "native",
-            )
-            # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
-            # for each running sequence (the rest of their KV can move to Warm).
-            hot_tokens = length
-            if c.warm_pool_mb:
-                hot_tokens = min(length, c.max_num_batched_tokens + c.max_num_seqs * c.block_size)
-            try:
-                plan = plan_memory(
-                    weights, work, budget, c.block_size, self._block_bytes(), hot_tokens, blocks
-                )
-                return plan, length
-            except BudgetTooSmall:
-                if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:
-                    raise
-                length //= 2
-                log.warning(
-                    "max_model_len_reduced",
-                    max_model_len=length,
-                    reason="KV pool too small for the model's full context",
-                )
 
     def tier_stats(self) -> dict[str, float | int]:
         """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and

@@ -1,4 +1,4 @@
-"""The GPU memory budget: weights, step workspace and the KV block pool.
+"""The GPU memory budget: weights, step workspace and the KV block pool (plan_engine_memory).
 
 `device_topology.gpu.memory_mb` is a hard budget for everything the engine allocates on its
 device. The plan is made before any KV is allocated:
@@ -16,10 +16,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
+from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.cuda_graphs import graph_sizes
+from hybridgen.gpu_daemon.model_runner import profile_step_peak
+from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
+from hybridgen.models.llama import CausalLM
+from hybridgen.models.rope import max_model_len as model_max_len
 from hybridgen.models.spec import ModelSpec
+
+log = structlog.get_logger()
 
 MIB = 1 << 20
 
@@ -131,3 +139,72 @@ def plan_memory(
             f"Raise the budget, lower max_model_len or max_num_batched_tokens."
         )
     return MemoryPlan(budget, weights, workspace, block_bytes, int(num_blocks))
+
+
+def budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """device_topology.gpu.memory_mb, or 90 % of the device's free memory (CPU: 4096 MiB)."""
+    if config.gpu_memory_mb is not None:
+        return config.gpu_memory_mb * MIB
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9) + torch.cuda.memory_reserved(device)
+    return 4096 * MIB
+
+
+def block_bytes(config: EngineConfig, spec: ModelSpec) -> int:
+    """K and V of one block over all layers, in the Hot codec's layout."""
+    per_layer = hot_kv_bytes_per_token(
+        config.hot_codec, spec.num_kv_heads, spec.head_dim, spec.dtype
+    )
+    return per_layer * spec.num_layers * config.block_size
+
+
+def plan_engine_memory(
+    config: EngineConfig, model: CausalLM, device: torch.device
+) -> tuple[MemoryPlan, int]:
+    """The engine's plan and max_model_len: the longest context the budget allows (or an
+    error naming what to change)."""
+    c, spec = config, model.spec
+    length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
+    blocks = c.num_kv_blocks
+    kv_block = block_bytes(c, spec)
+    if blocks is None and c.kv_pool_mb is not None:
+        blocks = max(1, int(c.kv_pool_mb * MIB) // kv_block)
+    if blocks is not None and c.max_model_len is None and not c.warm_pool_mb:
+        length = min(length, blocks * c.block_size)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = budget_bytes(c, device)
+    measured, graphs = None, 0
+    if device.type == "cuda":
+        measured = profile_step_peak(
+            model, c.max_num_batched_tokens, c.max_num_seqs, c.block_size, device
+        )
+        graphs = min(c.max_graph_batch, c.max_num_seqs) if c.cuda_graphs else 0
+    while True:
+        work = workspace_bytes(
+            spec,
+            spec.dtype,
+            c.max_num_batched_tokens,
+            c.max_num_seqs,
+            length,
+            graphs,
+            measured,
+            c.hot_codec != "native",
+        )
+        # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
+        # for each running sequence (the rest of their KV can move to Warm).
+        hot_tokens = length
+        if c.warm_pool_mb:
+            hot_tokens = min(length, c.max_num_batched_tokens + c.max_num_seqs * c.block_size)
+        try:
+            plan = plan_memory(weights, work, budget, c.block_size, kv_block, hot_tokens, blocks)
+            return plan, length
+        except BudgetTooSmall:
+            if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:
+                raise
+            length //= 2
+            log.warning(
+                "max_model_len_reduced",
+                max_model_len=length,
+                reason="KV pool too small for the model's full context",
+            )
