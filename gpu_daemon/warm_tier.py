@@ -52,7 +52,8 @@ from hybridgen.gpu_daemon.cold_store import ColdStore
 from hybridgen.kernels import ops
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import PrefixIndex, WarmPool, capacity_for, slot_bytes_for
+from hybridgen.kvcodec.prefix_index import PrefixIndex
+from hybridgen.kvcodec.warm_pool import WarmPool, capacity_for, slot_bytes_for
 from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()

@@ -20,10 +20,10 @@ from torch import Tensor
 
 from hybridgen.ipc import shm
 from hybridgen.kvcodec import get_codec
+from hybridgen.kvcodec.prefix_index import PrefixIndex
 from hybridgen.kvcodec.warm_pool import (
     CONFIG_KEY,
     HEADER_SIZE,
-    PrefixIndex,
     WarmPool,
     WarmPoolFull,
     capacity_for,
