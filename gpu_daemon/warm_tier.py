@@ -49,6 +49,7 @@ from hybridgen.cpu_daemon.warm_attention import (
 )
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
 from hybridgen.gpu_daemon.cold_store import ColdStore
+from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view
 from hybridgen.kernels import ops
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
@@ -133,6 +134,8 @@ class WarmTier:
         self.remote: WarmLinkClient | None = None
         """Set under the daemons: the CPU daemon computes the CPU share (else this process)."""
         self.cold = ColdStore(self.pool.slot_bytes * capacity, cold_threshold_ms / 1e3)
+        self.view: WarmDeviceView | None = None if mode == "cpu" else device_view(self.pool, device)
+        """The pool as paged caches the device kernels read in place (mode b; warm_device)."""
         if mode == "auto":
             self.mode, self.split = self._measure_placement()
 
@@ -186,7 +189,7 @@ class WarmTier:
         """attn_warm without a pin: time the CPU (mode a) and the device (mode b) on the same
         synthetic Warm blocks and pick the faster, or split the blocks so that both finish
         together when neither is 4x faster. On a CPU-only engine both are the CPU: cpu."""
-        n = min(64, self.pool.capacity)
+        n = min(512, self.pool.capacity)  # enough blocks that launch costs do not decide
         if self.device.type != "cuda" or n == 0:
             return "cpu", 1.0
         spec = self.spec
@@ -203,8 +206,7 @@ class WarmTier:
             warm_decode_attention(self.pool, 0, q, [span], scale)
 
         def gpu() -> None:
-            kd, vd = self.dense(slots, 0, torch.float32)
-            dense_partial(q[0].mul(scale).view(kd.shape[1], -1, kd.shape[2]), kd, vd)
+            self.device_partial(0, q.to(spec.dtype), [slots], scale)
             torch.cuda.synchronize(self.device)
 
         t_cpu, t_gpu = (_best_of(3, fn) for fn in (cpu, gpu))
@@ -255,6 +257,9 @@ class WarmTier:
         self.pool.free(slots)
 
     def close(self) -> None:
+        if self.view is not None:
+            self.view.close()
+            self.view = None
         self.pool.close()
         self.pool.unlink()
 
@@ -265,6 +270,24 @@ class WarmTier:
         if self.device.type == "cuda":  # a pinned copy is a true async DMA: the host goes on
             return rows.pin_memory().to(self.device, non_blocking=True)
         return rows
+
+    def device_partial(
+        self, layer: int, q: Tensor, slots: list[list[int]], scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Mode (b): q [n, Hq, D] over each row's Warm `slots` (at least one each), on the
+        device -> out [n, Hq, D], lse [n, Hq] fp32. In place over PCIe where the codec allows
+        (warm_device), else decoded on the device from a copy of the records."""
+        if self.view is not None:
+            self.stats.h2d_bytes += sum(map(len, slots)) * self.pool.record_bytes
+            return self.view.attend(layer, q, slots, scale)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for i, row in enumerate(slots):
+            k, v = self.dense(row, layer, torch.float32)
+            qs = q[i].float().mul(scale).view(k.shape[1], -1, k.shape[2])
+            o, s = dense_partial(qs, k, v)
+            out[i], lse[i] = o.reshape(out.shape[1:]), s.reshape(lse.shape[1:])
+        return out, lse
 
     def dense(self, slots: Seq[int], layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Decode `slots` at `layer` on the device -> k, v [len(slots) * S, Hkv, D]."""
@@ -297,13 +320,12 @@ class WarmContext:
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
         cuts = [tier.cpu_blocks(len(slots)) for slots in self.warm_slots[:nd]]
         # The device's share first: its kernels run while the CPU works on its share below.
-        for i in range(nd):
-            slots = self.warm_slots[i][cuts[i] :]
-            if slots:
-                k, v = tier.dense(slots, layer, torch.float32)
-                qs = q[i].float().mul(scale).view(k.shape[1], -1, k.shape[2])
-                o, s = dense_partial(qs, k, v)
-                out[i], lse[i] = o.reshape(out.shape[1:]), s.reshape(lse.shape[1:])
+        dev = [i for i in range(nd) if len(self.warm_slots[i]) > cuts[i]]
+        if dev:
+            shares = [list(self.warm_slots[i][cuts[i] :]) for i in dev]
+            o, s = tier.device_partial(layer, q[dev], shares, scale)
+            idx = torch.tensor(dev, device=q.device)
+            out[idx], lse[idx] = o, s
         rows = [i for i in range(nd) if cuts[i]]
         if rows:
             bs = tier.block_size

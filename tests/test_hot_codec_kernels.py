@@ -327,6 +327,8 @@ def test_layout_bytes(codec: HotCodec, group: int, per_head: int) -> None:
 def test_layout_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="group_size=32 does not fit head_dim=48"):
         QuantKvCache.empty("int4", 2, 16, 2, 48, "cpu", 32)
+    with pytest.raises(ValueError, match=r"group_size=24 .* not a power of two"):
+        QuantKvCache.empty("int8", 2, 16, 2, 48, "cpu", 24)
     c = QuantKvCache.empty("int8", 2, 16, 2, 64, "cpu")
     with pytest.raises(ValueError, match="int8 is symmetric"):
         QuantKvCache(c.k, c.v, c.k_scale, c.v_scale, c.k_scale, c.v_scale)

@@ -84,6 +84,11 @@ class QuantKvCache:
             raise ValueError(f"QuantKvCache: codes dtype {self.k.dtype} is not int8 or uint8")
         check_scale_dtype(self.codec, self.scale_dtype)
         check_group(self.codec, self.group_size, self.head_dim)
+        if self.group_size & (self.group_size - 1):
+            raise ValueError(
+                f"QuantKvCache: group_size={self.group_size} (head_dim={self.head_dim}) is not a "
+                "power of two, which the decode kernel needs; use hot_codec: native"
+            )
         metas = [self.k_scale, self.v_scale]
         if self.bits == 4:
             if self.k_zero is None or self.v_zero is None:

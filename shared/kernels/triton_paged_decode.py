@@ -11,9 +11,9 @@ one split the first kernel normalizes and writes the output itself.
 Quantized caches (kv_quant.QuantKvCache, int8 or int4 per token and group of channels) take the
 same kernel: each K/V tile is loaded as codes plus per-group scales (and zeros), dequantized in
 registers and rounded to q's dtype, so the kernel computes the same attention as the torch
-reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). Scales
-(and int4 bytes, which hold two channels) are gathered once per channel; the repeats are meant
-to hit L1 so that HBM reads only the compressed bytes (not yet measured on a GPU).
+reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). Every
+byte is loaded once: scales as [BLOCK_N, D / g] and broadcast over their g channels, int4 codes
+as [BLOCK_N, D / 2] bytes split into nibbles, so the group size must be a power of two.
 
 Everything is launch-shape static (grid, scratch sizes) given B, Hq, M and num_splits, so the
 wrapper is safe inside CUDA graph capture: no host syncs, no data-dependent Python branches.
@@ -79,26 +79,45 @@ def _split_tiles(seq_len, window, num_splits, split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _group_meta(ptr, meta_row, row_ok, n_groups, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                QGROUP: tl.constexpr):  # fmt: skip
+    # -> [BLOCK_N, BLOCK_D] fp32: each key's per-group scale (or zero) repeated over its QGROUP
+    # channels. Loaded once per group, [BLOCK_N, BLOCK_D / QGROUP], then broadcast in registers
+    # (a per-channel gather issued QGROUP times as many loads and made the kernel load-bound).
+    NG: tl.constexpr = BLOCK_D // QGROUP
+    gi = tl.arange(0, NG)
+    mask = row_ok[:, None] & (gi < n_groups)[None, :]
+    m = tl.load(ptr + meta_row[:, None] + gi[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(m[:, :, None], (BLOCK_N, NG, QGROUP)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
 def _load_kv_tile(
-    code_ptr, scale_ptr, zero_ptr, code_row, meta_row, d, mask, OUT_TY: tl.constexpr,
-    QGROUP: tl.constexpr, QUANT: tl.constexpr,
+    code_ptr, scale_ptr, zero_ptr, code_row, meta_row, row_ok, head_dim, OUT_TY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QGROUP: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     # -> [BLOCK_N, BLOCK_D] keys or values; code_row / meta_row: [BLOCK_N] element offsets of
-    # each key's (block, offset, kv head) row. QUANT 0: the native cache's values as stored;
-    # 8: int8 code * scale; 4: u4 code * scale + zero (channel 2i in the low nibble of byte i).
-    # Masked lanes give 0.
+    # each key's (block, offset, kv head) row; row_ok: [BLOCK_N] visible keys. QUANT 0: the
+    # native cache's values as stored; 8: int8 code * scale; 4: u4 code * scale + zero (channel
+    # 2i in the low nibble of byte i). Masked lanes (rows, channels >= head_dim) give 0.
+    d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (d < head_dim)[None, :]
     if QUANT == 0:
         x = tl.load(code_ptr + code_row[:, None] + d[None, :], mask=mask, other=0.0)
     else:
-        meta = meta_row[:, None] + (d // QGROUP)[None, :]
-        scale = tl.load(scale_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        n_groups = head_dim // QGROUP
+        scale = _group_meta(scale_ptr, meta_row, row_ok, n_groups, BLOCK_N, BLOCK_D, QGROUP)
         if QUANT == 8:
             c = tl.load(code_ptr + code_row[:, None] + d[None, :], mask=mask, other=0)
             x = c.to(tl.float32) * scale
         else:
-            byte = tl.load(code_ptr + code_row[:, None] + (d // 2)[None, :], mask=mask, other=0)
-            c = (byte.to(tl.int32) >> ((d % 2) * 4)[None, :]) & 15
-            zero = tl.load(zero_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+            # One byte load per two channels, split into nibbles and interleaved back.
+            h = tl.arange(0, BLOCK_D // 2)
+            hmask = row_ok[:, None] & (h < head_dim // 2)[None, :]
+            byte = tl.load(code_ptr + code_row[:, None] + h[None, :], mask=hmask, other=0)
+            byte = byte.to(tl.int32)
+            c = tl.interleave(byte & 15, byte >> 4)
+            zero = _group_meta(zero_ptr, meta_row, row_ok, n_groups, BLOCK_N, BLOCK_D, QGROUP)
             x = c.to(tl.float32) * scale + zero
         x = x.to(OUT_TY)
     return x
@@ -144,10 +163,10 @@ def _decode_split_kernel(
         valid = (j >= start) & (j < seq_len)
         phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = j % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_ok[None, :]
         meta_row = phys * sm_n + off * sm_s + kvh * sm_h
         k = _load_kv_tile(kc_ptr, ks_ptr, kz_ptr, phys * skc_n + off * skc_s + kvh * skc_h,
-                          meta_row, d, kv_mask, kv_ty, QGROUP, QUANT)  # fmt: skip
+                          meta_row, valid, head_dim, kv_ty, BLOCK_N, BLOCK_D, QGROUP,
+                          QUANT)  # fmt: skip
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
@@ -158,7 +177,8 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(vc_ptr, vs_ptr, vz_ptr, phys * svc_n + off * svc_s + kvh * svc_h,
-                          meta_row, d, kv_mask, kv_ty, QGROUP, QUANT)  # fmt: skip
+                          meta_row, valid, head_dim, kv_ty, BLOCK_N, BLOCK_D, QGROUP,
+                          QUANT)  # fmt: skip
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

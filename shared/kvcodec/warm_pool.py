@@ -311,6 +311,11 @@ class WarmPool:
             raise ValueError(f"{len(data)} bytes for a {self.slot_bytes}-byte slot")
         self._view()[slot] = np.frombuffer(data, dtype=np.uint8).reshape(self._view()[slot].shape)
 
+    def slot_area(self) -> npt.NDArray[np.uint8]:
+        """Zero-copy [capacity, L, record_bytes] view of every slot (for in-place device reads,
+        gpu_daemon.warm_device). It aliases shared memory and must be dropped before `close`."""
+        return self._view()
+
     def record_view(self, slot: int) -> npt.NDArray[np.uint8]:
         """Zero-copy [L, record_bytes] uint8 view of `slot` (e.g. for a pinned PCIe copy).
 

@@ -1,0 +1,109 @@
+"""attn_warm mode (b) in place: the Warm pool read by the device's paged decode kernel.
+
+Where a Warm codec stores each block as the fields of a Hot-KV block, the pool's slot area is
+a paged KV cache with a long stride between blocks::
+
+    slot area (host shm):  | slot 0: layer 0 .. layer L-1 | slot 1: ... |
+    layer l of slot s:     record at HEADER + s * slot_bytes + l * record_bytes
+    lossless record:       k [S, Hkv, D] (model dtype), v [S, Hkv, D]       -> (k, v) cache
+    int8 record:           k_codes, v_codes [S, Hkv, D], k_scale, v_scale  -> QuantKvCache
+
+so layer l of the whole pool is an [capacity, S, Hkv, D] strided view, and a block table of
+Warm slots addresses it exactly as one of Hot blocks. On CUDA the slot area is registered
+with cudaHostRegister (page-locked, mapped into the device's address space), so the Triton
+kernel reads the compressed bytes over PCIe as it attends them: no staging copy, no decoded
+copy, and the host thread is free for the CPU share meanwhile. lz4 and int4 (per-channel key
+scales) records have no paged layout; their device share is decoded on the device instead
+(WarmTier.dense).
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+from torch import Tensor
+
+from hybridgen.kernels import ops
+from hybridgen.kernels.kv_quant import QuantKvCache
+from hybridgen.kvcodec.warm_pool import WarmPool
+
+log = structlog.get_logger()
+
+_FIELDS = {"lossless": ("k", "v"), "int8": ("k_codes", "v_codes", "k_scale", "v_scale")}
+_REGISTER_FLAGS = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class WarmDeviceView:
+    """The pool's slot area as one paged KV cache per layer, readable by the device kernels.
+
+    Invariant: while it lives, its tensors alias the pool's shared memory, so `close` must run
+    before the pool unmaps (WarmTier.close does both, in that order).
+    """
+
+    def __init__(self, pool: WarmPool, device: torch.device) -> None:
+        self.device = device
+        self._area: Tensor | None = torch.from_numpy(pool.slot_area())  # [capacity, L, record]
+        self._registered = False
+        if device.type == "cuda" and self._area.numel():
+            self._register()
+        names = _FIELDS[pool.codec.name]
+        self.layers: list[ops.KvCache] = [
+            _layer_cache(pool, self._area[:, layer], names) for layer in range(pool.num_layers)
+        ]
+
+    def _register(self) -> None:
+        assert self._area is not None
+        nbytes = self._area.numel()
+        err = torch.cuda.cudart().cudaHostRegister(self._area.data_ptr(), nbytes, _REGISTER_FLAGS)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of the Warm pool ({nbytes / 2**20:.0f} MiB) failed with CUDA "
+                f"error {int(err)}; lower kv_cache.warm_region_mb or raise the memlock limit"
+            )
+        self._registered = True
+        log.info("warm_pool_pinned", mib=round(nbytes / 2**20))
+
+    def attend(
+        self, layer: int, q: Tensor, slots: list[list[int]], scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Decode attention of q [n, Hq, D] over each row's Warm `slots` (whole blocks, token
+        order, at least one each) at `layer` -> out [n, Hq, D] fp32, lse [n, Hq] fp32."""
+        width = max(len(s) for s in slots)
+        table = torch.zeros(len(slots), width, dtype=torch.int32)
+        for i, row in enumerate(slots):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        block = self.layers[layer]
+        size = block.block_size if isinstance(block, QuantKvCache) else block[0].shape[1]
+        lens = torch.tensor([len(s) * size for s in slots], dtype=torch.int32)
+        dev = q.device
+        out, lse = ops.decode_attention(
+            q, block, table.to(dev, non_blocking=True), lens.to(dev, non_blocking=True), scale,
+            return_lse=True,
+        )  # fmt: skip
+        return out.float(), lse
+
+    def close(self) -> None:
+        self.layers = []
+        if self._registered and self._area is not None:
+            torch.cuda.synchronize(self.device)  # no kernel may still read the pages
+            torch.cuda.cudart().cudaHostUnregister(self._area.data_ptr())
+        self._area, self._registered = None, False
+
+
+def device_view(pool: WarmPool, device: torch.device) -> WarmDeviceView | None:
+    """The in-place view of `pool`, or None for codecs without a paged layout (lz4, int4)."""
+    return WarmDeviceView(pool, device) if pool.codec.name in _FIELDS else None
+
+
+def _layer_cache(pool: WarmPool, records: Tensor, names: tuple[str, ...]) -> ops.KvCache:
+    # records: [capacity, record_bytes] uint8, rows slot_bytes apart -> each field as a
+    # strided [capacity, *field.shape] view of its dtype.
+    layout = pool.codec.layout  # type: ignore[attr-defined]
+    by_name = {f.name: (f, at) for f, at in zip(layout.fields, layout.offsets, strict=True)}
+    views = []
+    for name in names:
+        f, at = by_name[name]
+        views.append(records[:, at : at + f.nbytes].view(f.dtype).unflatten(1, f.shape))
+    if len(views) == 2:
+        return views[0], views[1]
+    return QuantKvCache(k=views[0], v=views[1], k_scale=views[2], v_scale=views[3])
