@@ -6,9 +6,11 @@
 Cases, each a fresh engine on the same weights (loaded once), with the budget enforced by
 the engine's allocator cap:
 - b3a: one sequence, int4 KV: all in an int4 Hot cache; b3a_warm: native Hot, int4 Warm;
-- b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split;
+- b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split
+  and auto (measured at start);
 - b3c: four sequences at once, native Hot and int4 Warm (the Warm tier moves native Hot
-  blocks, so an int4 Hot cache cannot spill yet);
+  blocks, so an int4 Hot cache cannot spill yet); b3c_int8: int8 Warm, which the device
+  reads in place (gpu_daemon.warm_device) where int4 records are decoded from a copy;
 - pure_gpu: native Hot and no Warm, in the budget: it fits or fails with the engine's error;
 - unbudgeted: native Hot, no budget: the ceiling;
 - hf: HF transformers (offloaded cache on CUDA), one sequence, --hf-new-tokens tokens.
@@ -54,8 +56,9 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
     out: dict[str, tuple[int, dict[str, Any]]] = {
         "b3a": (1, {**budget, "hot_codec": "int4", "warm": False}),
         "b3a_warm": (1, {**budget, "warm_codec": "int4"}),
-        **{f"b3b_{m}": (1, {**exact, "attn_warm": m}) for m in ("cpu", "gpu", "split")},
+        **{f"b3b_{m}": (1, {**exact, "attn_warm": m}) for m in ("cpu", "gpu", "split", "auto")},
         "b3c": (4, {**budget, "warm_codec": "int4"}),
+        "b3c_int8": (4, {**budget, "warm_codec": "int8"}),
         "pure_gpu": (1, {**budget, "warm": False}),
         "unbudgeted": (1, {"warm": False}),
     }
