@@ -31,7 +31,8 @@ def test_umv_bench_runs_every_case(
     )
     cases = result["cases"]
     assert set(cases) == {
-        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3c", "pure_gpu", "unbudgeted", "hf"
+        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3b_auto", "b3c", "b3c_int8",
+        "pure_gpu", "unbudgeted", "hf",
     }  # fmt: skip
     for name, r in cases.items():
         assert "error" not in r, (name, r)
