@@ -78,12 +78,15 @@ def workspace_bytes(
     graph_batch: int,
     measured_step: int | None = None,
     quantized_kv: bool = False,
+    warm: bool = False,
 ) -> int:
     """Largest transient footprint of one step, plus what CUDA graphs keep.
 
     `measured_step` is the peak a profiling step allocated on the device (CUDA); without it
     the activations and sampler temporaries are counted tensor by tensor. `quantized_kv`:
-    the Hot-KV is int8/int4, so prefill also holds its keys dequantized.
+    the Hot-KV is int8/int4, so prefill also holds its keys dequantized. `warm`: a Warm tier,
+    whose prefix a prefill holds three times more at its own head count (the records copied to
+    the device, decoded, and joined to the Hot keys).
     """
     e = dtype.itemsize
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
@@ -99,6 +102,8 @@ def workspace_bytes(
     gather = 2 * max_model_len * spec.q_size * e + max_tokens * max_model_len
     if quantized_kv:  # the gathered blocks are first dequantized at their own head count
         gather += 2 * max_model_len * spec.kv_size * e
+    if warm:
+        gather += 3 * 2 * max_model_len * spec.kv_size * e
     rope = 2 * max_model_len * spec.head_dim * 4
     graphs = 0
     if graph_batch:
@@ -190,6 +195,7 @@ def plan_engine_memory(
             graphs,
             measured,
             c.hot_codec != "native",
+            bool(c.warm_pool_mb),
         )
         # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
         # for each running sequence (the rest of their KV can move to Warm).

@@ -18,6 +18,7 @@ from hybridgen.kvcodec.warm_pool import WarmPool
 
 S, HKV, D, L, HQ = 16, 2, 64, 3, 8
 SCALE = 1 / math.sqrt(D)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [[5, 0, 9], [2], [7, 8, 1, 3, 4, 6]]  # slot ids per query row, in token order
 
 
@@ -50,16 +51,19 @@ def _exact(pool: WarmPool, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
 @pytest.mark.parametrize("codec", ["lossless", "int8"])
 def test_in_place_attention_matches_decoded_blocks(instance: str, codec: str) -> None:
     pool = _pool(instance, codec)
-    view = device_view(pool, torch.device("cpu"))
+    view = device_view(pool, DEVICE)  # on CUDA: the pool registered, read over PCIe
     assert isinstance(view, WarmDeviceView)
     q = torch.randn(len(ROWS), HQ, D, generator=torch.Generator().manual_seed(4))
     for layer in (1, 2):  # a wrong layer stride shows
         ex_out, ex_lse = _exact(pool, layer, q)
-        out, lse = view.attend(layer, q, ROWS, SCALE)
-        assert out.dtype == lse.dtype == torch.float32
-        assert torch.allclose(out.double(), ex_out, atol=1e-5, rtol=0)
-        assert torch.allclose(lse.double(), ex_lse, atol=1e-5, rtol=0)
-        # The Triton kernel over the same strided views of shared memory.
+        out, lse = view.attend(layer, q.to(DEVICE), ROWS, SCALE)
+        assert out.dtype == lse.dtype == torch.float32 and out.device == DEVICE
+        assert torch.allclose(out.double().cpu(), ex_out, atol=1e-5, rtol=0)
+        assert torch.allclose(lse.double().cpu(), ex_lse, atol=1e-5, rtol=0)
+        if DEVICE.type == "cuda":
+            continue  # attend ran the Triton kernel itself
+        # On the CPU, attend ran the torch reference: the Triton kernel (interpreted) over
+        # the same strided views of shared memory.
         table = torch.tensor([r + [0] * (6 - len(r)) for r in ROWS], dtype=torch.int32)
         lens = torch.tensor([len(r) * S for r in ROWS], dtype=torch.int32)
         cache = view.layers[layer]
@@ -74,7 +78,7 @@ def test_in_place_attention_matches_decoded_blocks(instance: str, codec: str) ->
         assert isinstance(res, tuple)
         assert torch.allclose(res[0].double(), ex_out, atol=1e-5, rtol=0)
         assert torch.allclose(res[1].double(), ex_lse, atol=1e-5, rtol=0)
-    del cache
+        del cache
     view.close()
     pool.close()  # the view's tensors no longer alias the mapping
 

@@ -23,6 +23,7 @@ prints the table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -62,7 +63,8 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
         "pure_gpu": (1, {**budget, "warm": False}),
         "unbudgeted": (1, {"warm": False}),
     }
-    return {k: v for k, v in out.items() if not args.cases or k.split("_")[0] in args.cases}
+    picked = args.cases or list(out)
+    return {k: v for k, v in out.items() if k in picked or k.split("_")[0] in picked}
 
 
 def run_case(
@@ -134,6 +136,10 @@ def run_case(
         return result
     finally:
         engine.release()
+        del engine
+        gc.collect()  # a failed case's frames must not hold the next case's memory
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def hf_case(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--cases",
         type=lambda s: s.split(","),
         default=None,
-        help="comma list of b3a, b3b, b3c, pure, unbudgeted, hf (default: all)",
+        help="comma list of case names or prefixes (b3a, b3b, b3c, pure, unbudgeted, hf), "
+        "e.g. b3a,b3b_gpu (default: all)",
     )
     ap.add_argument("--hf-new-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results/umv.json"))
