@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 run for B3 (issue 4): llama3-8b, a 128K-token context within a 24 GB budget, every
 # tier case beside the pure-GPU, unbudgeted and HF baselines. Extra arguments go to the
-# benchmark, e.g. --cases b3a,b3b to fit one device call. Invoked through the device tool from
+# benchmark, e.g. --cases b3a,b3b_gpu,hf to fit one device call. Invoked through the device tool from
 # the repo root with `.whl` carried; HYBRIDGEN_COMMIT names the commit being measured.
 source scripts/device_setup.sh
 set -o pipefail

@@ -63,8 +63,7 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
         "pure_gpu": (1, {**budget, "warm": False}),
         "unbudgeted": (1, {"warm": False}),
     }
-    picked = args.cases or list(out)
-    return {k: v for k, v in out.items() if k in picked or k.split("_")[0] in picked}
+    return {k: v for k, v in out.items() if not args.cases or k in args.cases}
 
 
 def run_case(
@@ -210,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--cases",
         type=lambda s: s.split(","),
         default=None,
-        help="comma list of case names or prefixes (b3a, b3b, b3c, pure, unbudgeted, hf), "
-        "e.g. b3a,b3b_gpu (default: all)",
+        help="comma list of case names (module docstring, and hf), e.g. b3a,b3b_gpu,hf "
+        "(default: all)",
     )
     ap.add_argument("--hf-new-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results/umv.json"))
