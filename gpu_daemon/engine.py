@@ -116,23 +116,23 @@ class Engine:
                 config.shm_instance,
                 config.cold_threshold_ms,
             )
-            reach = (self.plan.num_blocks + self.warm.pool.capacity) * config.block_size
-            if reach < self.max_model_len:
-                raise ConfigError(
-                    f"warm_pool_mb={config.warm_pool_mb} is too small: Hot and Warm together "
-                    f"hold {reach} tokens, max_model_len is {self.max_model_len}"
-                )
-        self.runner = ModelRunner(
-            self.loaded.model,
-            spec,
-            self.plan.num_blocks,
-            config.block_size,
-            self.max_model_len,
-            self.device,
-            graph_batch,
-            config.hot_codec,
-            self.warm,
-        )
+        try:
+            self._check_reach()
+            self.runner = ModelRunner(
+                self.loaded.model,
+                spec,
+                self.plan.num_blocks,
+                config.block_size,
+                self.max_model_len,
+                self.device,
+                graph_batch,
+                config.hot_codec,
+                self.warm,
+            )
+        except BaseException:
+            if self.warm is not None:  # unpin and unmap the pool: the engine never existed
+                self.warm.close()
+            raise
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         offload = None
         if self.warm is not None:
@@ -333,6 +333,16 @@ class Engine:
                         rid, tokens[rid], out.finish_reason, logprobs[rid] or None
                     )
         return [done[r] for r in ids]
+
+    def _check_reach(self) -> None:
+        if self.warm is None:
+            return
+        reach = (self.plan.num_blocks + self.warm.pool.capacity) * self.config.block_size
+        if reach < self.max_model_len:
+            raise ConfigError(
+                f"warm_pool_mb={self.config.warm_pool_mb} is too small: Hot and Warm together "
+                f"hold {reach} tokens, max_model_len is {self.max_model_len}"
+            )
 
     def release(self) -> None:
         """Free the weights, the KV pool and the graphs, and lift the memory cap; the engine

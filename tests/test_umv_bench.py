@@ -27,6 +27,7 @@ def test_umv_bench_runs_every_case(
             "--chunk=128",
             "--hf-new-tokens=16",
             f"--out={out}",
+            "--in-process",
         ]
     )
     cases = result["cases"]
@@ -41,3 +42,17 @@ def test_umv_bench_runs_every_case(
     assert cases["b3b_split"]["attn_warm"]["mode"] == "split"
     assert json.loads(out.read_text())["cases"].keys() == cases.keys()
     assert "B3 umv" in capsys.readouterr().out
+
+
+def test_cases_run_in_child_processes(tmp_path: Path) -> None:
+    """The default: each case in its own process, merged into one file."""
+    out = tmp_path / "umv.json"
+    result = umv_bench.main(
+        [
+            *("--model=tiny-llama", "--device=cpu", "--context-len=200", "--new-tokens=3"),
+            *("--budget-mb=72", "--chunk=128", "--cases=b3a,pure_gpu", f"--out={out}"),
+        ]
+    )
+    assert list(result["cases"]) == ["b3a", "pure_gpu"]
+    assert all(r["decode_tok_s"] > 0 for r in result["cases"].values())
+    assert json.loads(out.read_text())["cases"] == result["cases"]

@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -178,6 +181,36 @@ def hf_case(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _one_case(loaded: LoadedModel, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """A case's figures, or the error that stopped it."""
+    try:
+        if name == "hf":
+            return hf_case(loaded, args)
+        seqs, options = cases(args)[name]
+        return run_case(loaded, args, seqs, dict(options))
+    except (BudgetTooSmall, ConfigError, torch.OutOfMemoryError, RuntimeError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _isolated(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One case in a child process: the device memory of a case that failed halfway is
+    returned at the child's exit instead of shrinking the next case's budget."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "case.json"
+        argv = [
+            *(f"--model={args.model}", f"--device={args.device}"),
+            *(f"--context-len={args.context_len}", f"--new-tokens={args.new_tokens}"),
+            *(f"--budget-mb={args.budget_mb}", f"--chunk={args.chunk}"),
+            *(f"--hf-new-tokens={args.hf_new_tokens}", f"--cases={name}", f"--out={out}"),
+        ]
+        cmd = [sys.executable, "-m", "hybridgen.benchmarks.umv_bench", "--in-process", *argv]
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)  # stderr: progress
+        if not out.exists():
+            return {"error": f"the case's process exited with code {proc.returncode}"}
+        child: dict[str, Any] = json.loads(out.read_text())
+    return dict(child["cases"][name])
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(
         f"\nB3 umv: model={result['model']} context={result['context_len']} "
@@ -214,17 +247,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--hf-new-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results/umv.json"))
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the cases in this process (default: each in a child process)",
+    )
     args = ap.parse_args(argv)
     if args.context_len < 16 or args.new_tokens < 2 or args.hf_new_tokens < 2:
         ap.error("need --context-len >= 16, --new-tokens >= 2, --hf-new-tokens >= 2")
     hlog.configure()
-    device = EngineConfig(device=args.device).torch_device()
-    loaded = load_model(args.model, device, None, 0)
+    # The budget is a cap on what the allocator reserves, so fragmentation must not eat it.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    names = [*cases(args), *(["hf"] if not args.cases or "hf" in args.cases else [])]
     result: dict[str, Any] = {
         "machine": machine_info(),
         "command": " ".join(["python -m hybridgen.benchmarks.umv_bench", *sys.argv[1:]]),
         "model": args.model,
-        "synthetic": loaded.model.spec.synthetic,
         "context_len": args.context_len,
         "new_tokens": args.new_tokens,
         "budget_mb": args.budget_mb,
@@ -232,20 +270,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cases": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for name, (seqs, options) in cases(args).items():
-        log.info("umv_case", case=name, sequences=seqs)
-        try:
-            result["cases"][name] = run_case(loaded, args, seqs, dict(options))
-        except (BudgetTooSmall, ConfigError, torch.OutOfMemoryError) as exc:
-            result["cases"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    if not args.cases or "hf" in args.cases:
-        log.info("umv_case", case="hf", sequences=1)
-        try:
-            result["cases"]["hf"] = hf_case(loaded, args)
-        except (torch.OutOfMemoryError, RuntimeError, ValueError) as exc:
-            result["cases"]["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
-        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.in_process:
+        device = EngineConfig(device=args.device).torch_device()
+        loaded = load_model(args.model, device, None, 0)
+        result["synthetic"] = loaded.model.spec.synthetic
+        for name in names:
+            log.info("umv_case", case=name)
+            result["cases"][name] = _one_case(loaded, args, name)
+            args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    else:
+        for name in names:
+            log.info("umv_case", case=name)
+            result["cases"][name] = _isolated(args, name)
+            args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print_table(result)
     return result
 
