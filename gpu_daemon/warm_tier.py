@@ -18,7 +18,8 @@ step wherever it lives, so Warm attention is part of every decode step of such a
 The warm partial runs in one of three modes (`attn_warm`): `cpu`, mode (a), the CPU decodes
 and attends (cpu_daemon.warm_attention); `gpu`, mode (b), the compressed records cross PCIe and
 the device decodes and attends; `split`, mode (c), the first `warm_split` of each sequence's
-Warm blocks go to the CPU and the rest to the device, three partials merged by log-sum-exp.
+Warm blocks go to the CPU and the rest to the device (a share measured at start unless pinned),
+three partials merged by log-sum-exp.
 Every partial is fp32, so exact codecs give exact attention.
 
 The engine owns the pool. Under the daemons the CPU share is computed by the CPU daemon, which
@@ -110,7 +111,7 @@ class WarmTier:
         codec: str,
         pool_mb: float,
         mode: str,
-        split: float,
+        split: float | None,
         device: torch.device,
         instance: str | None = None,
         cold_threshold_ms: float = 150.0,
@@ -121,7 +122,8 @@ class WarmTier:
                 f"({spec.name} has a {spec.sliding_window}-token window); set it to 0"
             )
         self.spec, self.block_size, self.device = spec, block_size, device
-        self.mode, self.split = mode, split
+        self.mode = mode
+        self.split: float = split if split is not None else float(mode == "cpu")
         c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
         capacity = capacity_for(pool_mb, c, spec.num_layers)
         name = instance or f"engine{uuid.uuid4().hex[:10]}"
@@ -136,8 +138,13 @@ class WarmTier:
         self.cold = ColdStore(self.pool.slot_bytes * capacity, cold_threshold_ms / 1e3)
         self.view: WarmDeviceView | None = None if mode == "cpu" else device_view(self.pool, device)
         """The pool as paged caches the device kernels read in place (mode b; warm_device)."""
-        if mode == "auto":
-            self.mode, self.split = self._measure_placement()
+        if mode == "auto" or (mode == "split" and split is None):
+            times = self._measure_placement()
+            if mode == "auto":
+                self.mode, self.split = choose_placement(*times) if times else ("cpu", 1.0)
+            else:  # split pinned, its share measured: both sides finish together
+                self.split = times[1] / sum(times) if times else 0.5
+            log.info("attn_warm_placed", mode=self.mode, cpu_share=round(self.split, 3))
 
     def age(self) -> int:
         """Move cached Warm blocks nobody used for cold_threshold_ms to Cold (lz4 of their
@@ -185,13 +192,12 @@ class WarmTier:
             return n
         return 0 if self.mode == "gpu" else round(self.split * n)
 
-    def _measure_placement(self) -> tuple[str, float]:
-        """attn_warm without a pin: time the CPU (mode a) and the device (mode b) on the same
-        synthetic Warm blocks and pick the faster, or split the blocks so that both finish
-        together when neither is 4x faster. On a CPU-only engine both are the CPU: cpu."""
+    def _measure_placement(self) -> tuple[float, float] | None:
+        """Seconds of the CPU (mode a) and of the device (mode b) over the same synthetic Warm
+        blocks; None on a CPU-only engine (both would be the CPU) or an empty pool."""
         n = min(512, self.pool.capacity)  # enough blocks that launch costs do not decide
         if self.device.type != "cuda" or n == 0:
-            return "cpu", 1.0
+            return None
         spec = self.spec
         shape = (spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim)
         slots = self.pool.alloc(n)
@@ -212,16 +218,8 @@ class WarmTier:
         t_cpu, t_gpu = (_best_of(3, fn) for fn in (cpu, gpu))
         self.pool.free(slots)
         self.stats = WarmStats()  # the probe is not traffic
-        choice = choose_placement(t_cpu, t_gpu)
-        log.info(
-            "attn_warm_measured",
-            cpu_ms=t_cpu * 1e3,
-            gpu_ms=t_gpu * 1e3,
-            blocks=n,
-            mode=choice[0],
-            cpu_share=round(choice[1], 3),
-        )
-        return choice
+        log.info("attn_warm_measured", cpu_ms=t_cpu * 1e3, gpu_ms=t_gpu * 1e3, blocks=n)
+        return t_cpu, t_gpu
 
     def room(self, n: int) -> int:
         """How many of `n` slots a store can take now: free ones, then those only the prefix

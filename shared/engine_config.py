@@ -63,8 +63,9 @@ class EngineConfig:
     at start (CUDA; the CPU on a CPU-only engine)."""
     cold_threshold_ms: float = 150.0
     """A cached Warm block unused this long moves to Cold (kv_cache.cold_threshold_ms)."""
-    warm_split: float = 0.5
-    """With attn_warm split: the share of each sequence's Warm blocks the CPU attends."""
+    warm_split: float | None = None
+    """With attn_warm split: the share of each sequence's Warm blocks the CPU attends; None:
+    measured at start, so that both sides finish together."""
     shm_instance: str | None = None
     """Server instance to name the engine's shared memory (the Warm pool) after, so that the
     daemon's cleanup removes it even after a crash; None: a private name (in-process use)."""
@@ -153,7 +154,8 @@ class EngineConfig:
             "auto, cpu, gpu or split",
         )
         _check(self.cold_threshold_ms > 0, "cold_threshold_ms", self.cold_threshold_ms, "> 0")
-        _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
+        if self.warm_split is not None:
+            _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
         _check(
             self.warm_pool_mb == 0 or self.hot_codec == "native",
             "hot_codec",
