@@ -72,7 +72,12 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
 def run_case(
     loaded: LoadedModel, args: argparse.Namespace, seqs: int, options: dict[str, Any]
 ) -> dict[str, Any]:
-    spec, length = loaded.model.spec, args.context_len + args.new_tokens
+    # Prefills run one after another; an earlier sequence decodes through the later ones'
+    # prefills, so it asks for more tokens and all `seqs` then decode together for the
+    # last --new-tokens steps, which are the ones timed.
+    prefill_steps = -(-args.context_len // args.chunk) + 1
+    spec = loaded.model.spec
+    length = args.context_len + args.new_tokens + (seqs - 1) * prefill_steps
     warm = options.pop("warm", True)
     config = EngineConfig(
         model=args.model,
@@ -98,10 +103,6 @@ def run_case(
     engine = Engine(config, loaded=loaded)
     try:
         prompts = random_prompts(seqs, args.context_len, spec.vocab_size, seed=seqs)
-        # Prefills run one after another; an earlier sequence decodes through the later ones'
-        # prefills, so it asks for more tokens and all `seqs` then decode together for the
-        # last --new-tokens steps, which are the ones timed.
-        prefill_steps = -(-args.context_len // args.chunk) + 1
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         start = time.perf_counter()
         for i, p in enumerate(prompts):
