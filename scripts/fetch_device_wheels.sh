@@ -14,5 +14,7 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl \
   structlog==26.1.0 posix-ipc==1.3.2 lz4==4.4.4 \
-  grpcio-reflection==1.84.0 grpcio-health-checking==1.84.0
+  grpcio-reflection==1.84.0 grpcio-health-checking==1.84.0 \
+  matplotlib==3.10.9 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
+  pyparsing==3.3.3 pillow==13.0.0 python-dateutil==4.0.0 tzdata==2026.6
 ls -1 .whl
