@@ -138,6 +138,8 @@ class WarmTier:
         self.cold = ColdStore(self.pool.slot_bytes * capacity, cold_threshold_ms / 1e3)
         self.view: WarmDeviceView | None = None if mode == "cpu" else device_view(self.pool, device)
         """The pool as paged caches the device kernels read in place (mode b; warm_device)."""
+        self.measured: dict[str, float] = {}
+        """The start-up probe's figures (cpu_ms, gpu_ms, blocks), when it ran."""
         if mode == "auto" or (mode == "split" and split is None):
             times = self._measure_placement()
             if mode == "auto":
@@ -218,7 +220,8 @@ class WarmTier:
         t_cpu, t_gpu = (_best_of(3, fn) for fn in (cpu, gpu))
         self.pool.free(slots)
         self.stats = WarmStats()  # the probe is not traffic
-        log.info("attn_warm_measured", cpu_ms=t_cpu * 1e3, gpu_ms=t_gpu * 1e3, blocks=n)
+        self.measured = {"cpu_ms": t_cpu * 1e3, "gpu_ms": t_gpu * 1e3, "blocks": n}
+        log.info("attn_warm_measured", **self.measured)
         return t_cpu, t_gpu
 
     def room(self, n: int) -> int:
