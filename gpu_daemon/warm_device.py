@@ -12,9 +12,11 @@ so layer l of the whole pool is an [capacity, S, Hkv, D] strided view, and a blo
 Warm slots addresses it exactly as one of Hot blocks. On CUDA the slot area is registered
 with cudaHostRegister (page-locked, mapped into the device's address space), so the Triton
 kernel reads the compressed bytes over PCIe as it attends them: no staging copy, no decoded
-copy, and the host thread is free for the CPU share meanwhile. lz4 and int4 (per-channel key
-scales) records have no paged layout; their device share is decoded on the device instead
-(WarmTier.dense).
+copy, and the host thread is free for the CPU share meanwhile. The prefill reads the same way:
+`gather` copies a sequence's Warm prefix of one layer in one pass into the dense K, V its
+attention takes, int8 dequantized on the fly (triton_block_gather; the torch reference on a
+CPU engine). lz4 and int4 (per-channel key scales) records have no paged layout; they are
+copied to the device and decoded there instead (WarmTier.dense).
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from torch import Tensor
 
 from hybridgen.kernels import ops
 from hybridgen.kernels.kv_quant import QuantKvCache
+from hybridgen.kvcodec.quant import dequantize_sym_int8
 from hybridgen.kvcodec.warm_pool import WarmPool
+
+if ops.HAS_TRITON:
+    from hybridgen.kernels.triton_block_gather import gather_blocks
 
 log = structlog.get_logger()
 
@@ -82,6 +88,21 @@ class WarmDeviceView:
         )  # fmt: skip
         return out.float(), lse
 
+    def slot_index(self, slots: list[int]) -> Tensor:
+        """`slots` as the int64 index `gather` takes, on the device (build it once per step)."""
+        return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def gather(
+        self, layer: int, slots: list[int] | Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """Warm `slots` (token order) at `layer`, decoded on the device -> k, v [n * S, Hkv, D]
+        in `dtype`: exactly the codec's decode_blocks of their records, read in place."""
+        index = slots if isinstance(slots, Tensor) else self.slot_index(slots)
+        cache = self.layers[layer]
+        if self.device.type == "cuda" and ops.HAS_TRITON:
+            return gather_blocks(cache, index, dtype)
+        return gather_reference(cache, index, dtype)
+
     def close(self) -> None:
         self.layers = []
         if self._registered and self._area is not None:
@@ -93,6 +114,25 @@ class WarmDeviceView:
 def device_view(pool: WarmPool, device: torch.device) -> WarmDeviceView | None:
     """The in-place view of `pool`, or None for codecs without a paged layout (lz4, int4)."""
     return WarmDeviceView(pool, device) if pool.codec.name in _FIELDS else None
+
+
+def gather_reference(
+    cache: ops.KvCache, slots: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Torch twin of triton_block_gather.gather_blocks (a lossless or int8 cache): cache
+    [N, S, Hkv, D], slots [n] -> k, v [n * S, Hkv, D] in `dtype` on slots' device."""
+    fields: list[tuple[Tensor, Tensor | None]]
+    if isinstance(cache, QuantKvCache):
+        g = cache.k.shape[-1] // cache.k_scale.shape[-1]
+        fields = [(cache.k, cache.k_scale), (cache.v, cache.v_scale)]
+    else:
+        fields = [(cache[0], None), (cache[1], None)]
+    idx = slots.to(fields[0][0].device, torch.int64)
+    out = []
+    for x, scale in fields:
+        y = x[idx] if scale is None else dequantize_sym_int8(x[idx], scale[idx], g)
+        out.append(y.flatten(0, 1).to(slots.device, dtype))
+    return out[0], out[1]
 
 
 def _layer_cache(pool: WarmPool, records: Tensor, names: tuple[str, ...]) -> ops.KvCache:

@@ -72,7 +72,8 @@ class WarmStats:
     d2h_bytes: int = 0
     """Compressed bytes written to the Warm pool."""
     h2d_bytes: int = 0
-    """Compressed bytes copied to the device (gpu and split modes, prefill)."""
+    """Compressed bytes copied to the device or read by it in place (gpu and split modes,
+    prefill)."""
     hot_keys: int = 0
     """Keys decode steps attended in Hot (per step, not per layer)."""
     warm_keys: int = 0
@@ -85,7 +86,8 @@ class WarmStats:
     """CPU mode: decompression and attention time, summed."""
     decompress_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     """Recent Warm Decompress Latencies: one per (layer, step) call that decoded blocks,
-    host-side time including the copy out of shm (and to the device in gpu mode)."""
+    host-side time including the copy out of shm (and to the device in gpu mode). Kernels
+    that read the pool in place on CUDA (warm_device) decode on the device: not counted."""
 
     def record_decompress(self, seconds: float) -> None:
         self.decompress_ms.append(seconds * 1e3)
@@ -136,8 +138,9 @@ class WarmTier:
         self.remote: WarmLinkClient | None = None
         """Set under the daemons: the CPU daemon computes the CPU share (else this process)."""
         self.cold = ColdStore(self.pool.slot_bytes * capacity, cold_threshold_ms / 1e3)
-        self.view: WarmDeviceView | None = None if mode == "cpu" else device_view(self.pool, device)
-        """The pool as paged caches the device kernels read in place (mode b; warm_device)."""
+        self.view: WarmDeviceView | None = device_view(self.pool, device)
+        """The pool as paged caches the device kernels read in place (mode b, and every
+        prefill's Warm prefix; warm_device)."""
         self.measured: dict[str, float] = {}
         """The start-up probe's figures (cpu_ms, gpu_ms, blocks), when it ran."""
         if mode == "auto" or (mode == "split" and split is None):
@@ -290,9 +293,19 @@ class WarmTier:
             out[i], lse[i] = o.reshape(out.shape[1:]), s.reshape(lse.shape[1:])
         return out, lse
 
-    def dense(self, slots: Seq[int], layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Decode `slots` at `layer` on the device -> k, v [len(slots) * S, Hkv, D]."""
+    def dense(
+        self, slots: Seq[int], layer: int, dtype: torch.dtype, index: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """`slots` at `layer` decoded on the device -> k, v [len(slots) * S, Hkv, D] in `dtype`:
+        read in place from the pool where the codec has a paged layout (warm_device; `index`:
+        its slot_index of `slots`, if at hand), else decoded from a copy of the records."""
         t0 = time.perf_counter()
+        if self.view is not None:
+            self.stats.h2d_bytes += len(slots) * self.pool.record_bytes  # read over PCIe
+            k, v = self.view.gather(layer, list(slots) if index is None else index, dtype)
+            if self.device.type != "cuda":  # on CUDA the decoding is the device's, not timed
+                self.stats.record_decompress(time.perf_counter() - t0)
+            return k, v
         k, v = self.pool.codec.decode_blocks(self._records(slots, layer), dtype)
         self.stats.record_decompress(time.perf_counter() - t0)
         return k.flatten(0, 1), v.flatten(0, 1)
@@ -312,6 +325,9 @@ class WarmContext:
     warm_slots: list[list[int]]
     positions: list[int]
     """Position of each sequence's last query token this step."""
+    _index: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    """In-place reads: each prefilling sequence's Warm slots on the device, built by its
+    first layer and read by all the others."""
 
     def decode_partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Partial attention of the decode rows q [nd, Hq, D] over their Warm keys ->
@@ -343,8 +359,12 @@ class WarmContext:
 
     def prefix(self, layer: int, seq: int, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
         """Sequence `seq`'s Warm keys at `layer`, decoded on the device (for its prefill)."""
-        slots = self.warm_slots[seq]
-        return self.tier.dense(slots, layer, dtype) if slots else None
+        slots, view = self.warm_slots[seq], self.tier.view
+        if not slots:
+            return None
+        if view is not None and seq not in self._index:
+            self._index[seq] = view.slot_index(slots)
+        return self.tier.dense(slots, layer, dtype, self._index.get(seq))
 
 
 def _native(kv: ops.KvCache) -> tuple[Tensor, Tensor]:

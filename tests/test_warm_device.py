@@ -1,20 +1,26 @@
 """attn_warm mode (b) in place: the Warm pool's slot area read as paged KV caches by the decode
 kernels (the torch reference on the CPU, and the Triton kernel under the interpreter, which is
-what CUDA runs over the registered pool), against float64 attention over the decoded blocks."""
+what CUDA runs over the registered pool), against float64 attention over the decoded blocks;
+and the prefill's Warm prefix gathered the same way, against the codec's decode_blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import math
 
 import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view
+from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view, gather_reference
+from hybridgen.gpu_daemon.warm_tier import WarmTier
+from hybridgen.kernels import triton_block_gather as t_gather
 from hybridgen.kernels import triton_paged_decode as t_decode
 from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.kvcodec import get_codec
 from hybridgen.kvcodec.warm_pool import WarmPool
+from hybridgen.models.presets import PRESETS
 
 S, HKV, D, L, HQ = 16, 2, 64, 3, 8
 SCALE = 1 / math.sqrt(D)
@@ -22,14 +28,14 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [[5, 0, 9], [2], [7, 8, 1, 3, 4, 6]]  # slot ids per query row, in token order
 
 
-def _pool(instance: str, codec: str) -> WarmPool:
+def _pool(instance: str, codec: str, dtype: torch.dtype = torch.float32) -> WarmPool:
     """A pool of 10 slots, every layer of every slot filled with its own random KV."""
-    pool = WarmPool.create(instance, get_codec(codec, S, HKV, D, torch.float32), L, 10)
+    pool = WarmPool.create(instance, get_codec(codec, S, HKV, D, dtype), L, 10)
     g = torch.Generator().manual_seed(3)
     for slot in pool.alloc(10):
         k, v = torch.randn(L, S, HKV, D, generator=g), torch.randn(L, S, HKV, D, generator=g)
         k[:, :, :, 7] *= 15  # an outlier channel, as real keys have
-        pool.store(slot, k, v)
+        pool.store(slot, k.to(dtype), v.to(dtype))
     return pool
 
 
@@ -89,3 +95,97 @@ def test_codecs_without_a_paged_layout_have_no_view(instance: str, codec: str) -
     pool = _pool(instance, codec)
     assert device_view(pool, torch.device("cpu")) is None
     pool.close()
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _decoded(pool: WarmPool, slots: list[int], layer: int, dtype: torch.dtype) -> list[Tensor]:
+    """The codec's decode_blocks of the records -> [k, v] [n * S, Hkv, D]."""
+    rec = torch.from_numpy(pool.slot_area()[slots, layer].copy())
+    return [t.flatten(0, 1) for t in pool.codec.decode_blocks(rec, dtype)]
+
+
+@pytest.mark.parametrize(
+    ("stored", "dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+     (torch.float32, torch.bfloat16)],
+)  # fmt: skip
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
+def test_prefill_gather_equals_decode_blocks(
+    instance: str, codec: str, stored: torch.dtype, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The prefix gather (Triton, interpreted over the pool's shared memory, and the torch
+    reference) gives the codec's decode_blocks bit for bit, for shuffled slots, at the first
+    and the last layer, and with blocks split over several tiles."""
+    pool = _pool(instance, codec, stored)
+    if codec == "lossless":  # a copy keeps every bit pattern; a cast rounds as torch's does
+        k = torch.randn(L, S, HKV, D).to(stored)
+        k[:, 0, 0, :4] = torch.tensor([-0.0, math.inf, -math.inf, 1e-40])
+        if stored == dtype:  # NaN payloads (torch's own casts disagree on a NaN's bits)
+            k[:, 0, 0, 4] = math.nan
+            k.view(torch.int16 if stored == torch.bfloat16 else torch.int32)[:, 1, 0, 0] = -1
+        pool.store(4, k, -k)
+    view = device_view(pool, DEVICE)
+    assert view is not None
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    slots = [s for s in order if s not in (1, 6, 8)]  # shuffled, slot 4 among them
+    index = torch.tensor(slots).to(DEVICE)
+    for layer in (0, L - 1):
+        expected = [_bits(t) for t in _decoded(pool, slots, layer, dtype)]
+        cache = view.layers[layer]
+        with monkeypatch.context() as m:
+            m.setattr(t_gather, "_TILE_ELEMS", 4 * D)  # 4 tiles of 4 tokens per block
+            split = t_gather.gather_blocks(cache, index, dtype)
+        for got in (
+            view.gather(layer, slots, dtype),  # Triton on CUDA, the reference on the CPU
+            t_gather.gather_blocks(cache, index, dtype),
+            split,
+            gather_reference(cache, index, dtype),
+        ):
+            assert [t.dtype for t in got] == [dtype, dtype]
+            assert [t.shape for t in got] == [(len(slots) * S, HKV, D)] * 2
+            assert all(torch.equal(_bits(a.cpu()), b) for a, b in zip(got, expected, strict=True))
+        del cache
+    view.close()
+    gc.collect()  # the Triton interpreter keeps its argument storages in a reference cycle
+    pool.close()
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8", "lz4"])
+def test_prefill_prefix_reads_the_pool_in_place(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WarmContext.prefix in gpu mode: with a paged codec, each layer gathers the prefix from
+    the pool itself (no copy of the records; the slot list goes to the device once per step),
+    else it decodes a copy; either way the codec's decoding, with the bytes counted."""
+    spec = dataclasses.replace(PRESETS["tiny-llama"], dtype=torch.float32)
+    tier = WarmTier(spec, S, codec, 1.0, "gpu", None, torch.device("cpu"))
+    g = torch.Generator().manual_seed(6)
+    shape = (spec.num_layers, S, spec.num_kv_heads, spec.head_dim)
+    slots = tier.pool.alloc(5)
+    for slot in slots:
+        tier.pool.store(slot, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    prefix = [slots[3], slots[0], slots[4]]
+    in_place = tier.view is not None
+    assert in_place == (codec != "lz4")
+    uploads: list[list[int]] = []
+    if in_place:
+        assert tier.view is not None
+        monkeypatch.setattr(tier, "_records", None)  # a copy of the records would fail
+        real = tier.view.slot_index
+        monkeypatch.setattr(tier.view, "slot_index", lambda s: uploads.append(s) or real(s))
+    ctx = tier.context([[], prefix], [0, 40])
+    assert ctx is not None
+    for layer in range(spec.num_layers):
+        assert ctx.prefix(layer, 0, spec.dtype) is None
+        got = ctx.prefix(layer, 1, spec.dtype)
+        assert got is not None
+        expected = _decoded(tier.pool, prefix, layer, spec.dtype)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert uploads == ([prefix] if in_place else [])
+    assert tier.stats.h2d_bytes == spec.num_layers * len(prefix) * tier.pool.record_bytes
+    assert len(tier.stats.decompress_ms) == spec.num_layers
+    tier.close()
