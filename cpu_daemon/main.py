@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(config.model.name_or_path)
     channels = Channels.attach(instance, wait=args.attach_timeout)
     worker = None
-    if config.kv_cache.warm_region_mb:  # the GPU daemon asks for attn_warm's CPU share
+    if config.warm_pool_mb:  # the GPU daemon asks for attn_warm's CPU share
         worker = WarmLinkWorker(instance)
         worker.start()
     try:

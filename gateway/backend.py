@@ -31,7 +31,7 @@ from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
-from hybridgen.gpu_daemon.info import engine_info
+from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
@@ -171,10 +171,12 @@ class EngineBackend:
 
     async def model_info(self) -> dict[str, Any]:
         self._check_alive()
+        assert self._engine is not None
         snap = self._snapshot
         return {
             **self._info,
             **dict(snap.tiers),
+            **memory_info(self._engine.device),  # allocator counters: safe off the engine thread
             "kv_blocks_used": snap.kv_blocks_used,
             "running_requests": snap.running_requests,
             "queued_requests": self._waiting,
@@ -256,6 +258,11 @@ class EngineBackend:
             return
         self._tokenizer = engine.loaded.tokenizer
         self._info = engine_info(engine)
+        if self._metrics is not None:  # read at each scrape, not at every step
+            device = engine.device
+            self._metrics.gpu_mem_peak.set_function(
+                lambda: memory_info(device)["gpu_mem_peak_reserved_mb"] * MIB
+            )
         self._engine = engine
         loop.call_soon_threadsafe(_settle, loaded, None)
         try:

@@ -2,7 +2,8 @@
 
 A dedicated CollectorRegistry (not prometheus_client's global one) lets one process, such as a
 test, build several servers without duplicate-metric errors. The backend sets the gauges it
-knows about (KV usage, ring occupancy, heartbeat jitter); the service records the rest.
+knows about (KV usage, ring occupancy, heartbeat jitter, GPU memory); the service records the
+rest.
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ class Metrics:
         self.prefix_cached = Gauge(
             "hybridgen_prefix_cached_tokens",
             "Prompt tokens served from the prefix cache since start.",
+            registry=r,
+        )
+        self.gpu_mem_peak = Gauge(
+            "hybridgen_gpu_memory_peak_reserved_bytes",
+            "Peak GPU memory the GPU daemon's caching allocator has reserved (0 on a CPU "
+            "device; set by the backend).",
             registry=r,
         )
 

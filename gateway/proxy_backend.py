@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridgen.gateway.backend import BackendUnavailable
@@ -146,8 +147,12 @@ def info_from_pb(resp: pb.GetModelInfoResponse) -> dict[str, Any]:
     info: dict[str, Any] = {}
     for field in resp.DESCRIPTOR.fields:
         value = getattr(resp, field.name)
-        scalar = isinstance(value, bool | int | float | str)
-        info[field.name] = value if scalar else sorted(value)  # repeated: eos_token_ids
+        if isinstance(value, bool | int | float | str):
+            info[field.name] = value
+        elif field.name == "op_regions":
+            info[field.name] = [MessageToDict(r, preserving_proto_field_name=True) for r in value]
+        else:
+            info[field.name] = sorted(value)  # eos_token_ids
     del info["max_queue"]
     return info
 
@@ -316,6 +321,7 @@ class ProxyBackend:
             self._metrics.kv_usage.labels(tier="hot").set(info["kv_blocks_used"] / total)
             self._metrics.running.set(info["running_requests"])
             self._metrics.set_kv_tiers(info)
+            self._metrics.gpu_mem_peak.set(info["gpu_mem_peak_reserved_mb"] * 2**20)
             for ring in ("c2g", "g2c"):
                 self._metrics.ring_occupancy.labels(ring=ring).set(info[f"ring_occupancy_{ring}"])
             for daemon in ("gpu", "cpu"):

@@ -115,6 +115,7 @@ class Engine:
                 self.device,
                 config.shm_instance,
                 config.cold_threshold_ms,
+                config.kv_codec_placement,
             )
         try:
             self._check_reach()

@@ -20,7 +20,7 @@ import structlog
 
 from hybridgen import sd_notify
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
-from hybridgen.gpu_daemon.info import engine_info
+from hybridgen.gpu_daemon.info import engine_info, memory_info
 from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
     StepResult,
@@ -128,6 +128,7 @@ class GpuHeartbeat:
             info = dict(
                 engine_info(self.engine),
                 **self.engine.tier_stats(),
+                **memory_info(self.engine.device),
                 kv_blocks_used=self.engine.pool.num_used,
                 running_requests=len(self.engine.seqs),
                 ring_occupancy_c2g=self.ch.c2g.occupancy() / self.ch.c2g.capacity,

@@ -1,10 +1,15 @@
-"""The facts about a loaded engine that GetModelInfo reports, as one dict."""
+"""The facts about a loaded engine that GetModelInfo reports, as dicts keyed by its fields."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.op_regions import Region, gpu_bound_regions
+
+MIB = 2**20
 
 
 def engine_info(engine: Engine) -> dict[str, Any]:
@@ -23,4 +28,41 @@ def engine_info(engine: Engine) -> dict[str, Any]:
         "kv_blocks_total": engine.plan.num_blocks,
         "max_num_seqs": config.max_num_seqs,
         "eos_token_ids": sorted(engine.eos_ids),
+        "mode": config.mode,
+        "op_regions": [r.as_dict() for r in engine_regions(engine)],
     }
+
+
+def memory_info(device: torch.device) -> dict[str, float]:
+    """Device memory figures that change while serving, keyed by GetModelInfo field names.
+    They read only the CUDA caching allocator's counters, which are thread-safe, so any
+    thread may ask (not only the one that steps the engine)."""
+    return {"gpu_mem_peak_reserved_mb": peak_reserved_mb(device)}
+
+
+def peak_reserved_mb(device: torch.device) -> float:
+    """torch.cuda.max_memory_reserved in MiB; 0 on a CPU device. The engine resets the peak
+    once while it sizes its KV pool (after the weights are on the device), so this covers
+    weights, KV pool, graphs and every step served since."""
+    if device.type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_reserved(device) / MIB
+
+
+def engine_regions(engine: Engine) -> list[Region]:
+    """The op-region table of this engine: what runs where, and why (op_regions.py)."""
+    config, warm = engine.config, engine.warm
+    pinned = set(config.pinned_regions)
+    rows = gpu_bound_regions()
+    if warm is None:
+        rows.append(Region("attn_warm", "layer", "hybrid-aware", "off", "no Warm tier"))
+        rows.append(Region("kv_codec", "step", "hybrid-aware", "off", "no Warm tier"))
+    else:
+        place = f"split:{warm.split:.3f}" if warm.mode == "split" else warm.mode
+        source = "measured" if warm.measured else "pinned"
+        rows.append(Region("attn_warm", "layer", "hybrid-aware", place, source, warm.measured))
+        source = "pinned" if "kv_codec" in pinned else "default"
+        rows.append(Region("kv_codec", "step", "hybrid-aware", config.kv_codec_placement, source))
+    source = "pinned" if "sample" in pinned else "default"
+    rows.append(Region("sample", "step", "hybrid-aware", config.sample_placement, source))
+    return rows

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -43,7 +42,6 @@ import torch
 from torch import Tensor
 
 from hybridgen.cpu_daemon.warm_attention import (
-    WarmAttnStats,
     WarmSpan,
     dense_partial,
     warm_decode_attention,
@@ -51,6 +49,7 @@ from hybridgen.cpu_daemon.warm_attention import (
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
 from hybridgen.gpu_daemon.cold_store import ColdStore
 from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view
+from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.kernels import ops
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
@@ -59,48 +58,6 @@ from hybridgen.kvcodec.warm_pool import WarmPool, capacity_for, slot_bytes_for
 from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
-
-
-@dataclass
-class WarmStats:
-    """Counters of the Warm tier since start (the engine's "Warm" metrics)."""
-
-    spilled_blocks: int = 0
-    """Hot blocks moved to Warm to make room."""
-    swapped_blocks: int = 0
-    """Hot blocks moved to Warm by preemption (instead of recomputing them later)."""
-    d2h_bytes: int = 0
-    """Compressed bytes written to the Warm pool."""
-    h2d_bytes: int = 0
-    """Compressed bytes copied to the device or read by it in place (gpu and split modes,
-    prefill)."""
-    hot_keys: int = 0
-    """Keys decode steps attended in Hot (per step, not per layer)."""
-    warm_keys: int = 0
-    """Keys decode steps attended in Warm (per step, not per layer)."""
-    cold_blocks: int = 0
-    """Cached Warm blocks moved to Cold after cold_threshold_ms unused."""
-    promoted_blocks: int = 0
-    """Cold blocks brought back to Warm by a prefix hit."""
-    cpu: WarmAttnStats = field(default_factory=WarmAttnStats)
-    """CPU mode: decompression and attention time, summed."""
-    decompress_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    """Recent Warm Decompress Latencies: one per (layer, step) call that decoded blocks,
-    host-side time including the copy out of shm (and to the device in gpu mode). Kernels
-    that read the pool in place on CUDA (warm_device) decode on the device: not counted."""
-
-    def record_decompress(self, seconds: float) -> None:
-        self.decompress_ms.append(seconds * 1e3)
-
-    def decompress_percentile(self, q: float) -> float:
-        """The q-th percentile (0..100) of the recent decompress latencies in ms; 0 if none."""
-        return float(np.percentile(self.decompress_ms, q)) if self.decompress_ms else 0.0
-
-    @property
-    def hot_hit_rate(self) -> float:
-        """Share of attended keys that were in Hot (1.0 before any Warm use)."""
-        total = self.hot_keys + self.warm_keys
-        return self.hot_keys / total if total else 1.0
 
 
 class WarmTier:
@@ -117,6 +74,7 @@ class WarmTier:
         device: torch.device,
         instance: str | None = None,
         cold_threshold_ms: float = 150.0,
+        codec_on: str = "gpu",
     ) -> None:
         if spec.sliding_window:
             raise ValueError(
@@ -124,6 +82,10 @@ class WarmTier:
                 f"({spec.name} has a {spec.sliding_window}-token window); set it to 0"
             )
         self.spec, self.block_size, self.device = spec, block_size, device
+        self.codec_on = codec_on
+        """The kv_codec region's placement. gpu: Hot blocks are encoded on the device and
+        cross PCIe compressed, and copied records are decoded there (or read in place); cpu:
+        blocks cross raw and the CPU encodes them, and decodes records before they cross."""
         self.mode = mode
         self.split: float = split if split is not None else float(mode == "cpu")
         c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
@@ -250,11 +212,15 @@ class WarmTier:
     def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:
         """Copy Hot blocks (every layer) into fresh Warm slots; the caller frees the blocks."""
         slots = self.index.alloc(len(blocks))
+        crossed = self.pool.slot_bytes
         for block, slot in zip(blocks, slots, strict=True):
             k = torch.stack([_native(kv)[0][block] for kv in kv_caches])  # [L, S, H, D]
             v = torch.stack([_native(kv)[1][block] for kv in kv_caches])
+            if self.codec_on == "cpu":
+                k, v = k.cpu(), v.cpu()
+                crossed = 2 * k.numel() * k.element_size()
             self.pool.store(slot, k, v)
-        self.stats.d2h_bytes += len(slots) * self.pool.slot_bytes
+        self.stats.d2h_bytes += len(slots) * crossed
         return slots
 
     def free(self, slots: Seq[int]) -> None:
@@ -268,12 +234,13 @@ class WarmTier:
         self.pool.unlink()
 
     def _records(self, slots: Seq[int], layer: int) -> Tensor:
-        """The compressed records of `slots` at `layer`, copied out of shm onto the device."""
+        """The compressed records of `slots` at `layer`, copied out of shm (to the device when
+        the codec runs there)."""
         rows = torch.from_numpy(np.stack([self.pool.record_view(s)[layer] for s in slots]))
+        if self.codec_on == "cpu":
+            return rows
         self.stats.h2d_bytes += rows.numel()
-        if self.device.type == "cuda":  # a pinned copy is a true async DMA: the host goes on
-            return rows.pin_memory().to(self.device, non_blocking=True)
-        return rows
+        return _to_device(rows, self.device)
 
     def device_partial(
         self, layer: int, q: Tensor, slots: list[list[int]], scale: float
@@ -300,7 +267,7 @@ class WarmTier:
         read in place from the pool where the codec has a paged layout (warm_device; `index`:
         its slot_index of `slots`, if at hand), else decoded from a copy of the records."""
         t0 = time.perf_counter()
-        if self.view is not None:
+        if self.view is not None and self.codec_on == "gpu":
             self.stats.h2d_bytes += len(slots) * self.pool.record_bytes  # read over PCIe
             k, v = self.view.gather(layer, list(slots) if index is None else index, dtype)
             if self.device.type != "cuda":  # on CUDA the decoding is the device's, not timed
@@ -308,6 +275,9 @@ class WarmTier:
             return k, v
         k, v = self.pool.codec.decode_blocks(self._records(slots, layer), dtype)
         self.stats.record_decompress(time.perf_counter() - t0)
+        if self.codec_on == "cpu":  # decoded here: the dense keys cross
+            self.stats.h2d_bytes += 2 * k.numel() * k.element_size()
+            k, v = _to_device(k, self.device), _to_device(v, self.device)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def context(self, warm_slots: list[list[int]], positions: list[int]) -> WarmContext | None:
@@ -365,6 +335,12 @@ class WarmContext:
         if view is not None and seq not in self._index:
             self._index[seq] = view.slot_index(slots)
         return self.tier.dense(slots, layer, dtype, self._index.get(seq))
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":  # a pinned copy is a true async DMA: the host goes on
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _native(kv: ops.KvCache) -> tuple[Tensor, Tensor]:

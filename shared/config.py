@@ -253,7 +253,8 @@ class HybridGenConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     """The public endpoint."""
     mode: Literal["hybrid", "pure_gpu"] = "hybrid"
-    """hybrid: CPU and GPU as partners; pure_gpu: no Warm-KV, nothing placed on the CPU."""
+    """hybrid: CPU and GPU as partners; pure_gpu: no Warm-KV, nothing placed on the CPU (it
+    only detokenizes and streams), the baseline for many short requests."""
 
     def _validate(self, prefix: str) -> None:
         hot, budget = self.kv_cache.hot_region_mb, self.device_topology.gpu.memory_mb
@@ -263,6 +264,12 @@ class HybridGenConfig:
                 f"allowed <= device_topology.gpu.memory_mb ({budget})"
             )
         if self.mode == "pure_gpu":
+            warm = self.kv_cache.warm_region_mb
+            if warm:
+                raise ConfigError(
+                    f"kv_cache.warm_region_mb={warm} is out of range: "
+                    "allowed 0 or null with mode=pure_gpu"
+                )
             for name, value in dataclasses.asdict(self.placements).items():
                 if value not in (None, "gpu"):
                     raise ConfigError(
@@ -276,11 +283,18 @@ class HybridGenConfig:
             return self
         return dataclasses.replace(self, model=dataclasses.replace(self.model, name_or_path=model))
 
+    @property
+    def warm_pool_mb(self) -> int:
+        """The Warm tier's host memory: kv_cache.warm_region_mb in hybrid mode; 0 (no Warm
+        tier, so no Cold tier and no ATTN_WARM rings) when unset or in pure_gpu mode."""
+        return (self.kv_cache.warm_region_mb or 0) if self.mode == "hybrid" else 0
+
     def engine_config(self, device: str = "auto") -> EngineConfig:
-        """The model engine's config; "cuda" (and "auto" with CUDA) means device_topology.gpu."""
+        """The model engine's config; "cuda" (and "auto" with CUDA) means device_topology.gpu.
+        In pure_gpu mode every placement is the GPU, whatever the measured defaults."""
         if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
             device = f"cuda:{self.device_topology.gpu.id}"
-        m = self.model
+        m, pure_gpu = self.model, self.mode == "pure_gpu"
         return EngineConfig(
             model=m.name_or_path,
             device=device,
@@ -292,14 +306,19 @@ class HybridGenConfig:
             max_model_len=m.max_model_len,
             kv_pool_mb=self.kv_cache.hot_region_mb,
             hot_codec=self.kv_cache.hot_codec,
-            warm_pool_mb=self.kv_cache.warm_region_mb or 0,
+            warm_pool_mb=self.warm_pool_mb,
             warm_codec=self.kv_cache.warm_codec,
             cold_threshold_ms=self.kv_cache.cold_threshold_ms,
-            attn_warm=self.placements.attn_warm or "auto",
+            attn_warm="gpu" if pure_gpu else self.placements.attn_warm or "auto",
             prefix_reuse=self.kv_cache.prefix_reuse,
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
-            sample_placement=self.placements.sample or "gpu",
+            sample_placement="gpu" if pure_gpu else self.placements.sample or "gpu",
+            kv_codec_placement="gpu" if pure_gpu else self.placements.kv_codec or "gpu",
+            pinned_regions=tuple(
+                name for name, v in dataclasses.asdict(self.placements).items() if v is not None
+            ),
             seed=m.seed,
+            mode=self.mode,
         )
 
 

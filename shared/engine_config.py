@@ -86,6 +86,14 @@ class EngineConfig:
     """Logits per row sent to the CPU when sample_placement is cpu."""
     seed: int = 0
     """Seed of synthetic preset weights."""
+    kv_codec_placement: str = "gpu"
+    """Where the Warm codec encodes spilled blocks and decodes copied records
+    (placements.kv_codec): gpu (compressed bytes cross PCIe) or cpu (raw bytes cross)."""
+    pinned_regions: tuple[str, ...] = ()
+    """Regions whose placement the config pinned (placements.*); the region table says so."""
+    mode: str = "hybrid"
+    """The config's top-level mode, which GetModelInfo reports: hybrid, or pure_gpu (no
+    Warm tier and sampling on the device: the CPU only detokenizes and streams)."""
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {list(_DTYPES)}")
@@ -162,6 +170,23 @@ class EngineConfig:
             self.hot_codec,
             "native while warm_pool_mb > 0 (the Warm tier moves native Hot blocks)",
         )
+        _check(
+            self.kv_codec_placement in ("gpu", "cpu"),
+            "kv_codec_placement",
+            self.kv_codec_placement,
+            "gpu or cpu",
+        )
+        _check(self.mode in ("hybrid", "pure_gpu"), "mode", self.mode, "hybrid or pure_gpu")
+        if self.mode == "pure_gpu":
+            _check(
+                self.warm_pool_mb == 0, "warm_pool_mb", self.warm_pool_mb, "0 with mode=pure_gpu"
+            )
+            _check(
+                self.sample_placement == "gpu",
+                "sample_placement",
+                self.sample_placement,
+                "gpu with mode=pure_gpu",
+            )
         _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
 

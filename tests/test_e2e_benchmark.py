@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridgen.benchmarks.e2e_benchmark import load_prompts, main
+from hybridgen.benchmarks.e2e_benchmark import load_prompts, main, write_config
 from hybridgen.benchmarks.e2e_plot import PERCENTILES, RequestResult, percentile, summarize
+from hybridgen.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8
@@ -203,6 +204,24 @@ def test_compare_with_target_and_bad_config_are_rejected(
         main(["--prompt-file", prompts, "--config", str(config)])
     err = capsys.readouterr().err
     assert "argument --config" in err and "mode" in err
+
+
+def test_pure_gpu_config_drops_the_warm_tier_and_cpu_pins(tmp_path: Path) -> None:
+    """A hybrid config with a Warm tier and CPU pins still runs --compare: the pure_gpu copy
+    clears what that mode forbids, and the hybrid copy keeps it."""
+    source = tmp_path / "hybrid.yaml"
+    source.write_text(
+        "kv_cache:\n  warm_region_mb: 64\n  warm_codec: lossless\n"
+        "placements:\n  attn_warm: cpu\n  sample: cpu\n"
+    )
+    expected = {"hybrid": (64, "cpu", "cpu"), "pure_gpu": (0, "gpu", "gpu")}
+    for mode, placed in expected.items():
+        folder = tmp_path / mode
+        folder.mkdir()
+        config = load_config(write_config(source, mode, folder, tmp_path / "run"))
+        assert config.mode == mode and config.kv_cache.warm_codec == "lossless"
+        engine = config.engine_config("cpu")
+        assert (engine.warm_pool_mb, engine.attn_warm, engine.sample_placement) == placed
 
 
 def test_sample_prompt_file_has_mixed_lengths() -> None:

@@ -290,6 +290,7 @@ def test_tokenize_and_model_info(server: Server) -> None:
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.architecture == "LlamaForCausalLM" and not info.synthetic
     assert info.kv_blocks_total > 0 and info.max_queue == 1
+    assert info.mode == "hybrid" and info.gpu_mem_peak_reserved_mb == 0.0  # a CPU device
 
 
 def _model_info(server: Server) -> pb.GetModelInfoResponse:
@@ -343,6 +344,7 @@ def test_metrics_serve_the_ttft_histogram(server: Server) -> None:
     for name in ("hybridgen_inter_token_latency_seconds", "hybridgen_queue_depth"):
         assert name in text
     assert 'hybridgen_kv_cache_usage_ratio{tier="hot"}' in text
+    assert "\nhybridgen_gpu_memory_peak_reserved_bytes 0.0\n" in text  # a CPU device
 
 
 def test_text_and_stop_strings(server: Server) -> None:

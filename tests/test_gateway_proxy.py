@@ -261,7 +261,14 @@ class _FakeUpstream(pb_grpc.GenerationServiceServicer):
         self.cancelled = asyncio.Event()
 
     async def GetModelInfo(self, request: Any, context: Any) -> pb.GetModelInfoResponse:
-        return pb.GetModelInfoResponse(model="fake", vocab_size=100, max_model_len=64)
+        return pb.GetModelInfoResponse(
+            model="fake",
+            vocab_size=100,
+            max_model_len=64,
+            device="cuda:0",
+            mode="pure_gpu",
+            gpu_mem_peak_reserved_mb=2048.5,
+        )
 
     async def Generate(self, request: Any, context: Any) -> Any:
         if self.code is not None:
@@ -348,6 +355,31 @@ def test_abort_cancels_the_upstream_call(tmp_path: Path) -> None:
     assert depths == [1, 0]
     assert deltas[0].token_ids == (7,) and not deltas[0].finished
     assert deltas[-1].finished and deltas[-1].finish_reason == Finish.CANCELLED
+
+
+def test_model_info_and_gpu_memory_gauge_pass_through(tmp_path: Path) -> None:
+    """The upstream's mode and GPU memory peak reach the client and the gateway's metrics."""
+    metrics = Metrics()
+
+    async def scenario() -> pb.GetModelInfoResponse:
+        upstream, _ = await _fake(tmp_path / "up.sock", None)
+        backend = ProxyBackend(f"unix:{tmp_path / 'up.sock'}", metrics)
+        gateway = await build(backend, ServerConfig(port=0, metrics_port=0), metrics)
+        await gateway.server.start()
+        await backend.start()
+        try:
+            async with grpc.aio.insecure_channel(gateway.address) as channel:
+                stub = pb_grpc.GenerationServiceStub(channel)
+                return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        finally:
+            await gateway.server.stop(0)
+            await backend.stop()
+            await upstream.stop(0)
+
+    info = asyncio.run(scenario())
+    assert (info.mode, info.gpu_mem_peak_reserved_mb) == ("pure_gpu", 2048.5)
+    gauge = metrics.registry.get_sample_value("hybridgen_gpu_memory_peak_reserved_bytes")
+    assert gauge == 2048.5 * 2**20
 
 
 def test_stale_socket_is_replaced_but_not_a_live_one_or_a_file(tmp_path: Path) -> None:

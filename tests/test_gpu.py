@@ -12,6 +12,7 @@ import torch
 
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.info import memory_info
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, sample_prompts
 
@@ -73,6 +74,8 @@ def test_peak_reserved_stays_under_budget() -> None:
     )
     peak = torch.cuda.max_memory_reserved() / 2**20
     assert peak <= budget_mb, f"peak reserved {peak:.0f} MiB exceeds the {budget_mb} MiB budget"
+    # What GetModelInfo.gpu_mem_peak_reserved_mb reports.
+    assert memory_info(engine.device) == {"gpu_mem_peak_reserved_mb": peak}
     engine.release()
 
 

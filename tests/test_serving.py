@@ -101,8 +101,10 @@ class Server:
             "cpu",
             "--instance",
             self.instance,
+            "--explain",
         ]
-        self.log = (tmp / "serve.log").open("wb")
+        self.log_path = tmp / "serve.log"
+        self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
@@ -261,3 +263,5 @@ def test_model_info_reports_rings_and_heartbeats(server: Server) -> None:
     assert 0.0 <= info.ring_occupancy_c2g <= 1.0 and 0.0 <= info.ring_occupancy_g2c <= 1.0
     assert info.gpu_heartbeat_jitter_p99_ms > 0.0, "an idle GPU daemon wakes every 16 ms"
     assert info.cpu_heartbeat_jitter_p99_ms > 0.0, "the CPU daemon wakes every 2 ms"
+    assert info.mode == "hybrid"
+    assert info.gpu_mem_peak_reserved_mb == 0.0, "0 on a CPU device"

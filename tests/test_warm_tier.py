@@ -250,3 +250,34 @@ def test_cold_store_counts_a_re_aged_prefix_once() -> None:
     for key in (b"x", b"y", b"z"):
         small.put(key, record)
     assert small.take(b"x") is None and small.take(b"z") == record
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int4"])
+def test_kv_codec_placements_give_the_same_tokens(checkpoint, codec: str) -> None:  # type: ignore[no-untyped-def]
+    """placements.kv_codec: Warm records encoded (on spill) and decoded (for prefill and the
+    device's share) by the device or by the CPU give the same tokens; lossless gives HF's.
+    The CPU placement moves blocks raw, so more bytes cross each way."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [150, 97])
+    tokens, crossed = {}, {}
+    for where in ("gpu", "cpu"):
+        engine = _engine(
+            path,
+            num_kv_blocks=6,
+            max_num_seqs=2,
+            warm_pool_mb=2,
+            warm_codec=codec,
+            attn_warm="gpu",
+            kv_codec_placement=where,
+        )
+        tokens[where] = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+        st = engine.warm.stats  # type: ignore[union-attr]
+        assert st.spilled_blocks > 0 and st.warm_keys > st.hot_keys
+        crossed[where] = (st.d2h_bytes, st.h2d_bytes)
+        engine.release()
+    assert tokens["cpu"] == tokens["gpu"]
+    if codec == "lossless":
+        assert tokens["gpu"] == hf_greedy(path, prompts, NEW_TOKENS)
+    else:  # int4 records are a quarter of the raw bytes
+        assert crossed["cpu"][0] > 3 * crossed["gpu"][0]
+        assert crossed["cpu"][1] > 3 * crossed["gpu"][1]

@@ -177,7 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_config(source: Path | None, mode: str, folder: Path, runtime: Path) -> Path:
     """`source` (or the defaults) in `mode`, with no metrics port and a private runtime folder.
-    pure_gpu allows only GPU placements, so other pins are cleared for it."""
+    pure_gpu allows only GPU placements and no Warm tier, so other pins and
+    kv_cache.warm_region_mb are cleared for it."""
     data: dict[str, Any] = (yaml.safe_load(source.read_text()) or {}) if source else {}
     data["mode"] = mode
     data["server"] = {**(data.get("server") or {}), "metrics_port": 0, "runtime_dir": str(runtime)}
@@ -188,6 +189,10 @@ def write_config(source: Path | None, mode: str, folder: Path, runtime: Path) ->
         if mode == "pure_gpu" and value not in (None, "gpu"):
             log.warning("placement_cleared", placement=name, value=value, mode=mode)
             data["placements"][name] = None
+    kv_cache = data.get("kv_cache") or {}
+    if mode == "pure_gpu" and kv_cache.get("warm_region_mb"):
+        log.warning("warm_region_cleared", warm_region_mb=kv_cache["warm_region_mb"], mode=mode)
+        kv_cache["warm_region_mb"] = None
     path = folder / "hybridgen_config.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     load_config(path)  # the schema's error, naming the key, before a server is started
@@ -332,7 +337,7 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     peak, source = gpu_mem_peak(info)
     return {
-        "mode": mode,
+        "mode": info.mode or mode,  # the server's own word, where it reports one
         "model": info.model,
         "synthetic": info.synthetic,
         "device": info.device,

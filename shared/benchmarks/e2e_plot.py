@@ -15,7 +15,7 @@ log = structlog.get_logger()
 
 PERCENTILES = (50, 90, 95, 99)
 PEAK_FIELD = "gpu_mem_peak_reserved_mb"
-"""The GetModelInfo field that would carry the GPU daemon's peak reserved memory (MiB)."""
+"""The GetModelInfo field that carries the GPU daemon's peak reserved memory (MiB)."""
 Run = Mapping[str, Any]
 """One mode's summary, as e2e_benchmark.bench_target returns it."""
 
@@ -88,8 +88,11 @@ def gpu_mem_peak(info: Any) -> tuple[float | None, str]:
     if PEAK_FIELD not in info.DESCRIPTOR.fields_by_name:
         return None, f"not reported: GetModelInfo has no {PEAK_FIELD} field"
     if not info.device.startswith("cuda"):
-        return None, f"not applicable: the server runs on {info.device}"
-    return float(getattr(info, PEAK_FIELD)), f"GetModelInfo.{PEAK_FIELD}"
+        return None, f"not applicable: CPU device (the server runs on {info.device})"
+    peak = float(getattr(info, PEAK_FIELD))
+    if peak <= 0:  # a server from before the field, or one that leaves it unset
+        return None, f"not reported: GetModelInfo.{PEAK_FIELD} is 0 on {info.device}"
+    return peak, f"GetModelInfo.{PEAK_FIELD}"
 
 
 def plot_latency(runs: Mapping[str, Run], path: Path, percentiles: Sequence[int]) -> Path | None:

@@ -21,7 +21,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     import grpc
@@ -204,6 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if metrics:
             print(f"  metrics: http://{host}:{metrics}/metrics", flush=True)
         print(f'  try: hybridgen generate --port {args.port} "Hello"   (Ctrl-C stops)', flush=True)
+        if args.explain:
+            _print_regions(host, args.port)
 
     _err(f"instance {args.instance}: model {args.model}, runtime folder {rt} (logs there)")
     supervisor = Supervisor(
@@ -220,6 +222,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if removed:
         _err(f"removed {len(removed)} leftover shared-memory objects")
     return status
+
+
+def _print_regions(host: str, port: int) -> None:
+    """The served engine's op-region table (GetModelInfo.op_regions), as text."""
+    import grpc
+
+    from hybridgen.op_regions import Label, Region, Scope, format_table
+    from hybridgen.v1 import generation_pb2 as pb
+    from hybridgen.v1 import generation_pb2_grpc as pb_grpc
+
+    try:
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    except grpc.RpcError as exc:
+        _err(f"--explain: GetModelInfo failed: {exc.code().name}")
+        return
+    rows = [
+        Region(r.name, cast(Scope, r.scope), cast(Label, r.label), r.placement, r.source,
+               dict(r.measured))
+        for r in info.op_regions
+    ]  # fmt: skip
+    print(f"op-regions of {info.model} ({info.mode} mode, {info.device}):", flush=True)
+    print(format_table(rows), flush=True)
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -321,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="gRPC port (config: server.port)")
     serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     serve.add_argument("--instance", default=None, help="name of this server (server.instance)")
+    serve.add_argument(
+        "--explain",
+        action="store_true",
+        help="once serving, print the op-region table: labels, placements and why",
+    )
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")

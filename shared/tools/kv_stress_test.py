@@ -29,7 +29,8 @@ from hybridgen.config import load_config
 from hybridgen.engine_config import ConfigError
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
-from hybridgen.gpu_daemon.warm_tier import WarmStats, warm_mb_for
+from hybridgen.gpu_daemon.warm_stats import WarmStats
+from hybridgen.gpu_daemon.warm_tier import warm_mb_for
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 

@@ -131,7 +131,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes")
+    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes", "mode", "gpu_mem_peak_reserved_mb", "op_regions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,9 @@ class GetModelInfoResponse(_message.Message):
     CPU_ATTENTION_MS_FIELD_NUMBER: _ClassVar[int]
     PCIE_H2D_BYTES_FIELD_NUMBER: _ClassVar[int]
     PCIE_D2H_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEM_PEAK_RESERVED_MB_FIELD_NUMBER: _ClassVar[int]
+    OP_REGIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     synthetic: bool
@@ -192,4 +195,30 @@ class GetModelInfoResponse(_message.Message):
     cpu_attention_ms: float
     pcie_h2d_bytes: int
     pcie_d2h_bytes: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ...) -> None: ...
+    mode: str
+    gpu_mem_peak_reserved_mb: float
+    op_regions: _containers.RepeatedCompositeFieldContainer[OpRegion]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., gpu_mem_peak_reserved_mb: _Optional[float] = ..., op_regions: _Optional[_Iterable[_Union[OpRegion, _Mapping]]] = ...) -> None: ...
+
+class OpRegion(_message.Message):
+    __slots__ = ("name", "scope", "label", "placement", "source", "measured")
+    class MeasuredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scope: str
+    label: str
+    placement: str
+    source: str
+    measured: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., scope: _Optional[str] = ..., label: _Optional[str] = ..., placement: _Optional[str] = ..., source: _Optional[str] = ..., measured: _Optional[_Mapping[str, float]] = ...) -> None: ...
