@@ -51,18 +51,57 @@ def peak_reserved_mb(device: torch.device) -> float:
 
 def engine_regions(engine: Engine) -> list[Region]:
     """The op-region table of this engine: what runs where, and why (op_regions.py)."""
-    config, warm = engine.config, engine.warm
-    pinned = set(config.pinned_regions)
+    config, warm, degraded = engine.config, engine.warm, engine.degrade.active
+    profiled: dict[str, dict[str, float]] = {}
+    for region, key, value in config.profile_measured:
+        profiled.setdefault(region, {})[key] = value
+
+    def source(name: str, measured: bool = False, shifted: bool = False) -> str:
+        if degraded and shifted:  # moved toward the CPU by backpressure (degrade.py)
+            return "degrade"
+        if name in config.pinned_regions:
+            return "pinned"
+        if name in config.profiled_regions:
+            return "profile"
+        return "measured" if measured else "default"
+
     rows = gpu_bound_regions()
     if warm is None:
         rows.append(Region("attn_warm", "layer", "hybrid-aware", "off", "no Warm tier"))
         rows.append(Region("kv_codec", "step", "hybrid-aware", "off", "no Warm tier"))
     else:
         place = f"split:{warm.split:.3f}" if warm.mode == "split" else warm.mode
-        source = "measured" if warm.measured else "pinned"
-        rows.append(Region("attn_warm", "layer", "hybrid-aware", place, source, warm.measured))
-        source = "pinned" if "kv_codec" in pinned else "default"
-        rows.append(Region("kv_codec", "step", "hybrid-aware", config.kv_codec_placement, source))
-    source = "pinned" if "sample" in pinned else "default"
-    rows.append(Region("sample", "step", "hybrid-aware", config.sample_placement, source))
+        figures = warm.measured or profiled.get("attn_warm", {})
+        rows.append(
+            Region(
+                "attn_warm",
+                "layer",
+                "hybrid-aware",
+                place,
+                source("attn_warm", bool(warm.measured), shifted=warm.mode != "cpu"),
+                figures,
+            )
+        )
+        rows.append(
+            Region(
+                "kv_codec",
+                "step",
+                "hybrid-aware",
+                config.kv_codec_placement,
+                source("kv_codec"),
+                profiled.get("kv_codec", {}),
+            )
+        )
+    sample = engine.degrade.sample_placement
+    shifted = sample != config.sample_placement
+    rows.append(
+        Region(
+            "sample",
+            "step",
+            "hybrid-aware",
+            sample,
+            source("sample", shifted=shifted),
+            profiled.get("sample", {}),
+        )
+    )
     return rows

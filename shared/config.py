@@ -17,13 +17,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import structlog
 import torch
 import yaml
 
 from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.tuning_profile import (
+    TuningProfile,
+    load_profile,
+    resolve_placements,
+    warn_mismatch,
+)
 
 __all__ = ["ConfigError", "HybridGenConfig", "load_config", "parse_config", "parse_cpu_list"]
 
+log = structlog.get_logger()
 T = TypeVar("T")
 Device = Literal["cpu", "gpu"]
 DeviceOrSplit = Literal["cpu", "gpu", "split"]
@@ -165,7 +173,8 @@ class Placements:
     norm: Device | None = None
     """RMSNorm / LayerNorm (overrides offload_threshold.layernorm)."""
     softmax: Device | None = None
-    """Softmax of the degrade path (overrides offload_threshold.softmax)."""
+    """Softmax of the degrade path, the sampler's: cpu or null lets backpressure move it (and
+    the pick) to the CPU daemon; gpu keeps it on the device."""
     attn_warm: DeviceOrSplit | None = None
     """Attention over Warm-KV: CPU partials, blocks sent to the GPU, or a measured split."""
     moe_experts: DeviceOrSplit | None = None
@@ -174,6 +183,20 @@ class Placements:
     """Warm-KV quantize / dequantize."""
     sample: Device | None = None
     """Sampling from the logits."""
+
+    def _validate(self, prefix: str) -> None:
+        # A placement that would change nothing is refused rather than silently ignored.
+        for name in ("rope", "norm"):
+            if getattr(self, name) == "cpu":
+                raise ConfigError(
+                    f"{prefix}{name}='cpu' is out of range: allowed gpu or null ({name} runs "
+                    "fused into the GPU's attention and projection kernels)"
+                )
+        if self.moe_experts is not None:
+            raise ConfigError(
+                f"{prefix}moe_experts={self.moe_experts!r} is out of range: allowed null "
+                "(no MoE model is served yet)"
+            )
 
 
 @dataclass(frozen=True)
@@ -289,12 +312,35 @@ class HybridGenConfig:
         tier, so no Cold tier and no ATTN_WARM rings) when unset or in pure_gpu mode."""
         return (self.kv_cache.warm_region_mb or 0) if self.mode == "hybrid" else 0
 
+    def tuning_profile(self) -> TuningProfile | None:
+        """The profile at profile_path (checked: a bad one is a ConfigError naming its key);
+        None when unset, or, with a warning, when no file is there yet: the engine then
+        measures at start as without one."""
+        if self.profile_path is None:
+            return None
+        path = Path(self.profile_path)
+        if not path.exists():
+            log.warning(
+                "tuning_profile_missing",
+                profile_path=str(path),
+                hint="run hybridgen-profiler to write it, or set profile_path: null",
+            )
+            return None
+        return load_profile(path)
+
     def engine_config(self, device: str = "auto") -> EngineConfig:
         """The model engine's config; "cuda" (and "auto" with CUDA) means device_topology.gpu.
-        In pure_gpu mode every placement is the GPU, whatever the measured defaults."""
+        Placements: pinned (`placements`) > the tuning profile (profile_path) > measured at
+        start > default. In pure_gpu mode every placement is the GPU and the profile is not
+        read."""
         if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
             device = f"cuda:{self.device_topology.gpu.id}"
         m, pure_gpu = self.model, self.mode == "pure_gpu"
+        profile = None if pure_gpu else self.tuning_profile()
+        if profile is not None:
+            warn_mismatch(profile, m.name_or_path, device)
+        # pinned > profile here; measured (the Warm tier's probe for "auto") > default below.
+        placed = resolve_placements(dataclasses.asdict(self.placements), profile)
         return EngineConfig(
             model=m.name_or_path,
             device=device,
@@ -309,14 +355,18 @@ class HybridGenConfig:
             warm_pool_mb=self.warm_pool_mb,
             warm_codec=self.kv_cache.warm_codec,
             cold_threshold_ms=self.kv_cache.cold_threshold_ms,
-            attn_warm="gpu" if pure_gpu else self.placements.attn_warm or "auto",
+            attn_warm="gpu" if pure_gpu else placed.attn_warm or "auto",
+            warm_split=placed.warm_split,
             prefix_reuse=self.kv_cache.prefix_reuse,
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
-            sample_placement="gpu" if pure_gpu else self.placements.sample or "gpu",
-            kv_codec_placement="gpu" if pure_gpu else self.placements.kv_codec or "gpu",
+            sample_placement="gpu" if pure_gpu else placed.sample or "gpu",
+            kv_codec_placement="gpu" if pure_gpu else placed.kv_codec or "gpu",
+            degrade_softmax=self.placements.softmax or "cpu",
             pinned_regions=tuple(
                 name for name, v in dataclasses.asdict(self.placements).items() if v is not None
             ),
+            profiled_regions=placed.profiled,
+            profile_measured=placed.measured,
             seed=m.seed,
             mode=self.mode,
         )

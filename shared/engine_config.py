@@ -89,8 +89,16 @@ class EngineConfig:
     kv_codec_placement: str = "gpu"
     """Where the Warm codec encodes spilled blocks and decodes copied records
     (placements.kv_codec): gpu (compressed bytes cross PCIe) or cpu (raw bytes cross)."""
+    degrade_softmax: str = "cpu"
+    """Where the degrade path moves the sampler's softmax and pick (placements.softmax): cpu,
+    or gpu to keep sampling on the device under backpressure."""
     pinned_regions: tuple[str, ...] = ()
     """Regions whose placement the config pinned (placements.*); the region table says so."""
+    profiled_regions: tuple[str, ...] = ()
+    """Regions placed by the tuning profile (config profile_path); the region table says so."""
+    profile_measured: tuple[tuple[str, str, float], ...] = ()
+    """The profile's figures behind those placements: (region, key, value), e.g.
+    ("sample", "cpu_ms", 0.12); the region table shows them."""
     mode: str = "hybrid"
     """The config's top-level mode, which GetModelInfo reports: hybrid, or pure_gpu (no
     Warm tier and sampling on the device: the CPU only detokenizes and streams)."""
@@ -174,6 +182,12 @@ class EngineConfig:
             self.kv_codec_placement in ("gpu", "cpu"),
             "kv_codec_placement",
             self.kv_codec_placement,
+            "gpu or cpu",
+        )
+        _check(
+            self.degrade_softmax in ("gpu", "cpu"),
+            "degrade_softmax",
+            self.degrade_softmax,
             "gpu or cpu",
         )
         _check(self.mode in ("hybrid", "pure_gpu"), "mode", self.mode, "hybrid or pure_gpu")

@@ -265,9 +265,9 @@ def test_cross_checks() -> None:
                 **_with("kv_cache.hot_region_mb", 8192),
             }
         )
-    with pytest.raises(ConfigError, match=r"^placements\.moe_experts='cpu' .*mode=pure_gpu"):
-        parse_config({"mode": "pure_gpu", "placements": {"moe_experts": "cpu"}})
-    assert parse_config({"mode": "pure_gpu", "placements": {"moe_experts": "gpu"}})
+    with pytest.raises(ConfigError, match=r"^placements\.sample='cpu' .*mode=pure_gpu"):
+        parse_config({"mode": "pure_gpu", "placements": {"sample": "cpu"}})
+    assert parse_config({"mode": "pure_gpu", "placements": {"sample": "gpu"}})
 
 
 @pytest.mark.parametrize(
@@ -343,6 +343,7 @@ def test_engine_config_mapping() -> None:
         attn_warm="split",
         prefix_reuse=False,
         sample_placement="cpu",
+        pinned_regions=("rope", "attn_warm", "sample"),
         seed=7,
     )
     assert config.engine_config("cuda").device == "cuda:1"
