@@ -80,9 +80,10 @@ class CpuHeartbeat:
         request_id: int,
         payload: bytes = b"",
         shape: tuple[int, int, int, int] = (0, 0, 0, 0),
+        flags: int = 0,
     ) -> None:
         """Queue a command; the heartbeat thread sends it on its next tick (thread-safe)."""
-        self.commands.put((op, request_id, payload, 0, shape))
+        self.commands.put((op, request_id, payload, flags, shape))
 
     def _run(self) -> None:
         try:

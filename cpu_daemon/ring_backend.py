@@ -200,6 +200,11 @@ class RingBackend:
         self._call(apply)
 
     def _post_backpressure(self, reasons: int, waiting: int) -> None:
+        # While the GPU daemon cannot take work, it degrades: hybrid-aware regions shift
+        # toward this daemon (gpu_daemon/degrade.py) until the pressure ends.
+        assert self._heartbeat is not None
+        self._heartbeat.send(Op.BACKPRESSURE, 0, flags=int(reasons != 0))
+
         def apply() -> None:
             # Requests keep waiting in the engine's queue; the gateway's admission limit
             # (server.max_queue over queued requests) answers RESOURCE_EXHAUSTED when it fills.

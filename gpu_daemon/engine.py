@@ -21,6 +21,7 @@ import torch
 
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.degrade import Degrade
 from hybridgen.gpu_daemon.memory import plan_engine_memory
 from hybridgen.gpu_daemon.model_runner import (
     ModelRunner,
@@ -151,6 +152,8 @@ class Engine:
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.degrade = Degrade(config, self.warm)
+        """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
         log.info(
@@ -215,6 +218,7 @@ class Engine:
         else:
             per_step = [self.runner.execute(batch)]
         st.steps += 1
+        self.degrade.stats.steps += self.degrade.active
         if self.warm is not None and time.monotonic() >= self._next_age:
             self.warm.age()
             self._next_age = time.monotonic() + self.warm.cold.threshold_s / 2
@@ -241,7 +245,7 @@ class Engine:
         return list(outputs.values())
 
     def _samples_on_host(self, batch: ScheduledBatch) -> bool:
-        return self.config.sample_placement == "cpu" and not any(
+        return self.degrade.sample_placement == "cpu" and not any(
             has_penalty(s.params) for s in batch.seqs
         )
 

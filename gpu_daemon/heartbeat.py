@@ -70,8 +70,9 @@ class GpuHeartbeat:
         self.stats = HeartbeatStats()
         self.outbox = Outbox(channels.g2c, channels.g2c_meta)
         self.stopping = False
-        self.defer_sampling = engine.config.sample_placement == "cpu"
-        """The CPU daemon picks tokens from the candidates this daemon sends."""
+        self.defer_sampling = True
+        """When the engine samples on the host (placements.sample: cpu, or degraded), the CPU
+        daemon picks tokens from the candidates this daemon sends."""
         self.backpressure = 0
         """Reasons the engine cannot take work (NO_KV_BLOCKS | NO_SEQ_SLOTS), as last sent."""
         self._peer = PeerWatch(channels.c2g, "CPU daemon", peer_timeout_s)
@@ -124,11 +125,14 @@ class GpuHeartbeat:
                 log.info("token_not_awaited", request_id=rid, reason=str(e))
         elif ticket.op is Op.ABORT:
             self.engine.abort(str(rid))
+        elif ticket.op is Op.BACKPRESSURE:  # the CPU daemon's degrade command (flags: on)
+            self.engine.degrade.set(bool(ticket.flags))
         elif ticket.op is Op.STATS:
             info = dict(
                 engine_info(self.engine),
                 **self.engine.tier_stats(),
                 **memory_info(self.engine.device),
+                **self.engine.degrade.info(),
                 kv_blocks_used=self.engine.pool.num_used,
                 running_requests=len(self.engine.seqs),
                 ring_occupancy_c2g=self.ch.c2g.occupancy() / self.ch.c2g.capacity,

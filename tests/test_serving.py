@@ -231,6 +231,44 @@ def test_cancelled_streams_free_their_kv(server: Server) -> None:
     assert [r.usage.completion_tokens for r in results] == [MAX_LEN - 8] * 2  # type: ignore[attr-defined]
 
 
+def test_backpressure_degrades_and_recovers(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Six requests at once against a Hot pool of two full-length sequences: requests wait for
+    KV, the GPU daemon signals backpressure, the CPU daemon degrades it (tokens are picked on
+    the CPU) and lifts that when the queue drains. Every stream gets HF's greedy tokens, and
+    the server serves normally afterwards."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 6, 60)
+    expected = hf_greedy(path, prompts, 24)
+    before = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompts[i],
+            max_tokens=24,
+            ignore_eos=True,
+            sampling=pb.SamplingParams(temperature=0.0),
+        )
+        replies = server.stub.Generate(request, timeout=120)
+        results[i] = [t for reply in replies for t in reply.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(6)] == expected
+    deadline = time.monotonic() + 10
+    while (info := server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)).degraded:
+        assert time.monotonic() < deadline, "the degrade path was not lifted"
+        time.sleep(0.1)
+    assert info.degrade_entries > before.degrade_entries
+    assert info.degraded_steps > before.degraded_steps
+    assert info.gpu_backpressure == 0
+    done = list(server.stub.Generate(pb.GenerateRequest(prompt="after", max_tokens=3), timeout=60))
+    assert done[-1].usage.completion_tokens == 3
+
+
 @pytest.mark.parametrize("victim", ["hybridgen.gpu_daemon.main", "hybridgen.cpu_daemon.main"])
 def test_dead_daemon_fails_streams_then_recovers(server: Server, victim: str) -> None:
     call = server.stub.Generate(

@@ -1,0 +1,87 @@
+"""Backpressure degrade (DESIGN.md "Dual-heartbeat scheduling").
+
+When the GPU daemon cannot take waiting requests (no free Hot blocks, or every sequence slot
+busy) it sends BACKPRESSURE; the CPU daemon answers with a degrade command, and while it
+holds the engine shifts hybrid-aware regions toward the CPU:
+
+    region      normal                      degraded
+    sample      placements.sample (gpu)     cpu: the softmax and the pick in fp32 on the CPU
+                                            daemon, from each row's top-k logits (unless
+                                            placements.softmax pins gpu)
+    attn_warm   as placed                   the CPU attends DEGRADE_WARM_SHARE more of each
+                                            sequence's Warm blocks (gpu -> split)
+
+When the pressure ends the CPU daemon lifts the command and every placement goes back. The
+Warm tier already spills Hot blocks on demand, so eviction needs no extra step here. Exact
+modes give the same tokens either way: the CPU pick and the split attention are exact. Not in
+mode pure_gpu, which keeps the CPU out of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.warm_tier import WarmTier
+
+log = structlog.get_logger()
+
+DEGRADE_WARM_SHARE = 0.25
+"""CPU share of Warm blocks added while degraded."""
+
+
+@dataclass
+class DegradeStats:
+    """Counters since start."""
+
+    entries: int = 0
+    """Times the degrade path engaged."""
+    steps: int = 0
+    """Engine steps run degraded."""
+
+
+class Degrade:
+    """The engine's degrade state: which placements hold now."""
+
+    def __init__(self, config: EngineConfig, warm: WarmTier | None) -> None:
+        self.allowed = config.mode != "pure_gpu"
+        self.active = False
+        self.sample_placement = config.sample_placement
+        """Where tokens are picked this step."""
+        self._normal_sample = config.sample_placement
+        self._softmax = config.degrade_softmax
+        self._warm = warm
+        self._normal_warm = (warm.mode, warm.split) if warm is not None else None
+        self.stats = DegradeStats()
+
+    def set(self, on: bool) -> bool:
+        """Engage or lift the degrade path; returns whether anything changed."""
+        if not self.allowed or on == self.active:
+            return False
+        self.active = on
+        self.sample_placement = "cpu" if on and self._softmax == "cpu" else self._normal_sample
+        warm = self._warm
+        if warm is not None and self._normal_warm is not None:
+            mode, share = self._normal_warm
+            if on and mode != "cpu":
+                warm.mode, warm.split = "split", min(1.0, share + DEGRADE_WARM_SHARE)
+            else:
+                warm.mode, warm.split = mode, share
+        self.stats.entries += on
+        log.info(
+            "degrade",
+            active=on,
+            sample=self.sample_placement,
+            attn_warm=None if warm is None else f"{warm.mode}:{warm.split:.3f}",
+        )
+        return True
+
+    def info(self) -> dict[str, bool | int]:
+        """The figures, keyed by GetModelInfo field names."""
+        return {
+            "degraded": self.active,
+            "degrade_entries": self.stats.entries,
+            "degraded_steps": self.stats.steps,
+        }

@@ -1,0 +1,84 @@
+"""The degrade path in the engine: while engaged, tokens are picked on the CPU and the CPU
+attends a larger share of the Warm blocks; the tokens stay HF's, and lifting it restores every
+placement. tests/test_serving.py drives it through real backpressure between the daemons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridgen.config import ConfigError, parse_config
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.degrade import DEGRADE_WARM_SHARE
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.info import engine_regions
+from hybridgen.sampling.params import SamplingParams
+from tests.hf_reference import hf_greedy, sample_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _engine(path: Path, **options: object) -> Engine:
+    config = EngineConfig(
+        model=str(path),
+        device="cpu",
+        block_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        max_num_seqs=2,
+        **options,  # type: ignore[arg-type]
+    )
+    return Engine(config)
+
+
+def test_degraded_engine_gives_the_same_tokens_and_restores(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [150, 97])
+    engine = _engine(
+        path,
+        num_kv_blocks=6,
+        warm_pool_mb=2,
+        warm_codec="lossless",
+        attn_warm="gpu",
+    )
+    warm = engine.warm
+    assert warm is not None and (warm.mode, warm.split) == ("gpu", 0.0)
+    assert engine.degrade.set(True) and not engine.degrade.set(True)
+    assert (warm.mode, warm.split) == ("split", DEGRADE_WARM_SHARE)
+    rows = {r.name: r for r in engine_regions(engine)}
+    assert (rows["sample"].placement, rows["sample"].source) == ("cpu", "degrade")
+    assert (rows["attn_warm"].placement, rows["attn_warm"].source) == ("split:0.250", "degrade")
+    tokens = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    assert tokens == hf_greedy(path, prompts, 24)
+    assert warm.stats.cpu.calls > 0  # the CPU attended its share
+    info = engine.degrade.info()
+    assert info["degraded"] and info["degrade_entries"] == 1
+    assert info["degraded_steps"] == engine.stats.steps
+    assert engine.degrade.set(False)
+    assert (warm.mode, warm.split, engine.degrade.sample_placement) == ("gpu", 0.0, "gpu")
+    engine.release()
+
+
+def test_pure_gpu_never_degrades(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(checkpoint("llama3"), mode="pure_gpu")
+    assert not engine.degrade.set(True)
+    assert engine.degrade.sample_placement == "gpu" and not engine.degrade.active
+    engine.release()
+
+
+def test_softmax_pinned_to_gpu_keeps_sampling_there(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """placements.softmax: gpu: backpressure may still shift Warm attention, not sampling."""
+    engine = _engine(checkpoint("llama3"), degrade_softmax="gpu")
+    assert engine.degrade.set(True) and engine.degrade.sample_placement == "gpu"
+    engine.release()
+
+
+def test_placements_that_would_do_nothing_are_refused() -> None:
+    for key, value, why in (
+        ("rope", "cpu", "fused"),
+        ("norm", "cpu", "fused"),
+        ("moe_experts", "split", "no MoE model"),
+    ):
+        with pytest.raises(ConfigError, match=f"placements.{key}=.*out of range.*{why}"):
+            parse_config({"placements": {key: value}})
