@@ -30,6 +30,7 @@ from hybridgen.gpu_daemon.model_runner import (
 )
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
+from hybridgen.gpu_daemon.tuner import Tuner
 
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
@@ -152,6 +153,10 @@ class Engine:
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        if self.warm is not None and config.dynamic_tuning:
+            self.warm.tuner = Tuner(
+                self.warm, config.tuning_warmup_steps, config.tuning_interval_ms
+            )
         self.degrade = Degrade(config, self.warm)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
@@ -219,6 +224,8 @@ class Engine:
             per_step = [self.runner.execute(batch)]
         st.steps += 1
         self.degrade.stats.steps += self.degrade.active
+        if self.warm is not None and self.warm.tuner is not None:
+            self.warm.tuner.on_step(st.steps)
         if self.warm is not None and time.monotonic() >= self._next_age:
             self.warm.age()
             self._next_age = time.monotonic() + self.warm.cold.threshold_s / 2

@@ -71,17 +71,12 @@ def engine_regions(engine: Engine) -> list[Region]:
         rows.append(Region("kv_codec", "step", "hybrid-aware", "off", "no Warm tier"))
     else:
         place = f"split:{warm.split:.3f}" if warm.mode == "split" else warm.mode
-        figures = warm.measured or profiled.get("attn_warm", {})
-        rows.append(
-            Region(
-                "attn_warm",
-                "layer",
-                "hybrid-aware",
-                place,
-                source("attn_warm", bool(warm.measured), shifted=warm.mode != "cpu"),
-                figures,
-            )
-        )
+        figures = dict(warm.measured or profiled.get("attn_warm", {}))
+        how = source("attn_warm", bool(warm.measured), shifted=warm.mode != "cpu")
+        tuned = warm.tuner.updates if warm.tuner is not None else 0
+        if tuned and how != "degrade":  # re-balanced from live timings (tuner.py)
+            how, figures["tuned_updates"] = "tuned", tuned
+        rows.append(Region("attn_warm", "layer", "hybrid-aware", place, how, figures))
         rows.append(
             Region(
                 "kv_codec",

@@ -34,7 +34,6 @@ import time
 import uuid
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -48,10 +47,11 @@ from hybridgen.cpu_daemon.warm_attention import (
 )
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
 from hybridgen.gpu_daemon.cold_store import ColdStore
+from hybridgen.gpu_daemon.tuner import Tuner
+from hybridgen.gpu_daemon.warm_context import WarmContext
 from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view
 from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.kernels import ops
-from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvcodec import get_codec
 from hybridgen.kvcodec.prefix_index import PrefixIndex
 from hybridgen.kvcodec.warm_pool import WarmPool, capacity_for, slot_bytes_for
@@ -103,6 +103,8 @@ class WarmTier:
         self.view: WarmDeviceView | None = device_view(self.pool, device)
         """The pool as paged caches the device kernels read in place (mode b, and every
         prefill's Warm prefix; warm_device)."""
+        self.tuner: Tuner | None = None
+        """Set by the engine with dynamic_tuning: re-balances `split` from live timings."""
         self.measured: dict[str, float] = {}
         """The start-up probe's figures (cpu_ms, gpu_ms, blocks), when it ran."""
         if mode == "auto" or (mode == "split" and split is None):
@@ -285,56 +287,6 @@ class WarmTier:
         if not any(warm_slots):
             return None
         return WarmContext(self, warm_slots, positions)
-
-
-@dataclass
-class WarmContext:
-    """One step's Warm keys, per sequence of the batch (in batch order)."""
-
-    tier: WarmTier
-    warm_slots: list[list[int]]
-    positions: list[int]
-    """Position of each sequence's last query token this step."""
-    _index: dict[int, Tensor] = field(default_factory=dict, repr=False)
-    """In-place reads: each prefilling sequence's Warm slots on the device, built by its
-    first layer and read by all the others."""
-
-    def decode_partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """Partial attention of the decode rows q [nd, Hq, D] over their Warm keys ->
-        out [nd, Hq, D] fp32, lse [nd, Hq] fp32 on q's device (lse -inf: no Warm keys)."""
-        tier, nd = self.tier, q.shape[0]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-        cuts = [tier.cpu_blocks(len(slots)) for slots in self.warm_slots[:nd]]
-        # The device's share first: its kernels run while the CPU works on its share below.
-        dev = [i for i in range(nd) if len(self.warm_slots[i]) > cuts[i]]
-        if dev:
-            shares = [list(self.warm_slots[i][cuts[i] :]) for i in dev]
-            o, s = tier.device_partial(layer, q[dev], shares, scale)
-            idx = torch.tensor(dev, device=q.device)
-            out[idx], lse[idx] = o, s
-        rows = [i for i in range(nd) if cuts[i]]
-        if rows:
-            bs = tier.block_size
-            spans = [
-                WarmSpan(self.warm_slots[i][: cuts[i]], 0, bs, self.positions[i]) for i in rows
-            ]
-            before = tier.stats.cpu.decode_s
-            o, s = tier.cpu_partial(layer, q[rows], spans, scale)
-            tier.stats.record_decompress(tier.stats.cpu.decode_s - before)
-            idx = torch.tensor(rows, device=q.device)
-            o, s = o.to(q.device), s.to(q.device)
-            out[idx], lse[idx] = merge_attention_partials(out[idx], lse[idx], o, s)
-        return out, lse
-
-    def prefix(self, layer: int, seq: int, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
-        """Sequence `seq`'s Warm keys at `layer`, decoded on the device (for its prefill)."""
-        slots, view = self.warm_slots[seq], self.tier.view
-        if not slots:
-            return None
-        if view is not None and seq not in self._index:
-            self._index[seq] = view.slot_index(slots)
-        return self.tier.dense(slots, layer, dtype, self._index.get(seq))
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:

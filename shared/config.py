@@ -365,6 +365,10 @@ class HybridGenConfig:
             pinned_regions=tuple(
                 name for name, v in dataclasses.asdict(self.placements).items() if v is not None
             ),
+            # A profile replaces runtime profiling; pure_gpu has nothing to tune.
+            dynamic_tuning=self.dynamic_tuning.enable and profile is None and not pure_gpu,
+            tuning_warmup_steps=self.dynamic_tuning.warmup_steps,
+            tuning_interval_ms=self.dynamic_tuning.update_interval_ms,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,
             seed=m.seed,

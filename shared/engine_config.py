@@ -89,6 +89,13 @@ class EngineConfig:
     kv_codec_placement: str = "gpu"
     """Where the Warm codec encodes spilled blocks and decodes copied records
     (placements.kv_codec): gpu (compressed bytes cross PCIe) or cpu (raw bytes cross)."""
+    dynamic_tuning: bool = False
+    """Re-balance attn_warm's split from live timings while serving (gpu_daemon/tuner.py;
+    dynamic_tuning.enable in the config file)."""
+    tuning_warmup_steps: int = 32
+    """Engine steps before the first re-balance."""
+    tuning_interval_ms: int = 500
+    """Time between re-balances."""
     degrade_softmax: str = "cpu"
     """Where the degrade path moves the sampler's softmax and pick (placements.softmax): cpu,
     or gpu to keep sampling on the device under backpressure."""

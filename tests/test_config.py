@@ -344,12 +344,14 @@ def test_engine_config_mapping() -> None:
         prefix_reuse=False,
         sample_placement="cpu",
         pinned_regions=("rope", "attn_warm", "sample"),
+        tuning_warmup_steps=8,
+        tuning_interval_ms=250,
         seed=7,
     )
     assert config.engine_config("cuda").device == "cuda:1"
     assert config.engine_config("cuda:0").device == "cuda:0"
     default = HybridGenConfig().engine_config("cpu")
-    assert default == EngineConfig(device="cpu")
+    assert default == EngineConfig(device="cpu", dynamic_tuning=True)
 
 
 def test_engine_config_auto_follows_gpu_id(monkeypatch: pytest.MonkeyPatch) -> None:
