@@ -11,6 +11,8 @@ the tests read layer 1, so a wrong layer shows.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,7 +20,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.cpu_daemon.warm_attention import WarmAttnStats, WarmSpan, warm_decode_attention
+from hybridgen.cpu_daemon.warm_attention import (
+    WarmAttnStats,
+    WarmSpan,
+    _decode,
+    _Layer,
+    warm_decode_attention,
+)
 from hybridgen.kernels.reference import merge_attention_partials, paged_decode_attention
 from hybridgen.kvcodec import get_codec
 from hybridgen.kvcodec.warm_pool import WarmPool
@@ -234,6 +242,49 @@ def test_sequences_cut_across_decode_batches(
     assert err_out < 2e-6 and err_lse < 2e-6, (err_out, err_lse)
     err_out, err_lse = merged_error(c, 0, batch_blocks=batch_blocks)
     assert err_out < 2e-6 and err_lse < 2e-6, (err_out, err_lse)
+
+
+def test_pieces_on_worker_threads_equal_one_thread_to_the_bit(
+    pools: list[WarmPool], instance: str
+) -> None:
+    # Pieces of 2 blocks, some holding two sequences: on 3 threads they run on the worker pool,
+    # each on one intra-op thread as the caller does on 1, so nothing may differ.
+    c = build(pools, instance, [(0, 37, 60), (16, 80, 85), (0, 9, 9), (0, 128, 129)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = c.warm(batch_blocks=2)
+        torch.set_num_threads(3)
+        stats = WarmAttnStats()
+        t0 = time.perf_counter()
+        many = c.warm(batch_blocks=2, stats=stats)
+        wall = time.perf_counter() - t0
+        # The workers' one intra-op thread is theirs alone: not the caller's, nor the default
+        # of a thread started later.
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert (torch.get_num_threads(), later) == (3, [3])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    # The stats split the call's wall time between decoding and attention.
+    assert 0 < stats.decode_s + stats.attn_s <= wall and stats.decode_s > 0
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("codec", ("lossless", "int8"))
+def test_in_place_decode_is_the_codecs_to_the_bit(
+    pools: list[WarmPool], instance: str, codec: str, dtype: torch.dtype
+) -> None:
+    # These codecs are decoded from the record fields here, not by the codec: same bits.
+    c = build(pools, instance, [(0, 64, 64)], codec, dtype=dtype)
+    slots = [*c.spans[0].slots][::-1]  # any order
+    k, v = _decode(_Layer(c.pool, LAYER), slots)  # [Hkv, n*S, D]
+    blocks = [c.pool.load(slot, torch.float32) for slot in slots]
+    assert torch.equal(k, torch.cat([kl[LAYER] for kl, _ in blocks]).transpose(0, 1))
+    assert torch.equal(v, torch.cat([vl[LAYER] for _, vl in blocks]).transpose(0, 1))
 
 
 def decoded_keys(c: Case, b: int) -> tuple[Tensor, Tensor]:
