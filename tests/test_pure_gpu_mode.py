@@ -39,7 +39,12 @@ def test_engine_config_has_no_warm_tier_and_gpu_placements() -> None:
     assert pure.warm_pool_mb == 0
     engine = pure.engine_config("cpu")
     assert engine == dataclasses.replace(
-        hybrid, warm_pool_mb=0, attn_warm="gpu", sample_placement="gpu", mode="pure_gpu"
+        hybrid,
+        warm_pool_mb=0,
+        attn_warm="gpu",
+        sample_placement="gpu",
+        mode="pure_gpu",
+        dynamic_tuning=False,
     )
 
 
