@@ -8,10 +8,7 @@ field metadata, so no section has a parser of its own. Errors name the dotted ke
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-import types
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +18,7 @@ import structlog
 import torch
 import yaml
 
+from hybridgen.config_schema import StrictLoader, at_least, between, build, checked
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.tuning_profile import (
     TuningProfile,
@@ -39,19 +37,6 @@ _MAX_CPUS = 8192
 _INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _POSITIVE: tuple[Callable[[Any], object], str] = (lambda v: v > 0, "> 0")
 _NONEMPTY: tuple[Callable[[Any], object], str] = (lambda v: v.strip() != "", "a non-empty string")
-
-
-def _checked(default: Any, check: Callable[[Any], object], allowed: str) -> Any:
-    """A field whose non-null value must pass `check`; `allowed` words the range for errors."""
-    return field(default=default, metadata={"check": check, "allowed": allowed})
-
-
-def _at_least(default: Any, low: float) -> Any:
-    return _checked(default, lambda v: v >= low, f">= {low}")
-
-
-def _between(default: Any, low: float, high: float) -> Any:
-    return _checked(default, lambda v: low <= v <= high, f"{low}..{high}")
 
 
 def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
@@ -88,11 +73,11 @@ def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
 class GpuTopology:
     """The GPU the daemon drives."""
 
-    id: int = _at_least(0, 0)
+    id: int = at_least(0, 0)
     """CUDA device index."""
-    memory_mb: int | None = _at_least(None, 64)
+    memory_mb: int | None = at_least(None, 64)
     """Hard budget for everything the GPU daemon allocates; null: 90 % of free memory."""
-    bandwidth_gbps: float | None = _checked(None, *_POSITIVE)
+    bandwidth_gbps: float | None = checked(None, *_POSITIVE)
     """Device memory bandwidth for the placement cost model; null: measured at warmup."""
 
 
@@ -102,9 +87,9 @@ class CpuTopology:
 
     cores: tuple[int, ...] | None = field(default=None, metadata={"parse": parse_cpu_list})
     """CPUs to bind to, as "0-15" or "0,2,4-7"; null: the process's current affinity."""
-    memory_mb: int | None = _at_least(None, 64)
+    memory_mb: int | None = at_least(None, 64)
     """Host memory budget for Warm-KV, Cold tiers and experts; null: derived from free RAM."""
-    bandwidth_gbps: float | None = _checked(None, *_POSITIVE)
+    bandwidth_gbps: float | None = checked(None, *_POSITIVE)
     """Host memory bandwidth for the placement cost model; null: measured at warmup."""
 
 
@@ -122,12 +107,12 @@ class DeviceTopology:
 class KvCacheConfig:
     """KV tiers: Hot on the GPU, Warm compressed in host shm, Cold aged out of Warm."""
 
-    hot_region_mb: float | None = _checked(None, *_POSITIVE)
+    hot_region_mb: float | None = checked(None, *_POSITIVE)
     """GPU memory for Hot-KV blocks (fractions allowed); null: what the GPU budget leaves
     after weights and workspace."""
-    warm_region_mb: int | None = _at_least(None, 0)
+    warm_region_mb: int | None = at_least(None, 0)
     """Host shm for Warm-KV blocks after compression; null or 0: no Warm tier."""
-    cold_threshold_ms: int = _at_least(150, 1)
+    cold_threshold_ms: int = at_least(150, 1)
     """A warm block untouched this long is moved to Cold."""
     hot_codec: Literal["native", "int8", "int4"] = "native"
     """Hot-KV storage: the model dtype, or int8/int4 dequantized inside the attention kernel."""
@@ -144,11 +129,11 @@ class KvCacheConfig:
 class OffloadThreshold:
     """Work per step (MFLOPs) at or above which a region runs on the GPU, below it the CPU."""
 
-    softmax: float = _at_least(12000.0, 0)
+    softmax: float = at_least(12000.0, 0)
     """Softmax of the degrade path."""
-    layernorm: float = _at_least(800.0, 0)
+    layernorm: float = at_least(800.0, 0)
     """RMSNorm / LayerNorm."""
-    rotary_emb: float = _at_least(5000.0, 0)
+    rotary_emb: float = at_least(5000.0, 0)
     """Rotary position embedding."""
 
 
@@ -158,9 +143,9 @@ class DynamicTuning:
 
     enable: bool = True
     """Re-place regions from live timings every update_interval_ms."""
-    warmup_steps: int = _at_least(32, 0)
+    warmup_steps: int = at_least(32, 0)
     """Steps served before the first measurement."""
-    update_interval_ms: int = _at_least(500, 1)
+    update_interval_ms: int = at_least(500, 1)
     """Period of the placement update."""
 
 
@@ -203,17 +188,17 @@ class Placements:
 class ModelConfig:
     """The model to serve."""
 
-    name_or_path: str = _checked("tiny-llama", *_NONEMPTY)
+    name_or_path: str = checked("tiny-llama", *_NONEMPTY)
     """An HF checkpoint directory or a synthetic preset name (llama3-8b, tiny-llama, ...)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations; auto: the checkpoint's (presets: bf16 on GPU, fp32 on CPU)."""
-    max_model_len: int | None = _at_least(None, 16)
+    max_model_len: int | None = at_least(None, 16)
     """Longest sequence; null: the model's, capped by what the KV tiers hold."""
-    max_num_seqs: int = _between(64, 1, 4096)
+    max_num_seqs: int = between(64, 1, 4096)
     """Sequences running at once."""
-    max_num_batched_tokens: int = _at_least(2048, 1)
+    max_num_batched_tokens: int = at_least(2048, 1)
     """Tokens per step; longer prompts are prefilled in chunks."""
-    seed: int = _at_least(0, 0)
+    seed: int = at_least(0, 0)
     """Seed of synthetic preset weights."""
 
     def _validate(self, prefix: str) -> None:
@@ -228,23 +213,23 @@ class ModelConfig:
 class ServerConfig:
     """The gateway's public endpoint and the processes' shared names."""
 
-    host: str = _checked("127.0.0.1", *_NONEMPTY)
+    host: str = checked("127.0.0.1", *_NONEMPTY)
     """Address the gRPC API listens on (0.0.0.0 or :: for every interface)."""
-    port: int = _between(50051, 1, 65535)
+    port: int = between(50051, 1, 65535)
     """gRPC API port."""
-    metrics_port: int = _between(9400, 0, 65535)
+    metrics_port: int = between(9400, 0, 65535)
     """Prometheus /metrics port; 0: no metrics endpoint."""
-    instance: str = _checked("default", _INSTANCE.fullmatch, "1-32 of [A-Za-z0-9_-]")
+    instance: str = checked("default", _INSTANCE.fullmatch, "1-32 of [A-Za-z0-9_-]")
     """Instance name; shared memory segments are /hybridgen-<instance>-*."""
-    max_queue: int = _at_least(256, 1)
+    max_queue: int = at_least(256, 1)
     """Requests waiting for admission; beyond it the gateway answers RESOURCE_EXHAUSTED."""
-    max_message_mb: int = _between(16, 1, 2047)
+    max_message_mb: int = between(16, 1, 2047)
     """Largest gRPC message either way."""
-    keepalive_s: float = _checked(30.0, *_POSITIVE)
+    keepalive_s: float = checked(30.0, *_POSITIVE)
     """gRPC keepalive ping period, so dead clients free their sequences."""
-    request_timeout_s: float = _at_least(600.0, 0)
+    request_timeout_s: float = at_least(600.0, 0)
     """Longest a request may run before DEADLINE_EXCEEDED; 0: no limit."""
-    runtime_dir: str = _checked("/run/hybridgen", lambda v: v.startswith("/"), "an absolute path")
+    runtime_dir: str = checked("/run/hybridgen", lambda v: v.startswith("/"), "an absolute path")
     """Folder of the daemons' unix sockets (systemd's RuntimeDirectory=hybridgen)."""
 
     def _validate(self, prefix: str) -> None:
@@ -267,7 +252,7 @@ class HybridGenConfig:
     """Default placement of the small regions by their work per step."""
     dynamic_tuning: DynamicTuning = field(default_factory=DynamicTuning)
     """Live re-placement."""
-    profile_path: str | None = _checked(None, *_NONEMPTY)
+    profile_path: str | None = checked(None, *_NONEMPTY)
     """tuning_profile.json from hybridgen-profiler, relative to this file; null: none."""
     placements: Placements = field(default_factory=Placements)
     """Regions pinned by hand, over every measurement."""
@@ -378,7 +363,7 @@ class HybridGenConfig:
 
 def parse_config(data: Mapping[str, Any] | None) -> HybridGenConfig:
     """Check a parsed YAML document against the schema; None: all defaults."""
-    return _build(HybridGenConfig, data, "")
+    return build(HybridGenConfig, data, "")
 
 
 def load_config(path: str | Path | None) -> HybridGenConfig:
@@ -391,7 +376,7 @@ def load_config(path: str | Path | None) -> HybridGenConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = yaml.load(text, Loader=StrictLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -407,87 +392,3 @@ def load_config(path: str | Path | None) -> HybridGenConfig:
         # Relative to the file, not to the working directory (systemd starts units in /).
         config = dataclasses.replace(config, profile_path=str(path.parent / profile))
     return config
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which PyYAML silently resolves to the last."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: set[str] = set()
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
-                continue
-            if key_node.value in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"duplicate key {key_node.value!r}",
-                    key_node.start_mark,
-                )
-            seen.add(key_node.value)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _build(cls: type[T], data: object, prefix: str) -> T:
-    """An instance of the dataclass `cls` from a mapping whose keys sit under `prefix`."""
-    if data is None:
-        data = {}  # `kv_cache:` with every child commented out
-    if not isinstance(data, Mapping):
-        where = prefix.rstrip(".") or "the config"
-        raise ConfigError(f"{where} must be a mapping of keys, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            known = ", ".join(fields)
-            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; known keys: {known}")
-    values = {
-        name: _field_value(hints[name], value, fields[name].metadata, f"{prefix}{name}")
-        for name, value in data.items()
-    }
-    built = cls(**values)
-    validate = getattr(built, "_validate", None)
-    if validate is not None:
-        validate(prefix)
-    return built
-
-
-def _field_value(hint: Any, value: object, metadata: Mapping[str, Any], key: str) -> object:
-    parse = metadata.get("parse")
-    if value is not None and parse is not None:
-        return parse(value, key)
-    typed = _typed(hint, value, key)
-    check = metadata.get("check")
-    if typed is not None and check is not None and not check(typed):
-        # The value as written (-1, not the widened -1.0), so the user finds it in the file.
-        raise ConfigError(f"{key}={value!r} is out of range: allowed {metadata['allowed']}")
-    return typed
-
-
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _typed(hint: Any, value: object, key: str, optional: bool = False) -> object:
-    """`value` if it has the annotated type (ints widen to float, bools never count as ints)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        inner = next(a for a in typing.get_args(hint) if a is not type(None))
-        return _typed(inner, value, key, optional=True)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if any(type(value) is type(c) and value == c for c in choices):
-            return value
-        allowed = ", ".join(str(c) for c in choices) + (" or null" if optional else "")
-        raise ConfigError(f"{key}={value!r} is out of range: allowed one of {allowed}")
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _build(hint, value, f"{key}.")
-    if hint is float and type(value) is int:
-        return float(value)
-    if type(value) is hint:
-        return value
-    expected = _TYPE_NAMES.get(hint, str(hint)) + (" or null" if optional else "")
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
