@@ -7,7 +7,8 @@ holds the engine shifts hybrid-aware regions toward the CPU:
     region      normal                      degraded
     sample      placements.sample (gpu)     cpu: the softmax and the pick in fp32 on the CPU
                                             daemon, from each row's top-k logits (unless
-                                            placements.softmax pins gpu)
+                                            placements.softmax pins gpu, or its work is at
+                                            or above offload_threshold.softmax)
     attn_warm   as placed                   the CPU attends DEGRADE_WARM_SHARE more of each
                                             sequence's Warm blocks (gpu -> split)
 
@@ -30,6 +31,8 @@ log = structlog.get_logger()
 
 DEGRADE_WARM_SHARE = 0.25
 """CPU share of Warm blocks added while degraded."""
+SOFTMAX_FLOPS_PER_LOGIT = 5
+"""max, subtract, exp, sum and scale: the softmax's work per logit."""
 
 
 @dataclass
@@ -45,13 +48,18 @@ class DegradeStats:
 class Degrade:
     """The engine's degrade state: which placements hold now."""
 
-    def __init__(self, config: EngineConfig, warm: WarmTier | None) -> None:
+    def __init__(self, config: EngineConfig, warm: WarmTier | None, vocab_size: int) -> None:
         self.allowed = config.mode != "pure_gpu"
         self.active = False
         self.sample_placement = config.sample_placement
         """Where tokens are picked this step."""
         self._normal_sample = config.sample_placement
+        self.softmax_mflops = config.max_num_seqs * vocab_size * SOFTMAX_FLOPS_PER_LOGIT / 1e6
+        """The degrade-path softmax's work per step at a full batch."""
+        self.softmax_threshold = config.softmax_threshold_mflops
         self._softmax = config.degrade_softmax
+        if self._softmax == "auto":  # offload_threshold.softmax
+            self._softmax = "cpu" if self.softmax_mflops < self.softmax_threshold else "gpu"
         self._warm = warm
         self._normal_warm = (warm.mode, warm.split) if warm is not None else None
         self.stats = DegradeStats()

@@ -157,7 +157,7 @@ class Engine:
             self.warm.tuner = Tuner(
                 self.warm, config.tuning_warmup_steps, config.tuning_interval_ms
             )
-        self.degrade = Degrade(config, self.warm)
+        self.degrade = Degrade(config, self.warm, spec.vocab_size)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0

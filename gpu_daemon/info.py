@@ -87,16 +87,13 @@ def engine_regions(engine: Engine) -> list[Region]:
                 profiled.get("kv_codec", {}),
             )
         )
-    sample = engine.degrade.sample_placement
+    sample, d = engine.degrade.sample_placement, engine.degrade
     shifted = sample != config.sample_placement
+    figures = dict(profiled.get("sample", {}))
+    # offload_threshold.softmax decides where the degrade path's softmax goes.
+    figures["degrade_softmax_mflops"] = d.softmax_mflops
+    figures["softmax_threshold_mflops"] = d.softmax_threshold
     rows.append(
-        Region(
-            "sample",
-            "step",
-            "hybrid-aware",
-            sample,
-            source("sample", shifted=shifted),
-            profiled.get("sample", {}),
-        )
+        Region("sample", "step", "hybrid-aware", sample, source("sample", shifted=shifted), figures)
     )
     return rows

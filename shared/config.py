@@ -158,8 +158,9 @@ class Placements:
     norm: Device | None = None
     """RMSNorm / LayerNorm (overrides offload_threshold.layernorm)."""
     softmax: Device | None = None
-    """Softmax of the degrade path, the sampler's: cpu or null lets backpressure move it (and
-    the pick) to the CPU daemon; gpu keeps it on the device."""
+    """Softmax of the degrade path, the sampler's: cpu lets backpressure move it (and the
+    pick) to the CPU daemon, gpu keeps it on the device; null: offload_threshold.softmax
+    decides."""
     attn_warm: DeviceOrSplit | None = None
     """Attention over Warm-KV: CPU partials, blocks sent to the GPU, or a measured split."""
     moe_experts: DeviceOrSplit | None = None
@@ -346,7 +347,8 @@ class HybridGenConfig:
             # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
             sample_placement="gpu" if pure_gpu else placed.sample or "gpu",
             kv_codec_placement="gpu" if pure_gpu else placed.kv_codec or "gpu",
-            degrade_softmax=self.placements.softmax or "cpu",
+            degrade_softmax=self.placements.softmax or "auto",
+            softmax_threshold_mflops=self.offload_threshold.softmax,
             pinned_regions=tuple(
                 name for name, v in dataclasses.asdict(self.placements).items() if v is not None
             ),

@@ -96,9 +96,13 @@ class EngineConfig:
     """Engine steps before the first re-balance."""
     tuning_interval_ms: int = 500
     """Time between re-balances."""
-    degrade_softmax: str = "cpu"
+    degrade_softmax: str = "auto"
     """Where the degrade path moves the sampler's softmax and pick (placements.softmax): cpu,
-    or gpu to keep sampling on the device under backpressure."""
+    gpu (sampling stays on the device under backpressure), or auto: cpu while its work per
+    step is below softmax_threshold_mflops."""
+    softmax_threshold_mflops: float = 12000.0
+    """offload_threshold.softmax: a degrade-path softmax of this much work per step or more
+    stays on the GPU."""
     pinned_regions: tuple[str, ...] = ()
     """Regions whose placement the config pinned (placements.*); the region table says so."""
     profiled_regions: tuple[str, ...] = ()
@@ -192,10 +196,10 @@ class EngineConfig:
             "gpu or cpu",
         )
         _check(
-            self.degrade_softmax in ("gpu", "cpu"),
+            self.degrade_softmax in ("gpu", "cpu", "auto"),
             "degrade_softmax",
             self.degrade_softmax,
-            "gpu or cpu",
+            "gpu, cpu or auto",
         )
         _check(self.mode in ("hybrid", "pure_gpu"), "mode", self.mode, "hybrid or pure_gpu")
         if self.mode == "pure_gpu":

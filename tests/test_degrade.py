@@ -82,3 +82,22 @@ def test_placements_that_would_do_nothing_are_refused() -> None:
     ):
         with pytest.raises(ConfigError, match=f"placements.{key}=.*out of range.*{why}"):
             parse_config({"placements": {key: value}})
+
+
+def test_softmax_threshold_decides_where_the_degrade_softmax_goes(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """offload_threshold.softmax: below it the degrade path moves sampling to the CPU, at or
+    above it sampling stays on the device; a pinned placements.softmax beats the rule."""
+    path = checkpoint("llama3")
+    low = _engine(path)  # 2 rows x a small vocab: far below 12,000 MFLOPs
+    work = low.degrade.softmax_mflops
+    assert 0 < work < 12000 and low.degrade.set(True)
+    assert low.degrade.sample_placement == "cpu"
+    low.release()
+    high = _engine(path, softmax_threshold_mflops=work)  # the work reaches the threshold
+    assert high.degrade.set(True) and high.degrade.sample_placement == "gpu"
+    row = {r.name: r for r in engine_regions(high)}["sample"]
+    assert row.measured["degrade_softmax_mflops"] == work
+    high.release()
+    pinned = _engine(path, softmax_threshold_mflops=work, degrade_softmax="cpu")
+    assert pinned.degrade.set(True) and pinned.degrade.sample_placement == "cpu"
+    pinned.release()
