@@ -12,15 +12,17 @@ the GPU's kernels, so they run there; `hybrid-aware` regions run on either devic
 same results (exact modes), and their placement is chosen. Where a placement comes from, in
 order of precedence:
 
+    degrade    moved toward the CPU by backpressure, while it lasts (gpu_daemon/degrade.py;
+               offload_threshold.softmax decides whether the sampler's softmax may move)
+    tuned      attn_warm's split re-balanced from live timings (gpu_daemon/tuner.py)
     pinned     the config's `placements` (or mode: pure_gpu, which pins every region to gpu)
     profile    a tuning_profile.json from hybridgen-profiler (config `profile_path`)
     measured   timed on both devices at start (the Warm tier's probe for attn_warm)
-    threshold  offload_threshold: work per step (MFLOPs) below the threshold runs on the CPU
     default    the measured default recorded in bench/NOTES.md
 
 This module only describes; the engine and the daemons do the placing, and report what they
-chose (`Engine.regions`). The table is what `hybridgen serve --explain` prints and what
-GetModelInfo returns.
+chose (gpu_daemon/info.py `engine_regions`). The table is what `hybridgen serve --explain`
+prints and what GetModelInfo returns.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Region:
     placement: str
     """gpu, cpu, split:<CPU share> or off (the region has no work in this engine)."""
     source: str
-    """pinned, profile, measured, threshold, default or fixed (gpu-bound)."""
+    """degrade, tuned, pinned, profile, measured, default, or fixed (gpu-bound)."""
     measured: Mapping[str, float] = field(default_factory=dict)
     """The figures behind the placement, e.g. cpu_ms / gpu_ms of the same work."""
 
