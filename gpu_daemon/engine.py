@@ -22,7 +22,7 @@ import torch
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
-from hybridgen.gpu_daemon.memory import plan_engine_memory
+from hybridgen.gpu_daemon.memory import graph_batch_size, plan_engine_memory
 from hybridgen.gpu_daemon.model_runner import (
     ModelRunner,
     Sampled,
@@ -104,7 +104,7 @@ class Engine:
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, self.plan.budget / total), self.device
             )
-        graph_batch = min(config.max_graph_batch, config.max_num_seqs) if config.cuda_graphs else 0
+        graph_batch = graph_batch_size(config, spec)
         self.warm: WarmTier | None = None
         if config.warm_pool_mb > 0:
             self.warm = WarmTier(

@@ -156,6 +156,14 @@ def budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return 4096 * MIB
 
 
+def graph_batch_size(config: EngineConfig, spec: ModelSpec) -> int:
+    """Largest decode batch captured in a CUDA graph; 0: none. MoE layers pick their experts
+    on the host (a sync per layer), which a graph cannot capture, so they run eagerly."""
+    if not config.cuda_graphs or spec.num_local_experts:
+        return 0
+    return min(config.max_graph_batch, config.max_num_seqs)
+
+
 def block_bytes(config: EngineConfig, spec: ModelSpec) -> int:
     """K and V of one block over all layers, in the Hot codec's layout."""
     per_layer = hot_kv_bytes_per_token(
@@ -184,7 +192,7 @@ def plan_engine_memory(
         measured = profile_step_peak(
             model, c.max_num_batched_tokens, c.max_num_seqs, c.block_size, device
         )
-        graphs = min(c.max_graph_batch, c.max_num_seqs) if c.cuda_graphs else 0
+        graphs = graph_batch_size(c, spec)
     while True:
         work = workspace_bytes(
             spec,

@@ -1,9 +1,9 @@
 """Builders for tiny random Hugging Face checkpoints, and transformers reference outputs.
 
 Everything is built locally (no hub): a BPE trained on an embedded corpus (Llama 3, Qwen2 or
-Llama 2 style) and small Llama / Qwen2 / Mistral models with seeded random weights, saved with
-`save_pretrained`. Engine tests load these directories and compare their greedy tokens with
-`hf_greedy`.
+Llama 2 style) and small Llama / Qwen2 / Mistral / Mixtral models with seeded random weights,
+saved with `save_pretrained`. Engine tests load these directories and compare their greedy tokens
+with `hf_greedy`.
 
 Not a test module: conftest.py wires these builders into fixtures.
 """
@@ -120,6 +120,16 @@ _KINDS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "rms_norm_eps": 1e-5,
         "sliding_window": 16,  # each query sees itself and the 15 tokens before it
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "mixtral": {
+        "model_type": "mixtral",  # Mistral attention + a sparse MoE block per layer
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,  # top-2 of 4, renormalised
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
     },
 }
@@ -328,7 +338,7 @@ def _generation_config(kind: str, ids: dict[str, Any]) -> dict[str, Any]:
 
 # Tokenizer style per kind when build_checkpoint is not told (see build_tokenizer).
 DEFAULT_TOKENIZER_STYLE = {"llama3": "llama3", "llama2_linear": "llama3", "qwen2": "qwen2",
-                           "mistral": "llama3"}  # fmt: skip
+                           "mistral": "llama3", "mixtral": "llama3"}  # fmt: skip
 
 
 def build_checkpoint(

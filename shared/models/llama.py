@@ -1,4 +1,5 @@
-"""The Llama decoder, which also covers Mistral (sliding window) and Qwen2 (qkv bias).
+"""The Llama decoder, which also covers Mistral (sliding window), Qwen2 (qkv bias) and Mixtral
+(a sparse mixture of experts in place of the MLP, moe.py).
 
 Tokens of all sequences in a step are packed into one flat batch of T tokens, so every
 projection is a single matmul; only attention looks at sequence boundaries, through the
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from hybridgen.kernels import ops
+from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.spec import ModelSpec
 
 
@@ -143,7 +145,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
         self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
-        self.mlp = MLP(spec)
+        # Dense SwiGLU, or (Mixtral) a sparse block of experts of the same shape.
+        self.mlp: nn.Module = SparseMoeBlock(spec, MLP) if spec.num_local_experts else MLP(spec)
 
     def forward(
         self,

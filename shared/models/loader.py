@@ -24,6 +24,10 @@ from hybridgen.models.spec import ModelSpec, parse_config
 from hybridgen.models.tokenizer import Tokenizer
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Mixtral as save_pretrained writes it (every transformers version): one tensor per expert.
+_EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w[123])\.weight")
+# transformers 5's in-memory layout, all experts in one tensor: gate_up [E, 2I, H], down [E, H, I].
+_FUSED_EXPERTS_KEY = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
@@ -38,7 +42,8 @@ class LoadedModel:
 
 
 def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
-    """HF tensor name -> (our parameter name, first row, last row) of the fused parameter."""
+    """HF tensor name -> (our parameter name, first row, last row) of the fused parameter;
+    last row -1 means the whole parameter."""
     q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
     if key == "model.embed_tokens.weight":
         return "embed_tokens.weight", 0, spec.vocab_size
@@ -50,6 +55,8 @@ def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
     if not m:
         return None
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    if spec.num_local_experts and rest.startswith(("block_sparse_moe.", "mlp.")):
+        return _expert_target(spec, prefix, rest.split(".", 1)[1])
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
         "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
@@ -68,6 +75,41 @@ def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
     return None
 
 
+def _expert_target(spec: ModelSpec, prefix: str, rest: str) -> tuple[str, int, int] | None:
+    """A Mixtral MLP tensor (name after `block_sparse_moe.`): the router, or one expert's w1
+    (gate), w3 (up) or w2 (down)."""
+    if rest == "gate.weight":
+        return f"{prefix}mlp.gate.weight", 0, -1
+    m = _EXPERT_KEY.fullmatch(rest)
+    if not m or int(m.group(1)) >= spec.num_local_experts:
+        return None
+    expert, inter = f"{prefix}mlp.experts.{m.group(1)}.", spec.intermediate_size
+    return {
+        "w1": (f"{expert}gate_up_proj.weight", 0, inter),
+        "w3": (f"{expert}gate_up_proj.weight", inter, 2 * inter),
+        "w2": (f"{expert}down_proj.weight", 0, -1),
+    }[m.group(2)]
+
+
+def _split_fused_experts(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers 5's stacked expert tensors -> the per-expert names save_pretrained writes."""
+    for key, src in tensors:
+        m = _FUSED_EXPERTS_KEY.fullmatch(key)
+        if m is None:
+            yield key, src
+            continue
+        base = f"{m.group(1)}.block_sparse_moe.experts."
+        for e, weight in enumerate(src):  # [2I, H] or [H, I] per expert
+            if m.group(2) == "down_proj":
+                yield f"{base}{e}.w2.weight", weight
+            else:
+                gate, up = weight.chunk(2)
+                yield f"{base}{e}.w1.weight", gate
+                yield f"{base}{e}.w3.weight", up
+
+
 def hf_tensor_names(spec: ModelSpec) -> list[str]:
     """The HF names of every tensor of a checkpoint with this spec."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -78,7 +120,13 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if spec.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if spec.num_local_experts:
+            moe = p + "block_sparse_moe."
+            names.append(moe + "gate.weight")
+            for e in range(spec.num_local_experts):
+                names += [f"{moe}experts.{e}.{w}.weight" for w in ("w1", "w2", "w3")]
+        else:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     return names
 
@@ -137,7 +185,7 @@ def copy_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     spec = model.spec
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: dict[str, int] = {}
-    for key, src in tensors:
+    for key, src in _split_fused_experts(tensors):
         target = _target(spec, key)
         if target is None:
             if _IGNORED.fullmatch(key) or key == "lm_head.weight":

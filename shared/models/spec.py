@@ -11,12 +11,13 @@ import torch
 
 from hybridgen.models.errors import ModelLoadError
 
-# HF architecture name -> our model family. All three share one decoder (llama.py); the
-# differences are carried as flags in the spec.
+# HF architecture name -> our model family. All share one decoder (llama.py); the differences
+# are carried as flags in the spec (Mixtral: num_local_experts > 0 swaps the MLP for moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,13 +60,13 @@ class ModelSpec:
     architecture: str
     """HF architecture name, e.g. LlamaForCausalLM."""
     family: str
-    """llama, mistral or qwen2."""
+    """llama, mistral, qwen2 or mixtral."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the MLP."""
+    """Width of the MLP (of each expert, in a mixture of experts)."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -86,6 +87,10 @@ class ModelSpec:
     """q/k/v projections carry a bias (Qwen2)."""
     sliding_window: int = 0
     """Keys older than this many positions are invisible; 0 means full attention."""
+    num_local_experts: int = 0
+    """Experts of each layer's sparse MoE block (Mixtral); 0 for a dense MLP."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k); 0 for a dense MLP."""
     dtype: torch.dtype = torch.bfloat16
     """Checkpoint dtype (`torch_dtype`/`dtype`)."""
     eos_token_ids: tuple[int, ...] = ()
@@ -115,7 +120,10 @@ class ModelSpec:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * i + 2 * h
+        mlp = 3 * h * i
+        if self.num_local_experts:
+            mlp = self.num_local_experts * (mlp + h)  # experts and the router's row per expert
+        layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return self.num_layers * layer + v * h + head + h
 
@@ -174,6 +182,17 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _parse_experts(cfg: dict[str, Any], path: Path) -> tuple[int, int]:
+    """(num_local_experts, num_experts_per_tok) of a Mixtral config, validated."""
+    experts = _require(cfg, "num_local_experts", path)
+    per_token = _require(cfg, "num_experts_per_tok", path)
+    if per_token > experts:
+        raise ModelLoadError(
+            f"{path}: num_experts_per_tok={per_token} must be at most num_local_experts={experts}"
+        )
+    return experts, per_token
+
+
 def parse_config(path: Path) -> ModelSpec:
     """Read `config.json` and validate what the engine depends on, naming the bad key."""
     try:
@@ -208,6 +227,7 @@ def parse_config(path: Path) -> ModelSpec:
     window = cfg.get("sliding_window") or 0
     if family == "qwen2" and not cfg.get("use_sliding_window", False):
         window = 0
+    experts, per_token = _parse_experts(cfg, path) if family == "mixtral" else (0, 0)
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -224,6 +244,8 @@ def parse_config(path: Path) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         sliding_window=int(window),
+        num_local_experts=experts,
+        num_experts_per_tok=per_token,
         dtype=_DTYPES[dtype_name],
         eos_token_ids=_as_ids(cfg.get("eos_token_id")),
         bos_token_id=cfg.get("bos_token_id"),
