@@ -36,7 +36,9 @@ from hybridgen.gpu_daemon.tuner import Tuner
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
 from hybridgen.gpu_daemon.warm_tier import WarmTier
+from hybridgen.models.expert_store import ExpertCache, LatencyModel, MoeStats
 from hybridgen.models.loader import LoadedModel, load_model
+from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 
@@ -94,10 +96,18 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = config.torch_device()
+        cold = config.expert_cache_slots
         self.loaded = loaded or load_model(
-            config.model, self.device, config.torch_dtype(), config.seed
+            config.model, self.device, config.torch_dtype(), config.seed, cold is not None
         )
         spec = self.spec = self.loaded.model.spec
+        self.experts: tuple[ExpertCache, LatencyModel] | None = None
+        """Cold-Weights: the shared device cache of experts and the latency model."""
+        blocks = [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+        if cold is not None and blocks:
+            self.experts = enable_cold_weights(
+                blocks, cold, config.expert_cpu_max_tokens, self.device
+            )
         self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -178,6 +188,13 @@ class Engine:
         if self.warm is not None:
             stats.update(self.warm.info())
         return stats
+
+    def moe_stats(self) -> dict[str, float]:
+        """Cold-Weights counters since start (all zero without it): cache hits and misses,
+        hit rate, experts computed on the CPU and on the device (also per step), bytes
+        copied host -> device."""
+        stats = self.experts[0].stats if self.experts is not None else MoeStats()
+        return stats.figures(self.stats.steps)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)

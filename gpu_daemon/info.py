@@ -87,6 +87,8 @@ def engine_regions(engine: Engine) -> list[Region]:
                 profiled.get("kv_codec", {}),
             )
         )
+    if engine.spec.num_local_experts:
+        rows.append(_moe_experts_row(engine))
     sample, d = engine.degrade.sample_placement, engine.degrade
     shifted = sample != config.sample_placement
     figures = dict(profiled.get("sample", {}))
@@ -97,3 +99,16 @@ def engine_regions(engine: Engine) -> list[Region]:
         Region("sample", "step", "hybrid-aware", sample, source("sample", shifted=shifted), figures)
     )
     return rows
+
+
+def _moe_experts_row(engine: Engine) -> Region:
+    """Cold-Weights: experts on the CPU or through the device cache, per the latency model;
+    without it every expert is resident on the device."""
+    if engine.experts is None:
+        return Region("moe_experts", "layer", "hybrid-aware", "gpu", "default")
+    cache, latency = engine.experts
+    figures: dict[str, float] = dict(latency.figures())
+    figures["cache_slots"] = cache.capacity
+    figures["cache_hit_rate"] = engine.moe_stats()["cache_hit_rate"]
+    how = "pinned" if engine.config.expert_cpu_max_tokens is not None else "measured"
+    return Region("moe_experts", "layer", "hybrid-aware", "cpu+cache", how, figures)

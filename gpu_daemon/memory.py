@@ -24,6 +24,7 @@ from hybridgen.gpu_daemon.cuda_graphs import graph_sizes
 from hybridgen.gpu_daemon.model_runner import profile_step_peak
 from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
 from hybridgen.models.llama import CausalLM
+from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.rope import max_model_len as model_max_len
 from hybridgen.models.spec import ModelSpec
 
@@ -43,7 +44,7 @@ class MemoryPlan:
     budget: int
     """The whole budget."""
     weights: int
-    """Parameters as loaded."""
+    """Parameters as loaded (what stays on the device), plus a Cold-Weights expert cache."""
     workspace: int
     """Upper bound of transient tensors in one step."""
     block_bytes: int
@@ -185,7 +186,14 @@ def plan_engine_memory(
         blocks = max(1, int(c.kv_pool_mb * MIB) // kv_block)
     if blocks is not None and c.max_model_len is None and not c.warm_pool_mb:
         length = min(length, blocks * c.block_size)
+    # With Cold-Weights the experts are no parameters (host memory); their cache is counted.
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    caches = {
+        id(m.cold[1]): m.cold[1].nbytes
+        for m in model.modules()
+        if isinstance(m, SparseMoeBlock) and m.cold is not None
+    }
+    weights += sum(caches.values())
     budget = budget_bytes(c, device)
     measured, graphs = None, 0
     if device.type == "cuda":

@@ -110,6 +110,12 @@ class EngineConfig:
     profile_measured: tuple[tuple[str, str, float], ...] = ()
     """The profile's figures behind those placements: (region, key, value), e.g.
     ("sample", "cpu_ms", 0.12); the region table shows them."""
+    expert_cache_slots: int | None = None
+    """Cold-Weights for MoE models: None keeps every expert on the device; N keeps the experts
+    in host memory with an N-expert device cache (LRU, shared by all layers)."""
+    expert_cpu_max_tokens: int | None = None
+    """Cold-Weights: an uncached expert with at most this many routed tokens runs on the CPU,
+    more are fetched into the cache; None: the crossover of the latency model timed at start."""
     mode: str = "hybrid"
     """The config's top-level mode, which GetModelInfo reports: hybrid, or pure_gpu (no
     Warm tier and sampling on the device: the CPU only detokenizes and streams)."""
@@ -212,6 +218,18 @@ class EngineConfig:
                 self.sample_placement,
                 "gpu with mode=pure_gpu",
             )
+        _check(
+            self.expert_cache_slots is None or self.expert_cache_slots >= 1,
+            "expert_cache_slots",
+            self.expert_cache_slots,
+            ">= 1 (or unset: every expert on the device)",
+        )
+        _check(
+            self.expert_cpu_max_tokens is None or self.expert_cpu_max_tokens >= 0,
+            "expert_cpu_max_tokens",
+            self.expert_cpu_max_tokens,
+            ">= 0 (or unset: from the latency model)",
+        )
         _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
 

@@ -3,7 +3,9 @@
 A router scores every expert for each token and keeps the top k; each kept expert is an
 ordinary SwiGLU MLP that sees only the tokens routed to it, so a step costs one matmul pair
 per *active* expert. The router (`route`) and the per-expert call (`run_expert`) stay separate
-methods: expert offloading hooks in at `run_expert`, without touching the routing.
+methods: expert offloading hooks in at `run_expert`, without touching the routing. With
+Cold-Weights on (`to_cold_weights`), the experts live in host memory (expert_store.py) and each
+one runs on the CPU or from the shared device cache, as the latency model says.
 
 Order of operations and dtypes follow transformers' MixtralSparseMoeBlock, so fp32 results are
 HF's to the last bit up to matmul blocking:
@@ -19,17 +21,45 @@ import torch
 from torch import nn
 
 from hybridgen.kernels import ops
+from hybridgen.models.expert_store import (
+    ExpertCache,
+    ExpertStore,
+    LatencyModel,
+    MoeStats,
+    calibrate,
+    swiglu,
+)
 from hybridgen.models.spec import ModelSpec
 
 
 class SparseMoeBlock(nn.Module):
-    """`gate` ([E, H] router weight) and `experts` (E dense MLPs); names follow HF's `mlp.`."""
+    """`gate` ([E, H] router weight) and `experts` (E dense MLPs); names follow HF's `mlp.`.
+
+    Cold-Weights: `experts` is empty and `store` holds their weights in host memory.
+    """
 
     def __init__(self, spec: ModelSpec, expert: Callable[[ModelSpec], nn.Module]) -> None:
         super().__init__()
         self.num_experts, self.top_k = spec.num_local_experts, spec.num_experts_per_tok
         self.gate = nn.Linear(spec.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleList(expert(spec) for _ in range(self.num_experts))
+        self.store: ExpertStore | None = None
+        self.cold: tuple[int, ExpertCache, LatencyModel] | None = None
+        """Cold-Weights: (this layer's index, the shared device cache, the latency model)."""
+
+    def experts_to_host(self, pin: bool) -> ExpertStore:
+        """Move the experts' weights into a host ExpertStore (pinned: for async copies)."""
+        if self.store is None:
+            gate_up = [e.get_parameter("gate_up_proj.weight").detach().cpu() for e in self.experts]
+            down = [e.get_parameter("down_proj.weight").detach().cpu() for e in self.experts]
+            self.store = ExpertStore(torch.stack(gate_up), torch.stack(down), pin)
+            self.experts = nn.ModuleList()
+        return self.store
+
+    def to_cold_weights(self, layer: int, cache: ExpertCache, latency: LatencyModel) -> None:
+        """Run the experts from host memory: on the CPU or through `cache`, per step."""
+        assert self.store is not None, "experts_to_host first"
+        self.cold = (layer, cache, latency)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token)."""
@@ -40,7 +70,17 @@ class SparseMoeBlock(nn.Module):
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]."""
-        return self.experts[expert](x)
+        if self.store is None:
+            return self.experts[expert](x)
+        if self.cold is None:  # host experts without a device cache: all on the CPU
+            return self.store.run_cpu(expert, x)
+        layer, cache, latency = self.cold
+        if (layer, expert) not in cache and x.shape[0] <= latency.cpu_max_tokens:
+            cache.stats.cpu_experts += 1
+            return self.store.run_cpu(expert, x)
+        slot = cache.fetch(layer, expert, self.store)
+        cache.stats.gpu_experts += 1
+        return swiglu(x, cache.gate_up[slot], cache.down[slot])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
@@ -51,3 +91,17 @@ class SparseMoeBlock(nn.Module):
             y = self.run_expert(expert, x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(x.dtype))
         return out
+
+
+def enable_cold_weights(
+    blocks: list[SparseMoeBlock], slots: int, cpu_max_tokens: int | None, device: torch.device
+) -> tuple[ExpertCache, LatencyModel]:
+    """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory, one
+    `slots`-expert device cache shared by all layers, and the latency model timed here."""
+    pin = device.type == "cuda"
+    stores = [block.experts_to_host(pin) for block in blocks]
+    cache = ExpertCache(slots, stores[0], device, MoeStats())
+    latency = calibrate(stores[0], cache, device, cpu_max_tokens)
+    for layer, block in enumerate(blocks):
+        block.to_cold_weights(layer, cache, latency)
+    return cache, latency

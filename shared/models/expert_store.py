@@ -1,0 +1,188 @@
+"""Cold-Weights: MoE expert weights in host memory, an LRU cache of them on the device, and
+the latency model that decides, per step and routed expert, where that expert runs.
+
+DESIGN.md "Shared memory" (Cold-Weights) and "Op-Regions" (moe_experts). Attention, norms,
+embeddings and the router stay on the device; only the experts move:
+
+    host  ExpertStore (one per layer)   gate_up [E, 2I, H], down [E, H, I]   (pinned on CUDA)
+            |                    \\
+            | fetch (H2D, LRU)     \\ x -> CPU, SwiGLU on the host, result -> device
+            v                      v
+    device ExpertCache (shared)      slots: gate_up [N, 2I, H], down [N, H, I]
+
+An expert with t routed tokens runs on the CPU when it is not cached and
+t * cpu_s_per_token < expert_bytes / pcie_bytes_per_s; a cached expert always runs on the
+device. Both paths compute the same SwiGLU in the model dtype (`swiglu`), so exact mode stays
+exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from hybridgen.kernels import ops
+
+CPU_PCIE_BYTES_PER_S = 25e9
+"""Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
+CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert: x [N, H], gate_up [2I, H], down [H, I] -> [N, H] (models.llama.MLP's math)."""
+    return ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
+
+
+@dataclass
+class MoeStats:
+    """Cold-Weights counters since start, over every layer."""
+
+    cache_hits: int = 0
+    """Device computations whose expert was already in the cache."""
+    cache_misses: int = 0
+    """Fetches: an expert copied host -> device into a cache slot."""
+    cpu_experts: int = 0
+    """(layer, expert) computations on the CPU with the host weights."""
+    gpu_experts: int = 0
+    """(layer, expert) computations on the device from the cache (hits + misses)."""
+    bytes_h2d: int = 0
+    """Expert bytes copied host -> device."""
+
+    def figures(self, steps: int) -> dict[str, float]:
+        """The counters, the cache hit rate, and experts per engine step on each device."""
+        out: dict[str, float] = dict(vars(self))
+        fetches = self.cache_hits + self.cache_misses
+        out["cache_hit_rate"] = self.cache_hits / fetches if fetches else 0.0
+        out["cpu_experts_per_step"] = self.cpu_experts / max(steps, 1)
+        out["gpu_experts_per_step"] = self.gpu_experts / max(steps, 1)
+        return out
+
+
+class ExpertStore:
+    """Every expert of one layer in host memory, in the model dtype.
+
+    Invariant: the tensors never move to the device; the cache copies from them.
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pin: bool) -> None:
+        self.gate_up = gate_up.pin_memory() if pin else gate_up  # [E, 2I, H]
+        self.down = down.pin_memory() if pin else down  # [E, H, I]
+
+    @property
+    def expert_bytes(self) -> int:
+        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+
+    def run_cpu(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, H] on any device -> the expert's output [N, H] on x's device, computed on
+        the CPU."""
+        y = swiglu(x.to("cpu"), self.gate_up[expert], self.down[expert])
+        return y.to(x.device)
+
+
+class ExpertCache:
+    """`slots` device slots shared by all layers, least recently used evicted first.
+
+    Invariant: `_slots` maps (layer, expert) -> slot index, in use order (oldest first), and
+    slot s holds exactly that expert's weights.
+    """
+
+    def __init__(
+        self, slots: int, store: ExpertStore, device: torch.device, stats: MoeStats
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"expert_cache_slots={slots}; expected >= 1 (or None: no cache)")
+        e = store.gate_up
+        self.gate_up = torch.empty((slots, *e.shape[1:]), dtype=e.dtype, device=device)
+        self.down = torch.empty((slots, *store.down.shape[1:]), dtype=e.dtype, device=device)
+        self.capacity, self.stats = slots, stats
+        self.expert_bytes = store.expert_bytes
+        self._slots: OrderedDict[tuple[int, int], int] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.expert_bytes
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._slots
+
+    def fetch(self, layer: int, expert: int, store: ExpertStore) -> int:
+        """The slot holding `expert` of `layer`, copied in from `store` on a miss."""
+        key = (layer, expert)
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._slots.move_to_end(key)
+            self.stats.cache_hits += 1
+            return slot
+        if len(self._slots) < self.capacity:
+            slot = len(self._slots)
+        else:
+            _, slot = self._slots.popitem(last=False)
+        # Same stream as the computations: a slot is overwritten only after the work that
+        # read it was queued, so the copy may be asynchronous.
+        non_blocking = self.gate_up.device.type == "cuda"
+        self.gate_up[slot].copy_(store.gate_up[expert], non_blocking=non_blocking)
+        self.down[slot].copy_(store.down[expert], non_blocking=non_blocking)
+        self._slots[key] = slot
+        self.stats.cache_misses += 1
+        self.stats.bytes_h2d += self.expert_bytes
+        return slot
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """CPU compute time against transfer time of one expert, as a function of its tokens."""
+
+    cpu_s_per_token: float
+    """CPU SwiGLU time per routed token (timed at start)."""
+    pcie_bytes_per_s: float
+    """Host-to-device copy bandwidth (timed at start on CUDA)."""
+    expert_bytes: int
+    """gate_up and down of one expert."""
+    max_cpu_tokens_override: int | None = None
+    """config expert_cpu_max_tokens: a fixed crossover instead of the timings."""
+
+    @property
+    def fetch_s(self) -> float:
+        return self.expert_bytes / self.pcie_bytes_per_s
+
+    @property
+    def cpu_max_tokens(self) -> int:
+        """Most tokens an uncached expert may have and still run on the CPU."""
+        if self.max_cpu_tokens_override is not None:
+            return self.max_cpu_tokens_override
+        # The largest t with t * cpu_s_per_token < fetch_s.
+        return max(math.ceil(self.fetch_s / self.cpu_s_per_token) - 1, 0)
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "cpu_us_per_token": self.cpu_s_per_token * 1e6,
+            "fetch_us": self.fetch_s * 1e6,
+            "cpu_max_tokens": self.cpu_max_tokens,
+        }
+
+
+def calibrate(
+    store: ExpertStore, cache: ExpertCache, device: torch.device, override: int | None
+) -> LatencyModel:
+    """Time one expert on the CPU on a few tokens and, on CUDA, one fetch (into slot 0,
+    which nothing holds yet; the cache's counters are left untouched)."""
+    tokens = 4
+    x = torch.randn(tokens, store.gate_up.shape[-1], dtype=store.gate_up.dtype)
+    store.run_cpu(0, x)  # warm-up
+    start = time.perf_counter()
+    store.run_cpu(0, x)
+    cpu_s = (time.perf_counter() - start) / tokens
+    bandwidth = CPU_PCIE_BYTES_PER_S
+    if device.type == "cuda":
+        cache.gate_up[0].copy_(store.gate_up[0], non_blocking=True)  # warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        cache.gate_up[0].copy_(store.gate_up[0], non_blocking=True)
+        cache.down[0].copy_(store.down[0], non_blocking=True)
+        torch.cuda.synchronize(device)
+        bandwidth = store.expert_bytes / max(time.perf_counter() - start, 1e-9)
+    return LatencyModel(max(cpu_s, 1e-12), bandwidth, store.expert_bytes, override)

@@ -1,0 +1,158 @@
+"""Cold-Weights (issue 6, exact mode): MoE experts in host memory, each routed expert computed
+on the CPU or fetched into an LRU device cache, with the same greedy tokens as HF transformers.
+
+CPU, fp32, the tiny Mixtral checkpoint (2 layers of 4 experts, top-2): a cache of 4 slots
+holds half of the model's 8 (layer, expert) pairs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.info import engine_regions
+from hybridgen.models.expert_store import ExpertCache, ExpertStore, LatencyModel, MoeStats
+from hybridgen.models.loader import load_model
+from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
+from hybridgen.sampling.params import SamplingParams
+from tests.hf_reference import hf_greedy, sample_prompts
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SLOTS = 4
+
+
+def _prompts(path: Path) -> list[list[int]]:
+    return sample_prompts(path, 3, [7, 29, 83])
+
+
+def _blocks(engine: Engine) -> list[SparseMoeBlock]:
+    return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def test_cold_weights_greedy_matches_hf_on_both_paths(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Batched prefill (several tokens per expert: fetched into the cache) and batched decode
+    (often one token per expert: computed on the CPU) give HF's greedy tokens exactly."""
+    path = checkpoint("mixtral")
+    prompts = _prompts(path)
+    config = EngineConfig(
+        model=str(path), device="cpu", expert_cache_slots=SLOTS, expert_cpu_max_tokens=1
+    )
+    engine = Engine(config)
+    got = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in got] == hf_greedy(path, prompts, NEW_TOKENS)
+
+    stats = engine.moe_stats()
+    assert stats["cpu_experts"] > 0 and stats["gpu_experts"] > 0
+    assert stats["cache_misses"] > 0 and stats["cache_hits"] > 0
+    assert stats["gpu_experts"] == stats["cache_hits"] + stats["cache_misses"]
+    assert engine.experts is not None
+    cache, _ = engine.experts
+    spec = engine.spec
+    expert_bytes = 3 * spec.hidden_size * spec.intermediate_size * 4  # gate, up, down in fp32
+    assert cache.expert_bytes == expert_bytes
+    assert stats["bytes_h2d"] == stats["cache_misses"] * expert_bytes
+    assert 0 < stats["cache_hit_rate"] < 1
+
+    # The experts are no device parameters any more: only the cache is planned for them.
+    assert all(b.store is not None and len(b.experts) == 0 for b in _blocks(engine))
+    dense = Engine(EngineConfig(model=str(path), device="cpu"))
+    all_experts = spec.num_layers * spec.num_local_experts * expert_bytes
+    assert dense.plan.weights - engine.plan.weights == all_experts - SLOTS * expert_bytes
+
+    row = next(r for r in engine_regions(engine) if r.name == "moe_experts")
+    assert (row.label, row.placement, row.measured["cpu_max_tokens"]) == (
+        "hybrid-aware",
+        "cpu+cache",
+        1,
+    )
+
+
+def test_without_cold_weights_nothing_changes(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    path = checkpoint("mixtral")
+    prompts = _prompts(path)[:2]
+    engine = Engine(EngineConfig(model=str(path), device="cpu"))
+    got = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in got] == hf_greedy(path, prompts, NEW_TOKENS)
+    assert engine.experts is None
+    assert all(v == 0 for v in engine.moe_stats().values())
+    assert all(b.store is None and len(b.experts) == 4 for b in _blocks(engine))
+    row = next(r for r in engine_regions(engine) if r.name == "moe_experts")
+    assert row.placement == "gpu"
+
+
+@pytest.mark.parametrize("crossover", ["cache", "mixed", "cpu", "timed"])
+def test_cold_block_equals_resident_block(checkpoint, crossover: str) -> None:  # type: ignore[no-untyped-def]
+    """The MoE block gives the same output, bit for bit on the CPU, with its experts resident
+    and with them in host memory: all through the cache, mixed (the least-routed expert of
+    each layer on the CPU), all on the CPU, or as the timed latency model says."""
+    path = checkpoint("mixtral")
+    resident = load_model(str(path), torch.device("cpu"), torch.float32).model
+    cold = load_model(str(path), torch.device("cpu"), torch.float32, host_experts=True).model
+    blocks = [layer.mlp for layer in cold.layers]
+    assert all(isinstance(b, SparseMoeBlock) for b in blocks)
+    x = torch.randn(24, cold.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    fewest = min(int(torch.bincount(b.route(x)[0].flatten()).min()) for b in blocks)
+    with torch.no_grad():  # host experts without a cache yet: all on the CPU
+        assert torch.equal(blocks[0](x), resident.layers[0].mlp(x))
+    limit = {"cache": 0, "mixed": fewest, "cpu": 1000, "timed": None}[crossover]
+    cache, latency = enable_cold_weights(blocks, 2, limit, torch.device("cpu"))  # type: ignore[arg-type]
+    if crossover == "timed":  # CPU time per token, and the 25 GB/s fallback without CUDA
+        assert latency.cpu_s_per_token > 0 and latency.pcie_bytes_per_s == 25e9
+    with torch.no_grad():
+        for mine, theirs in zip(blocks, resident.layers, strict=True):
+            assert torch.equal(mine(x), theirs.mlp(x))
+    s = cache.stats
+    assert s.cpu_experts + s.gpu_experts == 8  # every expert of both layers is routed to
+    if crossover == "cache":
+        assert s.gpu_experts == 8
+    if crossover == "mixed":
+        assert s.cpu_experts > 0 and s.gpu_experts > 0
+    if crossover == "cpu":
+        assert s.cpu_experts == 8 and s.bytes_h2d == 0
+
+
+def _store(experts: int = 4) -> ExpertStore:
+    g = torch.Generator().manual_seed(1)
+    return ExpertStore(
+        torch.randn(experts, 6, 3, generator=g), torch.randn(experts, 3, 3, generator=g), False
+    )
+
+
+def test_cache_evicts_the_least_recently_used() -> None:
+    store = _store()
+    cache = ExpertCache(2, store, torch.device("cpu"), MoeStats())
+    cache.fetch(0, 0, store)
+    cache.fetch(0, 1, store)
+    cache.fetch(0, 0, store)  # hit: expert 1 is now the least recently used
+    cache.fetch(0, 2, store)  # evicts expert 1
+    assert (0, 0) in cache and (0, 2) in cache and (0, 1) not in cache
+    cache.fetch(1, 0, store)  # another layer's expert 0 is another entry; evicts (0, 0)
+    assert (0, 0) not in cache and (0, 2) in cache and (1, 0) in cache
+    for expert in (2, 0):
+        slot = cache.fetch(1 if expert == 0 else 0, expert, store)
+        assert torch.equal(cache.gate_up[slot], store.gate_up[expert])
+        assert torch.equal(cache.down[slot], store.down[expert])
+    s = cache.stats
+    assert (s.cache_hits, s.cache_misses) == (3, 4)
+    assert s.bytes_h2d == 4 * store.expert_bytes == 4 * (18 + 9) * 4
+
+
+def test_latency_model_crossover() -> None:
+    """cpu_s(t) = t * cpu_s_per_token against fetch_s = bytes / bandwidth."""
+    model = LatencyModel(cpu_s_per_token=1e-6, pcie_bytes_per_s=1e9, expert_bytes=4500)
+    assert model.fetch_s == pytest.approx(4.5e-6)
+    assert model.cpu_max_tokens == 4  # 4 us < 4.5 us, 5 us is not
+    assert LatencyModel(1.0, 1e9, 10).cpu_max_tokens == 0  # fetching always wins
+    assert LatencyModel(1e-6, 1e9, 4500, max_cpu_tokens_override=7).cpu_max_tokens == 7
+
+
+def test_bad_cold_weights_config_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="expert_cache_slots"):
+        EngineConfig(expert_cache_slots=0)
+    with pytest.raises(ConfigError, match="expert_cpu_max_tokens"):
+        EngineConfig(expert_cpu_max_tokens=-1)
