@@ -149,7 +149,7 @@ class GpuHeartbeat:
         free KV blocks, or every sequence slot busy), and again when that ends."""
         sched, reasons = self.engine.scheduler, 0
         if sched.waiting:
-            if self.engine.pool.num_free == 0:
+            if sched.kv_short:
                 reasons |= NO_KV_BLOCKS
             if len(sched.running) >= sched.config.max_num_seqs:
                 reasons |= NO_SEQ_SLOTS

@@ -86,6 +86,9 @@ class Scheduler:
         self.pool = pool
         self.offload = offload
         self.waiting: deque[Sequence] = deque()
+        self.kv_short = False
+        """The last step could not admit the first waiting sequence for lack of Hot blocks
+        (what the GPU daemon reports as BACKPRESSURE NO_KV_BLOCKS)."""
         self.running: list[Sequence] = []  # in arrival order
         self.prefix_hit_tokens = 0
         """Prompt tokens whose KV came from the prefix cache (first admissions only)."""
@@ -114,6 +117,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.kv_short = False
         budget = self.config.max_num_batched_tokens
         ready = [s for s in self.running if not s.awaiting_token]
         decoding = [s for s in ready if s.num_tokens - s.num_computed_tokens == 1]
@@ -227,6 +231,7 @@ class Scheduler:
                 # Its own cached prefix may be what fills Hot: it can move to Warm too.
                 self.offload.spill([*self.running, seq], need - self.pool.num_free)
             if need > self.pool.num_free:
+                self.kv_short = True
                 if seq.warm_slots:  # swapped out: its Warm prefix waits with it
                     break
                 self.pool.free(seq.block_ids)  # the cached prefix goes back, still cached

@@ -123,3 +123,18 @@ def test_random_workload_drains_without_leaks() -> None:
         run_to_end(sched, seqs)
         assert pool.num_free == pool.num_blocks, f"trial {trial} leaked blocks"
         assert all(s.status is Status.FINISHED for s in seqs)
+
+
+def test_kv_short_flags_a_request_waiting_for_blocks() -> None:
+    """kv_short (BACKPRESSURE NO_KV_BLOCKS) holds exactly while the first waiting sequence
+    cannot get its blocks, even when some blocks are free."""
+    pool = BlockPool(num_blocks=5, block_size=16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256), pool)
+    first, second = make_seq(0, 40, 4), make_seq(1, 40, 4)  # 3 blocks each
+    sched.add(first)
+    sched.add(second)
+    batch = sched.schedule()
+    assert batch.seqs == [first] and sched.waiting[0] is second
+    assert sched.kv_short and pool.num_free == 2  # free blocks, but not enough
+    steps = run_to_end(sched, [first, second])
+    assert not sched.kv_short and len(steps) > 1
