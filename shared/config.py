@@ -18,7 +18,14 @@ import structlog
 import torch
 import yaml
 
-from hybridgen.config_schema import StrictLoader, at_least, between, build, checked
+from hybridgen.config_schema import (
+    StrictLoader,
+    at_least,
+    between,
+    build,
+    checked,
+    parse_cpu_list,
+)
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.tuning_profile import (
     TuningProfile,
@@ -33,40 +40,9 @@ log = structlog.get_logger()
 T = TypeVar("T")
 Device = Literal["cpu", "gpu"]
 DeviceOrSplit = Literal["cpu", "gpu", "split"]
-_MAX_CPUS = 8192
 _INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _POSITIVE: tuple[Callable[[Any], object], str] = (lambda v: v > 0, "> 0")
 _NONEMPTY: tuple[Callable[[Any], object], str] = (lambda v: v.strip() != "", "a non-empty string")
-
-
-def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
-    """CPU ids of a list such as "0-15" or "0,2,4-7" (the cpuset / taskset -c syntax)."""
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(
-            f"{key}={value!r} is out of range: allowed a CPU list such as '0-15' or "
-            f"'0,2,4-7' ({why})"
-        )
-
-    # A bare YAML integer is ambiguous (the article's `cores: 32` is a count, cpuset's "32"
-    # is CPU 32), so only the quoted list form is accepted.
-    if not isinstance(value, str):
-        raise ConfigError(
-            f"{key}={value!r} has the wrong type: expected a quoted CPU list such as "
-            "'0-15', '0,2,4-7' or '3'"
-        )
-    cpus: set[int] = set()
-    for part in value.replace(" ", "").split(","):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if match is None:
-            raise bad(f"{part!r} is not N or N-M")
-        first, last = int(match[1]), int(match[2] or match[1])
-        if first > last:
-            raise bad(f"{part!r} runs backwards")
-        if last >= _MAX_CPUS:
-            raise bad(f"CPU ids stop below {_MAX_CPUS}")
-        cpus.update(range(first, last + 1))
-    return tuple(sorted(cpus))
 
 
 @dataclass(frozen=True)
@@ -242,6 +218,18 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ColdWeightsConfig:
+    """MoE experts kept in host memory (Cold-Weights); dense models ignore it."""
+
+    expert_cache_slots: int | None = at_least(None, 1)
+    """Device slots of the expert cache, shared by all layers; each routed expert is computed
+    on the CPU or fetched into it, whichever the latency model says is faster. null: every
+    expert stays on the device."""
+    expert_format: Literal["native"] = "native"
+    """Host format of the experts: native, the checkpoint's dtype (int8/int4: not yet)."""
+
+
+@dataclass(frozen=True)
 class HybridGenConfig:
     """hybridgen_config.yaml."""
 
@@ -257,6 +245,8 @@ class HybridGenConfig:
     """tuning_profile.json from hybridgen-profiler, relative to this file; null: none."""
     placements: Placements = field(default_factory=Placements)
     """Regions pinned by hand, over every measurement."""
+    cold_weights: ColdWeightsConfig = field(default_factory=ColdWeightsConfig)
+    """MoE experts in host memory."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -271,6 +261,12 @@ class HybridGenConfig:
             raise ConfigError(
                 f"kv_cache.hot_region_mb={hot:g} is out of range: "
                 f"allowed <= device_topology.gpu.memory_mb ({budget})"
+            )
+        slots = self.cold_weights.expert_cache_slots
+        if self.mode == "pure_gpu" and slots is not None:
+            raise ConfigError(
+                f"cold_weights.expert_cache_slots={slots} is out of range: allowed null with "
+                "mode=pure_gpu (Cold-Weights computes experts on the CPU)"
             )
         if self.mode == "pure_gpu":
             warm = self.kv_cache.warm_region_mb
@@ -356,6 +352,7 @@ class HybridGenConfig:
             dynamic_tuning=self.dynamic_tuning.enable and profile is None and not pure_gpu,
             tuning_warmup_steps=self.dynamic_tuning.warmup_steps,
             tuning_interval_ms=self.dynamic_tuning.update_interval_ms,
+            expert_cache_slots=self.cold_weights.expert_cache_slots,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,
             seed=m.seed,

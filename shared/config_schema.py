@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -114,3 +115,36 @@ def typed_value(hint: Any, value: object, key: str, optional: bool = False) -> o
         return value
     expected = TYPE_NAMES.get(hint, str(hint)) + (" or null" if optional else "")
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
+
+
+_MAX_CPUS = 8192
+
+
+def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
+    """CPU ids of a list such as "0-15" or "0,2,4-7" (the cpuset / taskset -c syntax)."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            f"{key}={value!r} is out of range: allowed a CPU list such as '0-15' or "
+            f"'0,2,4-7' ({why})"
+        )
+
+    # A bare YAML integer is ambiguous (the article's `cores: 32` is a count, cpuset's "32"
+    # is CPU 32), so only the quoted list form is accepted.
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{key}={value!r} has the wrong type: expected a quoted CPU list such as "
+            "'0-15', '0,2,4-7' or '3'"
+        )
+    cpus: set[int] = set()
+    for part in value.replace(" ", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if match is None:
+            raise bad(f"{part!r} is not N or N-M")
+        first, last = int(match[1]), int(match[2] or match[1])
+        if first > last:
+            raise bad(f"{part!r} runs backwards")
+        if last >= _MAX_CPUS:
+            raise bad(f"CPU ids stop below {_MAX_CPUS}")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))

@@ -39,6 +39,7 @@ FULL: dict[str, Any] = {
     "dynamic_tuning": {"enable": False, "warmup_steps": 8, "update_interval_ms": 250},
     "profile_path": "/var/lib/hybridgen/tuning_profile.json",
     "placements": {"attn_warm": "split", "sample": "cpu", "rope": "gpu"},
+    "cold_weights": {"expert_cache_slots": 6, "expert_format": "native"},
     "model": {
         "name_or_path": "llama3-8b",
         "dtype": "bfloat16",
@@ -344,6 +345,7 @@ def test_engine_config_mapping() -> None:
         prefix_reuse=False,
         sample_placement="cpu",
         pinned_regions=("rope", "attn_warm", "sample"),
+        expert_cache_slots=6,
         tuning_warmup_steps=8,
         tuning_interval_ms=250,
         seed=7,
@@ -417,3 +419,13 @@ def test_with_model_overrides_only_the_model() -> None:
     assert other.model.name_or_path == "tiny-llama"
     assert other.model.max_model_len == config.model.max_model_len
     assert other.kv_cache == config.kv_cache
+
+
+def test_cold_weights_keys() -> None:
+    with pytest.raises(ConfigError, match=r"cold_weights\.expert_format='int4' is out of range"):
+        parse_config({"cold_weights": {"expert_format": "int4"}})
+    with pytest.raises(ConfigError, match=r"cold_weights\.expert_cache_slots=0 is out of range"):
+        parse_config({"cold_weights": {"expert_cache_slots": 0}})
+    with pytest.raises(ConfigError, match=r"expert_cache_slots=4 .*mode=pure_gpu"):
+        parse_config({"mode": "pure_gpu", "cold_weights": {"expert_cache_slots": 4}})
+    assert parse_config({}).engine_config("cpu").expert_cache_slots is None
