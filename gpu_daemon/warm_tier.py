@@ -182,9 +182,8 @@ class WarmTier:
 
         def gpu() -> None:
             self.device_partial(0, q.to(spec.dtype), [slots], scale)
-            torch.cuda.synchronize(self.device)
 
-        t_cpu, t_gpu = (_best_of(3, fn) for fn in (cpu, gpu))
+        t_cpu, t_gpu = (best_of(3, fn, self.device) for fn in (cpu, gpu))
         self.pool.free(slots)
         self.stats = WarmStats()  # the probe is not traffic
         self.measured = {"cpu_ms": t_cpu * 1e3, "gpu_ms": t_gpu * 1e3, "blocks": n}
@@ -319,12 +318,16 @@ def choose_placement(t_cpu: float, t_gpu: float) -> tuple[str, float]:
     return "split", t_gpu / (t_cpu + t_gpu)
 
 
-def _best_of(n: int, fn: Callable[[], None]) -> float:
-    """Shortest wall time of n calls, after one warm-up call."""
+def best_of(n: int, fn: Callable[[], object], device: torch.device) -> float:
+    """Shortest wall time in seconds of n calls, after one warm-up call, each call waited
+    for on the device."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     fn()
+    sync()
     best = math.inf
     for _ in range(n):
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best

@@ -3,12 +3,12 @@ hybrid/pure_gpu ratios, the latency-percentile plot and the closing table."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 
 log = structlog.get_logger()
@@ -46,11 +46,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     (numpy's default method)."""
     if not values or not 0 <= q <= 100:
         raise ValueError(f"percentile needs values and 0 <= q <= 100, got {len(values)}, {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(values, q))
 
 
 def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:

@@ -30,8 +30,6 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,7 +45,7 @@ from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
 from hybridgen.engine_config import ConfigError
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
-from hybridgen.gpu_daemon.warm_tier import WarmTier, choose_placement
+from hybridgen.gpu_daemon.warm_tier import WarmTier, best_of, choose_placement
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.sampling.sampler import Sampler, SamplingBatch
@@ -130,20 +128,6 @@ def replay(engine: Engine, prompts: list[Prompt], max_new_tokens: int) -> Shapes
     return shapes
 
 
-def best_ms(fn: Callable[[], object], device: torch.device, runs: int) -> float:
-    """Shortest wall time of `runs` calls in ms, after one warm-up, the device synchronized."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def _randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
@@ -176,7 +160,7 @@ def profile_attn_warm(warm: WarmTier, rows: int, blocks: int, runs: int) -> Regi
             warm.device_partial(layer, q, table, scale)
 
     try:
-        cpu_ms, gpu_ms = best_ms(cpu, device, runs), best_ms(gpu, device, runs)
+        cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
     finally:
         warm.pool.free(slots)
     placement, share = choose_placement(cpu_ms, gpu_ms)
@@ -217,7 +201,7 @@ def profile_sample(engine: Engine, batch: int, runs: int) -> RegionProfile:
             c = Candidates(ids_host[i], floats[i, :k], float(floats[i, k]), float(floats[i, k + 1]))
             sample_candidates(c, GREEDY, 0, 0)
 
-    cpu_ms, gpu_ms = best_ms(cpu, device, runs), best_ms(gpu, device, runs)
+    cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
     measured = {
         "cpu_ms": cpu_ms,
         "gpu_ms": gpu_ms,
@@ -242,7 +226,7 @@ def profile_kv_codec(warm: WarmTier, runs: int) -> RegionProfile:
     def cpu() -> None:
         codec.encode_blocks(k.cpu(), v.cpu())
 
-    cpu_ms, gpu_ms = best_ms(cpu, device, runs), best_ms(gpu, device, runs)
+    cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
     measured = {
         "cpu_ms": cpu_ms,
         "gpu_ms": gpu_ms,
