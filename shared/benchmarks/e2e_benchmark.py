@@ -45,11 +45,9 @@ from hybridgen.benchmarks.e2e_plot import (
     ratios,
     summarize,
 )
-from hybridgen.benchmarks.ipc_bench import leftovers
 from hybridgen.benchmarks.report import machine_info
-from hybridgen.benchmarks.serving_overhead import _free_port, _wait_serving
+from hybridgen.benchmarks.serving_overhead import _free_port, _wait_serving, stop_served
 from hybridgen.config import ConfigError, load_config
-from hybridgen.ipc import shm
 
 log = structlog.get_logger()
 
@@ -227,15 +225,7 @@ def served(
         yield f"127.0.0.1:{port}"
     finally:
         channel.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            report["serve_exit_code"] = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # only our own child, after SIGINT had its minute
-            report["serve_exit_code"] = proc.wait()
-        report["shm_left_after_stop"] = leftovers(instance)
-        shm.unlink_all(instance)
+        stop_served(proc, instance, report, signal.SIGINT)
         for daemon_log in (runtime / instance).glob("*.log"):
             shutil.copy(daemon_log, folder / daemon_log.name)
         shutil.rmtree(runtime, ignore_errors=True)

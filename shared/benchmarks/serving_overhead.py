@@ -159,16 +159,24 @@ def served(model: str, device: str, config: Path, report: dict[str, Any]) -> Ite
         yield pb_grpc.GenerationServiceStub(channel)
     finally:
         channel.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            report["serve_exit_code"] = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # only our own child, after SIGTERM had its minute
-            report["serve_exit_code"] = proc.wait()
-        report["shm_left_after_stop"] = leftovers(instance)
-        shm.unlink_all(instance)  # a clean stop leaves nothing; never leave litter anyway
+        stop_served(proc, instance, report, signal.SIGTERM)
         log.info("serve_stopped", exit_code=report["serve_exit_code"])
+
+
+def stop_served(
+    proc: subprocess.Popen[bytes], instance: str, report: dict[str, Any], signum: int
+) -> None:
+    """Stop `hybridgen serve` with `signum` (a minute, then SIGKILL) and record its exit code
+    and what it left in /dev/shm, which is then removed."""
+    if proc.poll() is None:
+        proc.send_signal(signum)
+    try:
+        report["serve_exit_code"] = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # only our own child, after the signal had its minute
+        report["serve_exit_code"] = proc.wait()
+    report["shm_left_after_stop"] = leftovers(instance)
+    shm.unlink_all(instance)  # a clean stop leaves nothing; never leave litter anyway
 
 
 def _wait_serving(channel: Any, proc: subprocess.Popen[bytes], log_path: Path) -> float:
