@@ -9,27 +9,18 @@ from pathlib import Path
 import pytest
 
 from hybridgen.config import ConfigError, parse_config
-from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.degrade import DEGRADE_WARM_SHARE
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
 from hybridgen.sampling.params import SamplingParams
+from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def _engine(path: Path, **options: object) -> Engine:
-    config = EngineConfig(
-        model=str(path),
-        device="cpu",
-        block_size=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        max_num_seqs=2,
-        **options,  # type: ignore[arg-type]
-    )
-    return Engine(config)
+    return small_engine(path, **{"max_num_seqs": 2, **options})
 
 
 def test_degraded_engine_gives_the_same_tokens_and_restores(checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -129,14 +129,7 @@ def test_served_pure_gpu_reports_its_mode_and_matches_hf(server: Server, checkpo
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [31, 9])
     for prompt, expected in zip(prompts, hf_greedy(path, prompts, NEW_TOKENS), strict=True):
-        request = pb.GenerateRequest(
-            prompt_token_ids=prompt,
-            max_tokens=NEW_TOKENS,
-            ignore_eos=True,
-            sampling=pb.SamplingParams(temperature=0.0),
-        )
-        tokens = [t for reply in server.stub.Generate(request, timeout=60) for t in reply.token_ids]
-        assert tokens == expected
+        assert server.greedy(prompt, NEW_TOKENS, timeout=60) == expected
 
 
 def test_served_op_region_table(server: Server) -> None:

@@ -116,6 +116,17 @@ class Server:
         cmd += [f"127.0.0.1:{self.port}", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
+    def greedy(self, prompt_ids: list[int], max_tokens: int, timeout: float = 120) -> list[int]:
+        """The token ids of a greedy Generate that ignores EOS."""
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt_ids,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            sampling=pb.SamplingParams(temperature=0.0),
+        )
+        replies = self.stub.Generate(request, timeout=timeout)
+        return [t for reply in replies for t in reply.token_ids]
+
     def segments(self) -> list[str]:
         return [p.name for p in Path("/dev/shm").glob(f"*hybridgen-{self.instance}-*")]
 
@@ -243,14 +254,7 @@ def test_backpressure_degrades_and_recovers(server: Server, checkpoint) -> None:
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        request = pb.GenerateRequest(
-            prompt_token_ids=prompts[i],
-            max_tokens=24,
-            ignore_eos=True,
-            sampling=pb.SamplingParams(temperature=0.0),
-        )
-        replies = server.stub.Generate(request, timeout=120)
-        results[i] = [t for reply in replies for t in reply.token_ids]
+        results[i] = server.greedy(prompts[i], 24)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
     for t in threads:

@@ -41,14 +41,7 @@ def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) 
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, [150])[0]
     expected = hf_greedy(path, [prompt], NEW_TOKENS)[0]
-    request = pb.GenerateRequest(
-        prompt_token_ids=prompt,
-        max_tokens=NEW_TOKENS,
-        ignore_eos=True,
-        sampling=pb.SamplingParams(temperature=0.0),
-    )
-    tokens = [t for reply in server.stub.Generate(request, timeout=120) for t in reply.token_ids]
-    assert tokens == expected
+    assert server.greedy(prompt, NEW_TOKENS) == expected
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert info.warm_blocks_total > 0 and info.hot_hit_rate < 0.6
     assert info.cpu_attention_ms > 0 and info.warm_decompress_p50_ms > 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 
 from hybridgen.config import parse_config
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
 from hybridgen.gpu_daemon.tuner import MAX_OVERHEAD, Tuner
 from hybridgen.sampling.params import SamplingParams
+from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
 
 
@@ -33,22 +32,15 @@ def test_share_balances_the_measured_costs() -> None:
 def test_engine_tunes_while_serving(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [150, 97])
-    engine = Engine(
-        EngineConfig(
-            model=str(path),
-            device="cpu",
-            block_size=8,
-            max_model_len=256,
-            max_num_batched_tokens=32,
-            max_num_seqs=2,
-            num_kv_blocks=6,
-            warm_pool_mb=2,
-            warm_codec="lossless",
-            attn_warm="split",
-            dynamic_tuning=True,
-            tuning_warmup_steps=2,
-            tuning_interval_ms=1,
-        )
+    engine = small_engine(
+        path,
+        max_num_seqs=2,
+        num_kv_blocks=6,
+        warm_pool_mb=2,
+        attn_warm="split",
+        dynamic_tuning=True,
+        tuning_warmup_steps=2,
+        tuning_interval_ms=1,
     )
     warm = engine.warm
     assert warm is not None and warm.tuner is not None and warm.split == 0.5

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -13,22 +12,11 @@ from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch
 from hybridgen.sampling.params import SamplingParams
+from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def _engine(path: Path, **options: object) -> Engine:
-    config = EngineConfig(
-        model=str(path),
-        device="cpu",
-        block_size=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        **{"max_num_seqs": 4, "warm_codec": "lossless", **options},  # type: ignore[arg-type]
-    )
-    return Engine(config)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "gpu", "split"])
@@ -38,9 +26,9 @@ def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> 
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [150, 97])
     expected = hf_greedy(path, prompts, NEW_TOKENS)
-    unbudgeted = _engine(path).generate(prompts, GREEDY)
+    unbudgeted = small_engine(path).generate(prompts, GREEDY)
     assert [c.token_ids for c in unbudgeted] == expected
-    engine = _engine(
+    engine = small_engine(
         path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2, attn_warm=mode, warm_split=0.5
     )
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
@@ -63,7 +51,7 @@ def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint) -> None:  #
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [60, 45])
     expected = hf_greedy(path, prompts, NEW_TOKENS)
-    engine = _engine(path, warm_pool_mb=2)
+    engine = small_engine(path, warm_pool_mb=2)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
     tokens: dict[str, list[int]] = {"r0": [], "r1": []}
@@ -89,9 +77,9 @@ def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-
     with pytest.raises(ConfigError, match=r"^hot_codec="):
         EngineConfig(warm_pool_mb=8, hot_codec="int8")
     with pytest.raises(ConfigError, match=r"warm_pool_mb=0\.01 is too small"):
-        _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=0.01)
+        small_engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=0.01)
     with pytest.raises(ValueError, match="sliding-window"):
-        _engine(checkpoint("mistral"), warm_pool_mb=2)
+        small_engine(checkpoint("mistral"), warm_pool_mb=2)
 
 
 def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: ignore[no-untyped-def]
@@ -102,7 +90,7 @@ def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: i
     from hybridgen.gpu_daemon.info import engine_info
 
     path = checkpoint("llama3")
-    engine = _engine(path, num_kv_blocks=8, warm_pool_mb=2, attn_warm="split")
+    engine = small_engine(path, num_kv_blocks=8, warm_pool_mb=2, attn_warm="split")
     engine.generate(sample_prompts(path, 1, [120]), GREEDY)
     stats = engine.tier_stats()
     assert stats["warm_blocks_total"] > 0 and 0 < stats["hot_hit_rate"] < 0.5
@@ -166,7 +154,7 @@ def test_second_turn_reuses_a_prefix_held_in_warm(checkpoint) -> None:  # type: 
     the new tokens are computed, and the tokens are HF's."""
     path = checkpoint("llama3")
     first, extra = sample_prompts(path, 2, [150, 10])
-    engine = _engine(path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2)
+    engine = small_engine(path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2)
     answer = engine.generate([first], GREEDY)[0].token_ids
     second = first + answer + extra
     expected = hf_greedy(path, [second], NEW_TOKENS)
@@ -182,7 +170,9 @@ def test_warm_pool_is_named_after_the_server_instance(checkpoint) -> None:  # ty
     from hybridgen.ipc import shm
 
     instance = f"wt{uuid.uuid4().hex[:8]}"
-    engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, shm_instance=instance)
+    engine = small_engine(
+        checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, shm_instance=instance
+    )
     assert shm.segment_name(instance, "warm").lstrip("/") in {p.name for p in shm.SHM_DIR.iterdir()}
     engine.release()
     assert not [p for p in shm.SHM_DIR.iterdir() if instance in p.name]
@@ -193,7 +183,7 @@ def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-
     on CUDA from measured times, through choose_placement."""
     from hybridgen.gpu_daemon.warm_tier import choose_placement
 
-    engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, attn_warm="auto")
+    engine = small_engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, attn_warm="auto")
     assert engine.warm is not None and engine.warm.mode == "cpu"
     assert choose_placement(1.0, 0.1) == ("gpu", 0.0)
     assert choose_placement(0.1, 1.0) == ("cpu", 1.0)
@@ -207,7 +197,9 @@ def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ig
     are still HF's."""
     path = checkpoint("llama3")
     first, extra = sample_prompts(path, 2, [150, 10])
-    engine = _engine(path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2, cold_threshold_ms=1)
+    engine = small_engine(
+        path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2, cold_threshold_ms=1
+    )
     warm = engine.warm
     assert warm is not None
     answer = engine.generate([first], GREEDY)[0].token_ids
@@ -229,7 +221,7 @@ def test_private_warm_pool_leaves_nothing_in_dev_shm(checkpoint) -> None:  # typ
     from hybridgen.ipc import shm
 
     before = {p.name for p in shm.SHM_DIR.iterdir()}
-    engine = _engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1)
+    engine = small_engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1)
     assert engine.warm is not None
     assert {p.name for p in shm.SHM_DIR.iterdir()} - before == set()
 
@@ -261,7 +253,7 @@ def test_kv_codec_placements_give_the_same_tokens(checkpoint, codec: str) -> Non
     prompts = sample_prompts(path, 2, [150, 97])
     tokens, crossed = {}, {}
     for where in ("gpu", "cpu"):
-        engine = _engine(
+        engine = small_engine(
             path,
             num_kv_blocks=6,
             max_num_seqs=2,
