@@ -20,6 +20,24 @@ if TYPE_CHECKING:
     from hybridgen.gpu_daemon.warm_tier import WarmTier
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """One step's split of each decode row's Warm blocks (WarmContext._decode_plan)."""
+
+    dev: list[int]
+    """Rows with a device share, and that share (blocks, token order) of each."""
+    shares: list[list[int]]
+    dev_idx: Tensor
+    table: tuple[Tensor, Tensor] | None
+    """The shares as the in-place view's block table and key counts (None: no view)."""
+    gpu_blocks: int
+    rows: list[int]
+    """Rows with a CPU share, and its spans."""
+    spans: list[WarmSpan]
+    rows_idx: Tensor
+    cpu_blocks: int
+
+
 @dataclass
 class WarmContext:
     """One step's Warm keys, per sequence of the batch (in batch order)."""
@@ -28,6 +46,8 @@ class WarmContext:
     warm_slots: list[list[int]]
     positions: list[int]
     """Position of each sequence's last query token this step."""
+    _plan: _DecodePlan | None = field(default=None, repr=False)
+    """Built by the first layer's decode_partial, read by all the others."""
     _index: dict[int, Tensor] = field(default_factory=dict, repr=False)
     """In-place reads: each prefilling sequence's Warm slots on the device, built by its
     first layer and read by all the others."""
@@ -35,42 +55,57 @@ class WarmContext:
     def decode_partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Partial attention of the decode rows q [nd, Hq, D] over their Warm keys ->
         out [nd, Hq, D] fp32, lse [nd, Hq] fp32 on q's device (lse -inf: no Warm keys)."""
-        tier, nd = self.tier, q.shape[0]
+        tier, plan = self.tier, self._decode_plan(q.shape[0], q.device)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-        cuts = [tier.cpu_blocks(len(slots)) for slots in self.warm_slots[:nd]]
-        # The device's share first: its kernels run while the CPU works on its share below.
-        dev = [i for i in range(nd) if len(self.warm_slots[i]) > cuts[i]]
         timing = tier.tuner.timing if tier.tuner is not None and tier.mode == "split" else None
-        if dev:
-            shares = [list(self.warm_slots[i][cuts[i] :]) for i in dev]
+        # The device's share first: its kernels run while the CPU works on its share below.
+        if plan.dev:
             t0, start = time.perf_counter(), _event(q, timing)
-            o, s = tier.device_partial(layer, q[dev], shares, scale)
+            o, s = tier.device_partial(layer, q[plan.dev], plan.shares, scale, plan.table)
             if timing is not None:  # CUDA: read at the tuner's next update, never waited on
-                n = sum(map(len, shares))
                 if start is not None:
-                    timing.pending.append((start, _event(q, timing), n))  # type: ignore[arg-type]
+                    end = _event(q, timing)
+                    timing.pending.append((start, end, plan.gpu_blocks))  # type: ignore[arg-type]
                 else:
                     timing.gpu_s += time.perf_counter() - t0
-                    timing.gpu_blocks += n
-            idx = torch.tensor(dev, device=q.device)
-            out[idx], lse[idx] = o, s
-        rows = [i for i in range(nd) if cuts[i]]
-        if rows:
-            bs = tier.block_size
-            spans = [
-                WarmSpan(self.warm_slots[i][: cuts[i]], 0, bs, self.positions[i]) for i in rows
-            ]
+                    timing.gpu_blocks += plan.gpu_blocks
+            out[plan.dev_idx], lse[plan.dev_idx] = o, s
+        if plan.rows:
             before, t0 = tier.stats.cpu.decode_s, time.perf_counter()
-            o, s = tier.cpu_partial(layer, q[rows], spans, scale)
+            o, s = tier.cpu_partial(layer, q[plan.rows], plan.spans, scale)
             if timing is not None:
                 timing.cpu_s += time.perf_counter() - t0
-                timing.cpu_blocks += sum(cuts[i] for i in rows)
+                timing.cpu_blocks += plan.cpu_blocks
             tier.stats.record_decompress(tier.stats.cpu.decode_s - before)
-            idx = torch.tensor(rows, device=q.device)
+            idx = plan.rows_idx
             o, s = o.to(q.device), s.to(q.device)
             out[idx], lse[idx] = merge_attention_partials(out[idx], lse[idx], o, s)
         return out, lse
+
+    def _decode_plan(self, nd: int, device: torch.device) -> _DecodePlan:
+        """How this step's decode rows split their Warm blocks between the device and the CPU:
+        the same for every layer (placements change only between steps), so built once."""
+        if self._plan is not None:
+            return self._plan
+        tier = self.tier
+        cuts = [tier.cpu_blocks(len(slots)) for slots in self.warm_slots[:nd]]
+        dev = [i for i in range(nd) if len(self.warm_slots[i]) > cuts[i]]
+        shares = [list(self.warm_slots[i][cuts[i] :]) for i in dev]
+        rows = [i for i in range(nd) if cuts[i]]
+        bs = tier.block_size
+        self._plan = _DecodePlan(
+            dev=dev,
+            shares=shares,
+            dev_idx=torch.tensor(dev, device=device),
+            table=tier.view.block_table(shares) if tier.view is not None and dev else None,
+            gpu_blocks=sum(map(len, shares)),
+            rows=rows,
+            spans=[WarmSpan(self.warm_slots[i][: cuts[i]], 0, bs, self.positions[i]) for i in rows],
+            rows_idx=torch.tensor(rows, device=device),
+            cpu_blocks=sum(cuts[i] for i in rows),
+        )
+        return self._plan
 
     def prefix(self, layer: int, seq: int, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
         """Sequence `seq`'s Warm keys at `layer`, decoded on the device (for its prefill)."""

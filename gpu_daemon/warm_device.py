@@ -69,23 +69,26 @@ class WarmDeviceView:
         self._registered = True
         log.info("warm_pool_pinned", mib=round(nbytes / 2**20))
 
-    def attend(
-        self, layer: int, q: Tensor, slots: list[list[int]], scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """Decode attention of q [n, Hq, D] over each row's Warm `slots` (whole blocks, token
-        order, at least one each) at `layer` -> out [n, Hq, D] fp32, lse [n, Hq] fp32."""
+    def block_table(self, slots: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Each row's Warm `slots` (whole blocks, token order, at least one each) as the block
+        table [n, max blocks] and key counts [n] the decode kernel takes, on the device (build
+        it once per step: every layer reads the same slots)."""
         width = max(len(s) for s in slots)
         table = torch.zeros(len(slots), width, dtype=torch.int32)
         for i, row in enumerate(slots):
             table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        block = self.layers[layer]
+        block = self.layers[0]
         size = block.block_size if isinstance(block, QuantKvCache) else block[0].shape[1]
         lens = torch.tensor([len(s) * size for s in slots], dtype=torch.int32)
-        dev = q.device
-        out, lse = ops.decode_attention(
-            q, block, table.to(dev, non_blocking=True), lens.to(dev, non_blocking=True), scale,
-            return_lse=True,
-        )  # fmt: skip
+        return table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
+
+    def attend(
+        self, layer: int, q: Tensor, slots: list[list[int]] | tuple[Tensor, Tensor], scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Decode attention of q [n, Hq, D] over each row's Warm `slots` (or their
+        block_table) at `layer` -> out [n, Hq, D] fp32, lse [n, Hq] fp32."""
+        table, lens = slots if isinstance(slots, tuple) else self.block_table(slots)
+        out, lse = ops.decode_attention(q, self.layers[layer], table, lens, scale, return_lse=True)
         return out.float(), lse
 
     def slot_index(self, slots: list[int]) -> Tensor:

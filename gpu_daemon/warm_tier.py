@@ -244,14 +244,20 @@ class WarmTier:
         return _to_device(rows, self.device)
 
     def device_partial(
-        self, layer: int, q: Tensor, slots: list[list[int]], scale: float
+        self,
+        layer: int,
+        q: Tensor,
+        slots: list[list[int]],
+        scale: float,
+        table: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Mode (b): q [n, Hq, D] over each row's Warm `slots` (at least one each), on the
         device -> out [n, Hq, D], lse [n, Hq] fp32. In place over PCIe where the codec allows
-        (warm_device), else decoded on the device from a copy of the records."""
+        (warm_device; `table`: the view's block_table of `slots`, if at hand), else decoded
+        on the device from a copy of the records."""
         if self.view is not None:
             self.stats.h2d_bytes += sum(map(len, slots)) * self.pool.record_bytes
-            return self.view.attend(layer, q, slots, scale)
+            return self.view.attend(layer, q, slots if table is None else table, scale)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for i, row in enumerate(slots):
