@@ -14,7 +14,6 @@ from hybridgen.config import (
     HybridGenConfig,
     load_config,
     parse_config,
-    parse_cpu_list,
 )
 from hybridgen.engine_config import ConfigError as EngineConfigError
 from hybridgen.engine_config import EngineConfig
@@ -368,48 +367,6 @@ def test_engine_config_auto_follows_gpu_id(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_config_error_is_the_engine_one() -> None:
     assert ConfigError is EngineConfigError
-
-
-@pytest.mark.parametrize(
-    ("text", "cpus"),
-    [
-        ("0-15", tuple(range(16))),
-        ("0,2,4-7", (0, 2, 4, 5, 6, 7)),
-        ("3", (3,)),
-        ("8-11, 0-1", (0, 1, 8, 9, 10, 11)),
-        ("2,2,1-2", (1, 2)),
-    ],
-)
-def test_cpu_list(text: str, cpus: tuple[int, ...]) -> None:
-    assert parse_cpu_list(text) == cpus
-    assert parse_config(_with("device_topology.cpu.cores", text)).device_topology.cpu.cores == cpus
-
-
-@pytest.mark.parametrize(
-    ("value", "why"),
-    [
-        ("", "'' is not N or N-M"),
-        ("a-b", "'a-b' is not N or N-M"),
-        ("0,,2", "'' is not N or N-M"),
-        ("-1", "'-1' is not N or N-M"),
-        ("1-2-3", "'1-2-3' is not N or N-M"),
-        ("7-3", "'7-3' runs backwards"),
-        ("0-99999", "CPU ids stop below 8192"),
-    ],
-)
-def test_bad_cpu_list_names_the_key(value: str, why: str) -> None:
-    with pytest.raises(ConfigError) as err:
-        parse_config(_with("device_topology.cpu.cores", value))
-    assert str(err.value) == (
-        f"device_topology.cpu.cores={value!r} is out of range: allowed a CPU list such as "
-        f"'0-15' or '0,2,4-7' ({why})"
-    )
-
-
-@pytest.mark.parametrize("value", [32, [0, 1], 1.5])
-def test_cpu_list_must_be_quoted(value: object) -> None:
-    with pytest.raises(ConfigError, match=r"^device_topology\.cpu\.cores=.* has the wrong type"):
-        parse_config(_with("device_topology.cpu.cores", value))
 
 
 def test_with_model_overrides_only_the_model() -> None:
