@@ -134,3 +134,25 @@ def test_warm_tier_on_cuda_matches_hf(checkpoint, mode: str) -> None:  # type: i
     assert engine.warm is not None and engine.warm.stats.spilled_blocks > 0
     engine.release()
     assert got == expected
+
+
+def test_cold_weights_on_cuda_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """fp32 Mixtral on the GPU with its experts in host memory and a 4-slot device cache:
+    HF's greedy tokens, with experts both computed on the CPU and fetched into the cache.
+    test_cold_weights.py covers the same paths with the engine on the CPU."""
+    path = checkpoint("mixtral")
+    prompts = sample_prompts(path, 3, [7, 29, 83])
+    expected = hf_greedy(path, prompts, 24)
+    config = EngineConfig(
+        model=str(path),
+        device="cuda",
+        gpu_memory_mb=2048,
+        expert_cache_slots=4,
+        expert_cpu_max_tokens=1,
+    )
+    engine = Engine(config)
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    stats = engine.moe_stats()
+    engine.release()
+    assert got == expected
+    assert stats["cpu_experts"] > 0 and stats["cache_hits"] > 0 and stats["cache_misses"] > 0
