@@ -11,6 +11,11 @@ When a running sequence needs a block and none is free, the newest running seque
 preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed from its prompt plus what it has generated so far.
 
+With a Warm tier (an Offload), a preempted sequence keeps its computed prefix there (swap
+out) and gets it back into Hot when it is readmitted with room (load). Only a sequence too
+long to fit Hot alone makes room by spilling: the oldest full blocks of the sequences
+holding the most move to Warm. One that fits waits for room, or preempts, as without Warm.
+
 Prefix reuse: every full, computed block is registered in the pool under the chained hash
 of its tokens, and stays cached after its sequence lets go until the space is needed. A
 sequence being admitted first takes the cached blocks of its longest cached prefix (never
@@ -70,6 +75,8 @@ class Offload(Protocol):
     def spill(self, running: Seq[Sequence], need: int) -> int: ...
 
     def swap_out(self, seq: Sequence) -> bool: ...
+
+    def load(self, seq: Sequence) -> bool: ...
 
     def release(self, seq: Sequence) -> None: ...
 
@@ -155,7 +162,8 @@ class Scheduler:
         """Give `seq` the blocks for `n` more tokens, preempting newer sequences if needed."""
         need = self._blocks_needed(seq, n)
         while need > self.pool.num_free:
-            if self.offload and self.offload.spill(self.running, need - self.pool.num_free):
+            short = need - self.pool.num_free
+            if self.offload and self._spills(seq) and self.offload.spill(self.running, short):
                 continue
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim, batch)
@@ -201,6 +209,21 @@ class Scheduler:
         seq.num_computed_tokens = blocks * self.pool.block_size
         seq.num_registered_blocks = blocks
 
+    def _spills(self, seq: Sequence) -> bool:
+        """Whether making room for `seq` may move running sequences' blocks to Warm: only
+        when `seq` at its full length could not fit Hot even alone (so it lives partly in
+        Warm anyway), or, at admission, when nothing runs. Otherwise `seq` waits for room,
+        or the newest sequence is preempted to Warm and loaded back when room returns:
+        Warm blocks cross PCIe at every step, and a batch holding any runs without CUDA
+        graphs, which costs more than the wait (bench/NOTES.md, B6)."""
+        idle = seq.status is not Status.RUNNING and not self.running
+        return idle or not self._fits_hot(seq)
+
+    def _fits_hot(self, seq: Sequence) -> bool:
+        """Whether `seq` at its full length fits the Hot pool on its own."""
+        final = min(seq.prompt_len + seq.params.max_tokens, self.config.max_model_len)
+        return self.pool.blocks_for(final) <= self.pool.num_blocks
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         if seq in batch.seqs:
@@ -227,7 +250,7 @@ class Scheduler:
             self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, n)
-            if need > self.pool.num_free and self.offload is not None:
+            if need > self.pool.num_free and self.offload is not None and self._spills(seq):
                 # Its own cached prefix may be what fills Hot: it can move to Warm too.
                 self.offload.spill([*self.running, seq], need - self.pool.num_free)
             if need > self.pool.num_free:
@@ -242,6 +265,8 @@ class Scheduler:
             else:
                 self.prefix_hit_tokens += seq.num_computed_tokens
             seq.block_ids += self.pool.allocate(need)
+            if self.offload is not None and self._fits_hot(seq) and self.offload.load(seq):
+                seq.num_registered_blocks = 0  # its Warm prefix is back in Hot: register it
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

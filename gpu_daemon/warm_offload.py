@@ -1,7 +1,8 @@
 """The scheduler's Offload hook for the Warm tier: frees Hot blocks by moving their KV there.
 
-Spill (Hot runs short), swap out (preemption keeps the computed prefix), release (a sequence
-ends) and the Warm side of prefix lookups; the tier itself is gpu_daemon.warm_tier.
+Spill (Hot runs short), swap out (preemption keeps the computed prefix), load (a Warm prefix
+back into Hot), release (a sequence ends) and the Warm side of prefix lookups; the tier
+itself is gpu_daemon.warm_tier.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ class WarmOffload:
         seq.block_ids = []
         seq.num_computed_tokens = len(seq.warm_slots) * self.pool.block_size
         self.tier.stats.swapped_blocks += n
+        return True
+
+    def load(self, seq: Sequence) -> bool:
+        """Copy `seq`'s Warm prefix back into fresh Hot blocks ahead of its Hot ones, if Hot
+        has room for it; its Warm references go (the prefix index may keep the slots)."""
+        n = len(seq.warm_slots)
+        if n == 0 or n > self.pool.num_free:
+            return False
+        blocks = self.pool.allocate(n)
+        self.tier.load(self.kv_caches, seq.warm_slots, blocks)
+        self.tier.free(seq.warm_slots)
+        seq.warm_slots, seq.block_ids = [], blocks + seq.block_ids
         return True
 
     def release(self, seq: Sequence) -> None:

@@ -18,6 +18,8 @@ class WarmStats:
     """Hot blocks moved to Warm to make room."""
     swapped_blocks: int = 0
     """Hot blocks moved to Warm by preemption (instead of recomputing them later)."""
+    loaded_blocks: int = 0
+    """Warm blocks copied back into Hot when their sequence was (re)admitted with room."""
     d2h_bytes: int = 0
     """Compressed bytes written to the Warm pool."""
     h2d_bytes: int = 0

@@ -9,8 +9,10 @@ A sequence's KV is a prefix in Warm and the rest in Hot::
 Blocks move Hot -> Warm when the Hot pool runs short (`WarmOffload.spill` in warm_offload.py,
 oldest blocks of the sequence holding the most Hot blocks first) and when a sequence is
 preempted (`swap_out`: it keeps its computed prefix instead of recomputing it). Cached blocks
-nobody uses go on to Cold (cold_store.py). They never move back: a token's key is read every
-step wherever it lives, so Warm attention is part of every decode step of such a sequence:
+nobody uses go on to Cold (cold_store.py). A sequence admitted with a Warm prefix (swapped
+out, or a prefix hit) has it copied back into Hot when Hot has room for it (`load`);
+otherwise its keys are read where they live, and Warm attention is part of every decode step
+of that sequence:
 
     decode:  out = merge_lse(hot partial (GPU paged kernel), warm partial)
     prefill: keys = [Warm prefix decoded on the device] + [gathered Hot keys]
@@ -223,6 +225,17 @@ class WarmTier:
             self.pool.store(slot, k, v)
         self.stats.d2h_bytes += len(slots) * crossed
         return slots
+
+    def load(self, kv_caches: Seq[ops.KvCache], slots: Seq[int], blocks: Seq[int]) -> None:
+        """Decode Warm `slots` (every layer) into the Hot `blocks`, in order; the caller
+        frees the slots. Lossless codecs give back the very bytes that were stored."""
+        index = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        for layer, kv in enumerate(kv_caches):
+            k_cache, v_cache = _native(kv)
+            k, v = self.dense(slots, layer, k_cache.dtype)
+            k_cache[index] = k.view(len(blocks), *k_cache.shape[1:])
+            v_cache[index] = v.view(len(blocks), *v_cache.shape[1:])
+        self.stats.loaded_blocks += len(blocks)
 
     def free(self, slots: Seq[int]) -> None:
         self.pool.free(slots)

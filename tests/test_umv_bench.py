@@ -21,9 +21,9 @@ def test_umv_bench_runs_every_case(
         [
             "--model=tiny-llama",
             "--device=cpu",
-            "--context-len=400",
+            "--context-len=1000",  # longer than Hot (55 blocks of 16): it spills, as at 128K
             "--new-tokens=4",
-            "--budget-mb=72",
+            "--budget-mb=74",
             "--chunk=128",
             "--hf-new-tokens=16",
             f"--out={out}",
@@ -38,7 +38,8 @@ def test_umv_bench_runs_every_case(
     for name, r in cases.items():
         assert "error" not in r, (name, r)
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
-    assert cases["b3c"]["tiers"]["hot_hit_rate"] < 1.0  # four sequences overflow Hot
+    assert cases["b3b_gpu"]["tiers"]["hot_hit_rate"] < 1.0  # one sequence overflows Hot
+    assert cases["b3c"]["tiers"]["hot_hit_rate"] < 0.5  # four, at once
     assert cases["b3b_split"]["attn_warm"]["mode"] == "split"
     assert json.loads(out.read_text())["cases"].keys() == cases.keys()
     assert "B3 umv" in capsys.readouterr().out

@@ -45,9 +45,35 @@ def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> 
     engine.release()
 
 
+def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Hot holds 12 blocks (96 tokens). Two sequences of 60 + 8 tokens each fit it alone but
+    not together: the second waits for the first instead of pushing it into Warm, so no block
+    moves. A 150-token prompt cannot fit Hot at all: it is admitted beside the running one,
+    and its blocks spill."""
+    path = checkpoint("llama3")
+    fits = sample_prompts(path, 2, [60, 61])
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = hf_greedy(path, fits, 8)
+    engine = small_engine(path, num_kv_blocks=12, warm_pool_mb=2)
+    assert [c.token_ids for c in engine.generate(fits, short)] == expected
+    assert engine.warm is not None and engine.warm.stats.spilled_blocks == 0
+    assert engine.scheduler.kv_short is False  # drained; it was set while r1 waited
+
+    engine.add_request("fits", fits[0], short)
+    engine.step()
+    engine.add_request("long", sample_prompts(path, 1, [150])[0], short)
+    engine.step()
+    assert {s.request_id for s in engine.scheduler.running} == {"fits", "long"}
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.warm.stats.spilled_blocks > 0
+    engine.release()
+
+
 def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A preempted sequence keeps its computed full blocks in Warm, frees all its Hot blocks,
-    and on readmission recomputes only its partial last block; tokens are still HF's."""
+    and on readmission gets them back into Hot and recomputes only its partial last block;
+    tokens are still HF's."""
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [60, 45])
     expected = hf_greedy(path, prompts, NEW_TOKENS)
@@ -69,6 +95,8 @@ def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint) -> None:  #
             tokens[out.request_id] += out.new_token_ids
     assert [tokens["r0"], tokens["r1"]] == expected
     assert engine.scheduler.resumed_tokens == computed // 8 * 8
+    # Readmitted with room in Hot: its Warm prefix was copied back, not read over PCIe.
+    assert engine.warm.stats.loaded_blocks == computed // 8  # type: ignore[union-attr]
 
 
 def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -52,7 +52,9 @@ from hybridgen.config import ConfigError, load_config
 log = structlog.get_logger()
 
 MODES = ("hybrid", "pure_gpu")
-WARMUP_PROMPT = "Warm-up request {}, not timed."
+WARMUP_PROMPT = "Warm-up request {}, not timed.\n"
+"""Heads the warm-up copies of the file's prompts: their lengths compile the same kernels,
+and their KV shares no prefix with the timed requests."""
 
 
 class BenchmarkError(Exception):
@@ -146,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", type=Path, default=None, help="hybridgen_config.yaml")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument(
-        "--warmup", type=int_range(0), default=1, help="untimed rounds of --batch-size requests"
+        "--warmup",
+        type=int_range(0),
+        default=1,
+        help="untimed rounds of --batch-size requests (the file's prompts under another head)",
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--out", type=Path, default=Path("bench/out/e2e"))
@@ -283,6 +288,14 @@ def check_fit(stub: Any, prompts: Sequence[Prompt], default_new: int, info: Any)
         )
 
 
+def warmup_jobs(prompts: Sequence[Prompt], n: int) -> list[tuple[RequestResult, str]]:
+    """`n` untimed requests of 4 tokens over the file's first prompts, under another head."""
+    return [
+        (RequestResult(-1, 0, 4), WARMUP_PROMPT.format(i) + prompts[i % len(prompts)].text)
+        for i in range(n)
+    ]
+
+
 def run_batch(
     stub: Any,
     jobs: Sequence[tuple[RequestResult, str]],
@@ -314,8 +327,7 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
             why = f"{exc.code().name}: {exc.details()}"
             raise BenchmarkError(f"no HybridGen server answering at {target} ({why})") from exc
         check_fit(stub, prompts, args.max_new_tokens, info)
-        warm = range(args.warmup * args.batch_size)
-        run_batch(stub, [(RequestResult(-1, 0, 4), WARMUP_PROMPT.format(i)) for i in warm], args)
+        run_batch(stub, warmup_jobs(prompts, args.warmup * args.batch_size), args)
         results = [
             RequestResult(i, p.line, p.max_new_tokens or args.max_new_tokens)
             for i, p in enumerate(prompts)
