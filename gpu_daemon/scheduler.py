@@ -250,10 +250,14 @@ class Scheduler:
             self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, n)
-            if need > self.pool.num_free and self.offload is not None and self._spills(seq):
+            # A Warm prefix (swapped out, or a prefix hit) of a sequence that fits Hot comes
+            # back into Hot, so it needs room too: it waits for it rather than run over PCIe.
+            fits = self.offload is not None and self._fits_hot(seq)
+            need_all = need + (len(seq.warm_slots) if fits else 0)
+            if need_all > self.pool.num_free and self.offload is not None and self._spills(seq):
                 # Its own cached prefix may be what fills Hot: it can move to Warm too.
-                self.offload.spill([*self.running, seq], need - self.pool.num_free)
-            if need > self.pool.num_free:
+                self.offload.spill([*self.running, seq], need_all - self.pool.num_free)
+            if need_all > self.pool.num_free:
                 self.kv_short = True
                 if seq.warm_slots:  # swapped out: its Warm prefix waits with it
                     break
@@ -265,7 +269,7 @@ class Scheduler:
             else:
                 self.prefix_hit_tokens += seq.num_computed_tokens
             seq.block_ids += self.pool.allocate(need)
-            if self.offload is not None and self._fits_hot(seq) and self.offload.load(seq):
+            if fits and self.offload is not None and self.offload.load(seq):
                 seq.num_registered_blocks = 0  # its Warm prefix is back in Hot: register it
             self.waiting.popleft()
             seq.status = Status.RUNNING
