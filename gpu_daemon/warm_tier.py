@@ -61,6 +61,11 @@ from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
 
+STORE_CHUNK = 64
+"""Hot blocks encoded and copied to Warm at once: 64 MiB of K and V for llama3-8b, within
+the step workspace. One block at a time took ~2 ms each on the H200 (a swap of 3,452 blocks
+cost seconds, more than recomputing them)."""
+
 
 class WarmTier:
     """The Warm pool of one engine and the Hot <-> Warm moves."""
@@ -187,6 +192,10 @@ class WarmTier:
 
         t_cpu, t_gpu = (best_of(3, fn, self.device) for fn in (cpu, gpu))
         self.pool.free(slots)
+        # Give the probe's cached device blocks back before the KV pool is allocated: left
+        # in the allocator they fragment the budget, and the steps then ran up to 2x slower
+        # at the cap (bench/NOTES.md, B6).
+        torch.cuda.empty_cache()
         self.stats = WarmStats()  # the probe is not traffic
         self.measured = {"cpu_ms": t_cpu * 1e3, "gpu_ms": t_gpu * 1e3, "blocks": n}
         log.info("attn_warm_measured", **self.measured)
@@ -213,17 +222,19 @@ class WarmTier:
         }
 
     def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:
-        """Copy Hot blocks (every layer) into fresh Warm slots; the caller frees the blocks."""
+        """Copy Hot blocks (every layer) into fresh Warm slots, STORE_CHUNK blocks per encode
+        and copy; the caller frees the blocks."""
         slots = self.index.alloc(len(blocks))
-        crossed = self.pool.slot_bytes
-        for block, slot in zip(blocks, slots, strict=True):
-            k = torch.stack([_native(kv)[0][block] for kv in kv_caches])  # [L, S, H, D]
-            v = torch.stack([_native(kv)[1][block] for kv in kv_caches])
+        for lo in range(0, len(blocks), STORE_CHUNK):
+            index = torch.tensor(blocks[lo : lo + STORE_CHUNK], device=self.device)
+            k = torch.stack([_native(kv)[0][index] for kv in kv_caches], 1)  # [n, L, S, H, D]
+            v = torch.stack([_native(kv)[1][index] for kv in kv_caches], 1)
+            crossed = self.pool.slot_bytes * len(index)
             if self.codec_on == "cpu":
                 k, v = k.cpu(), v.cpu()
                 crossed = 2 * k.numel() * k.element_size()
-            self.pool.store(slot, k, v)
-        self.stats.d2h_bytes += len(slots) * crossed
+            self.pool.store_many(slots[lo : lo + STORE_CHUNK], k, v)
+            self.stats.d2h_bytes += crossed
         return slots
 
     def load(self, kv_caches: Seq[ops.KvCache], slots: Seq[int], blocks: Seq[int]) -> None:

@@ -93,6 +93,22 @@ def test_int8_round_trip_within_the_codec_bound(instance: str) -> None:
             assert ((y - x).norm() / x.norm()).item() < 0.01
 
 
+@pytest.mark.parametrize("name", ("lossless", "int8", "int4"))
+def test_store_many_writes_what_store_writes(instance: str, name: str) -> None:
+    """The batched store (one encode for several slots) gives each slot the very bytes that
+    one store per slot gives."""
+    with make_pool(instance, name) as p:
+        blocks = [kv(seed) for seed in range(4)]
+        one, many = p.alloc(4), p.alloc(4)
+        for s, (k, v) in zip(one, blocks, strict=True):
+            p.store(s, k, v)
+        p.store_many(many, torch.stack([k for k, _ in blocks]), torch.stack([v for _, v in blocks]))
+        for a, b in zip(one, many, strict=True):
+            assert np.array_equal(p.record_view(a), p.record_view(b))
+        with pytest.raises(ValueError, match=r"expected \[2, 3, S, H, D\]"):
+            p.store_many(many[:2], blocks[0][0], blocks[0][1])
+
+
 def test_record_view_is_zero_copy_and_header_is_read_back(instance: str) -> None:
     with make_pool(instance, "int8", capacity=4) as p:
         (s,) = p.alloc(1)

@@ -43,7 +43,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -294,6 +294,21 @@ class WarmPool:
             )
         records = self.codec.encode_blocks(k_layers, v_layers)  # [L, record_bytes]
         self._view()[slot] = records.cpu().numpy()
+
+    def store_many(self, slots: Sequence[int], k_blocks: Tensor, v_blocks: Tensor) -> None:
+        """Owner: `store` for several slots at once, one encode and one copy out of the
+        device: k_blocks, v_blocks [len(slots), L, S, H, D]."""
+        self._owner_only("store_many")
+        index = [self._index(s) for s in slots]
+        if any(self._refs[i] == 0 for i in index):
+            raise ValueError("a slot is free; alloc it before storing")
+        n, layers = len(index), self.num_layers
+        if k_blocks.dim() != 5 or tuple(k_blocks.shape[:2]) != (n, layers):
+            raise ValueError(
+                f"k_blocks is {list(k_blocks.shape)}, expected [{n}, {layers}, S, H, D]"
+            )
+        records = self.codec.encode_blocks(k_blocks.flatten(0, 1), v_blocks.flatten(0, 1))
+        self._view()[index] = records.view(n, layers, -1).cpu().numpy()
 
     def load(self, slot: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Decode `slot` -> k, v: [L, S, H, D] in `dtype` (default: the codec's), on the CPU."""
