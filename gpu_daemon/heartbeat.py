@@ -7,13 +7,21 @@ waiting requests (no free KV blocks, or every sequence slot busy), a BACKPRESSUR
 tells the CPU side, and another one when that ends. A full ring or arena holds results here
 in order; nothing is dropped. If the CPU daemon dies (its pid is gone or its heartbeat
 stalls), every request is aborted and the loop exits non-zero so that systemd restarts both.
+
+One step can take longer than the peers' 2 s heartbeat timeout: a kernel compiled for a new
+shape, a prefill chunk over a long Warm prefix, a swap of thousands of blocks. While a step
+runs, a side thread keeps the heartbeat and the systemd watchdog going, for up to
+MAX_STEP_S; a step stuck beyond that stops the beats, and the CPU daemon (and systemd)
+restart the pair as for a dead daemon.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -39,6 +47,43 @@ NO_KV_BLOCKS, NO_SEQ_SLOTS = 1, 2
 
 PEER_DEAD = 3
 """Exit status when the CPU daemon died: systemd restarts the pair."""
+
+MAX_STEP_S = 300.0
+"""Longest one engine step is vouched for by the side thread (StepVouch)."""
+
+
+class StepVouch:
+    """While the loop is inside one engine step (`with vouch:`), calls `beat` every
+    `period_s` for it, for up to `limit_s`."""
+
+    def __init__(self, beat: Callable[[], None], period_s: float, limit_s: float) -> None:
+        self._beat, self.period, self.limit = beat, period_s, limit_s
+        self._since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-vouch", daemon=True)
+        self.beats = 0
+        """Beats sent for steps so far."""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> None:
+        self._since = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        self._since = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            since = self._since
+            if since is not None and time.monotonic() - since < self.limit:
+                self._beat()
+                self.beats += 1
 
 
 @dataclass
@@ -80,13 +125,20 @@ class GpuHeartbeat:
         self._last_tick = time.monotonic()
         self._watchdog = sd_notify.watchdog_interval_s()
         self._last_ping = 0.0
+        self._lock = threading.Lock()
+        """Serializes the loop's beats and the vouch thread's."""
+        self.vouch = StepVouch(self._vouch_beat, min(0.1, peer_timeout_s / 4), MAX_STEP_S)
 
     def run(self) -> int:
         """Tick until SHUTDOWN or a dead peer; returns the process exit status."""
-        while not self.stopping:
-            if not self.tick():
-                return PEER_DEAD
-        return 0
+        self.vouch.start()
+        try:
+            while not self.stopping:
+                if not self.tick():
+                    return PEER_DEAD
+            return 0
+        finally:
+            self.vouch.stop()
 
     def tick(self) -> bool:
         busy = self.engine.has_unfinished() or bool(self.outbox)
@@ -99,7 +151,9 @@ class GpuHeartbeat:
         for ticket in tickets:
             self._handle(ticket)
         if self.engine.has_unfinished():
-            for out in self.engine.step(defer_sampling=self.defer_sampling):
+            with self.vouch:
+                outputs = self.engine.step(defer_sampling=self.defer_sampling)
+            for out in outputs:
                 self._send_result(_result(out))
             self.stats.steps += 1
         self._signal_backpressure()
@@ -179,10 +233,16 @@ class GpuHeartbeat:
         self.stats.ticks += 1
         self.stats.max_tick_gap_ms = max(self.stats.max_tick_gap_ms, (now - self._last_tick) * 1e3)
         self._last_tick = now
-        self.ch.g2c.heartbeat()
-        if self._watchdog and now - self._last_ping >= self._watchdog:
-            sd_notify.watchdog()
-            self._last_ping = now
+        self._vouch_beat()
+
+    def _vouch_beat(self) -> None:
+        """Bump the heartbeat the CPU daemon watches, and ping systemd's watchdog when due."""
+        with self._lock:
+            self.ch.g2c.heartbeat()
+            now = time.monotonic()
+            if self._watchdog and now - self._last_ping >= self._watchdog:
+                sd_notify.watchdog()
+                self._last_ping = now
 
     def _peer_alive(self) -> bool:
         """False when the CPU daemon died. When it detached cleanly, its requests are
