@@ -53,7 +53,8 @@ class Degrade:
         self.active = False
         self.sample_placement = config.sample_placement
         """Where tokens are picked this step."""
-        self._normal_sample = config.sample_placement
+        self.normal_sample = config.sample_placement
+        """Where tokens are picked when not degraded."""
         self.softmax_mflops = config.max_num_seqs * vocab_size * SOFTMAX_FLOPS_PER_LOGIT / 1e6
         """The degrade-path softmax's work per step at a full batch."""
         self.softmax_threshold = config.softmax_threshold_mflops
@@ -69,7 +70,7 @@ class Degrade:
         if not self.allowed or on == self.active:
             return False
         self.active = on
-        self.sample_placement = "cpu" if on and self._softmax == "cpu" else self._normal_sample
+        self.sample_placement = "cpu" if on and self._softmax == "cpu" else self.normal_sample
         warm = self._warm
         if warm is not None and self._normal_warm is not None:
             mode, share = self._normal_warm
@@ -85,6 +86,12 @@ class Degrade:
             attn_warm=None if warm is None else f"{warm.mode}:{warm.split:.3f}",
         )
         return True
+
+    def place_sample(self, placement: str) -> None:
+        """Set where tokens are picked when not degraded (measured at start)."""
+        self.normal_sample = placement
+        if not self.active:
+            self.sample_placement = placement
 
     def info(self) -> dict[str, bool | int]:
         """The figures, keyed by GetModelInfo field names."""

@@ -28,6 +28,7 @@ from hybridgen.gpu_daemon.model_runner import (
     Sampled,
     has_penalty,
 )
+from hybridgen.gpu_daemon.region_timing import profile_kv_codec, profile_sample
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.gpu_daemon.tuner import Tuner
@@ -41,6 +42,7 @@ from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.tuning_profile import RegionProfile
 
 log = structlog.get_logger()
 
@@ -62,6 +64,10 @@ class RequestOutput:
     yet; answer with Engine.accept_token)."""
 
 
+START_RUNS = 3
+"""Timed runs per figure of the start-up measurement (the best counts)."""
+START_SAMPLE_BATCH = 16
+"""Decode batch the start-up measurement times sample at (max_num_seqs if smaller)."""
 TIER_LOG_STEPS = 256
 """With a Warm tier in use, the KV tier figures are logged every this many steps."""
 
@@ -169,6 +175,9 @@ class Engine:
             )
         self.degrade = Degrade(config, self.warm, spec.vocab_size)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
+        self.measured: dict[str, RegionProfile] = {}
+        """Regions timed at start (region_timing) and the placement each got."""
+        self._measure_regions()
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
         log.info(
@@ -180,6 +189,29 @@ class Engine:
             max_model_len=self.max_model_len,
             **self.plan.summary(),
         )
+
+    def _measure_regions(self) -> None:
+        """Time sample and kv_codec both ways and place each on the faster side, unless the
+        config pinned it or a profile placed it (config.measure_regions says where)."""
+        config = self.config
+        on = config.measure_regions
+        if config.mode == "pure_gpu" or not (on or (on is None and self.device.type == "cuda")):
+            return
+        free = set(("sample", "kv_codec")) - set(config.pinned_regions + config.profiled_regions)
+        with torch.inference_mode():
+            if "sample" in free:
+                batch = min(config.max_num_seqs, START_SAMPLE_BATCH)
+                r = profile_sample(
+                    self.spec.vocab_size, config.num_candidates, self.device, batch, START_RUNS
+                )
+                self.degrade.place_sample(r.placement)
+                self.measured["sample"] = r
+            if "kv_codec" in free and self.warm is not None:
+                r = profile_kv_codec(self.warm, START_RUNS)
+                self.warm.codec_on = r.placement
+                self.measured["kv_codec"] = r
+        for name, r in self.measured.items():
+            log.info("region_measured", region=name, placement=r.placement, **r.measured)
 
     def tier_stats(self) -> dict[str, float | int]:
         """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and

@@ -77,27 +77,28 @@ def engine_regions(engine: Engine) -> list[Region]:
         if tuned and how != "degrade":  # re-balanced from live timings (tuner.py)
             how, figures["tuned_updates"] = "tuned", tuned
         rows.append(Region("attn_warm", "layer", "hybrid-aware", place, how, figures))
+        codec = engine.measured.get("kv_codec")
         rows.append(
             Region(
                 "kv_codec",
                 "step",
                 "hybrid-aware",
-                config.kv_codec_placement,
-                source("kv_codec"),
-                profiled.get("kv_codec", {}),
+                warm.codec_on,
+                source("kv_codec", codec is not None),
+                codec.measured if codec is not None else profiled.get("kv_codec", {}),
             )
         )
     if engine.spec.num_local_experts:
         rows.append(_moe_experts_row(engine))
     sample, d = engine.degrade.sample_placement, engine.degrade
-    shifted = sample != config.sample_placement
-    figures = dict(profiled.get("sample", {}))
+    shifted = sample != d.normal_sample
+    timed = engine.measured.get("sample")
+    figures = dict(timed.measured if timed is not None else profiled.get("sample", {}))
     # offload_threshold.softmax decides where the degrade path's softmax goes.
     figures["degrade_softmax_mflops"] = d.softmax_mflops
     figures["softmax_threshold_mflops"] = d.softmax_threshold
-    rows.append(
-        Region("sample", "step", "hybrid-aware", sample, source("sample", shifted=shifted), figures)
-    )
+    how = source("sample", timed is not None, shifted=shifted)
+    rows.append(Region("sample", "step", "hybrid-aware", sample, how, figures))
     return rows
 
 

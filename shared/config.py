@@ -340,7 +340,8 @@ class HybridGenConfig:
             attn_warm="gpu" if pure_gpu else placed.attn_warm or "auto",
             warm_split=placed.warm_split,
             prefix_reuse=self.kv_cache.prefix_reuse,
-            # Measured default: the device sampler (bench/NOTES.md, "Where to sample").
+            # Unpinned and without a profile: the engine times both at start on a GPU
+            # (gpu_daemon/region_timing.py); these are where it starts from.
             sample_placement="gpu" if pure_gpu else placed.sample or "gpu",
             kv_codec_placement="gpu" if pure_gpu else placed.kv_codec or "gpu",
             degrade_softmax=self.placements.softmax or "auto",

@@ -89,6 +89,10 @@ class EngineConfig:
     kv_codec_placement: str = "gpu"
     """Where the Warm codec encodes spilled blocks and decodes copied records
     (placements.kv_codec): gpu (compressed bytes cross PCIe) or cpu (raw bytes cross)."""
+    measure_regions: bool | None = None
+    """Time sample and kv_codec both ways at start and place each on the faster side, where
+    neither the config nor a profile placed it (gpu_daemon/region_timing.py). None: on CUDA
+    only (on a CPU-only engine both sides are the CPU); never in mode pure_gpu."""
     dynamic_tuning: bool = False
     """Re-balance attn_warm's split from live timings while serving (gpu_daemon/tuner.py;
     dynamic_tuning.enable in the config file)."""

@@ -17,7 +17,8 @@ order of precedence:
     tuned      attn_warm's split re-balanced from live timings (gpu_daemon/tuner.py)
     pinned     the config's `placements` (or mode: pure_gpu, which pins every region to gpu)
     profile    a tuning_profile.json from hybridgen-profiler (config `profile_path`)
-    measured   timed on both devices at start (the Warm tier's probe for attn_warm)
+    measured   timed on both devices at start: the Warm tier's probe for attn_warm,
+               gpu_daemon/region_timing.py for sample and kv_codec (on a GPU)
     default    the measured default recorded in bench/NOTES.md
 
 This module only describes; the engine and the daemons do the placing, and report what they

@@ -45,3 +45,44 @@ def test_table_follows_the_engine(checkpoint) -> None:  # type: ignore[no-untype
     assert text.splitlines()[0].split()[:5] == ["region", "scope", "label", "placement", "source"]
     assert "attn_warm   layer  hybrid-aware  cpu" in text
     pinned.release()
+
+
+def test_start_up_measurement_places_sample_and_kv_codec(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Unplaced sample and kv_codec are timed both ways at start and placed by the figures
+    (region_timing); a pinned region is left alone. On CUDA this runs by default; here it is
+    asked for (measure_regions), and kv_codec's timing is replaced to force the CPU side."""
+    import dataclasses
+
+    from hybridgen.gpu_daemon import engine as engine_module
+    from hybridgen.gpu_daemon.region_timing import SAMPLE_ROUND_TRIP_MS
+    from hybridgen.tuning_profile import RegionProfile
+
+    path = checkpoint("llama3")
+    forced = RegionProfile("cpu", None, {"cpu_ms": 0.1, "gpu_ms": 0.5})
+    monkeypatch.setattr(engine_module, "profile_kv_codec", lambda warm, runs: forced)
+    yaml = {"model": {"name_or_path": str(path), "max_model_len": 256}}
+    config = parse_config({**yaml, "kv_cache": {"warm_region_mb": 2}}).engine_config("cpu")
+    engine = Engine(dataclasses.replace(config, measure_regions=True))
+    rows = {r.name: r for r in engine_regions(engine)}
+    sample = rows["sample"]
+    assert sample.source == "measured" and sample.measured["round_trip_ms"] == SAMPLE_ROUND_TRIP_MS
+    cpu_ms, gpu_ms = sample.measured["cpu_ms"], sample.measured["gpu_ms"]
+    assert cpu_ms > 0 and gpu_ms > 0
+    assert sample.placement == ("cpu" if cpu_ms + SAMPLE_ROUND_TRIP_MS < gpu_ms else "gpu")
+    assert engine.degrade.sample_placement == sample.placement
+    assert (rows["kv_codec"].placement, rows["kv_codec"].source) == ("cpu", "measured")
+    assert engine.warm is not None and engine.warm.codec_on == "cpu"
+    engine.release()
+
+    pinned = parse_config(
+        {**yaml, "kv_cache": {"warm_region_mb": 2}, "placements": {"sample": "cpu"}}
+    ).engine_config("cpu")
+    engine = Engine(dataclasses.replace(pinned, measure_regions=True))
+    rows = {r.name: r for r in engine_regions(engine)}
+    assert (rows["sample"].placement, rows["sample"].source) == ("cpu", "pinned")
+    assert set(engine.measured) == {"kv_codec"}
+    engine.release()
+    # Off by default on a CPU-only engine: both sides would be the CPU.
+    engine = Engine(config)
+    assert engine.measured == {} and engine.warm is not None and engine.warm.codec_on == "gpu"
+    engine.release()

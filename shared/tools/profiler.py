@@ -9,17 +9,11 @@ config, as the GPU daemon builds it. Every prompt of the file (e2e_benchmark's f
 lines {"prompt": ..., "max_new_tokens": optional}) runs greedy, ignoring EOS, with the
 scheduler keeping max_num_seqs running as a server would; the replay records the decode batch
 sizes, prompt lengths, Warm blocks per decoding sequence and the KV tier figures. Then each
-switchable region is timed both ways at the typical shapes (best of --runs after a warm-up,
-host time with the device synchronized) and the bytes crossing PCIe per step are counted:
+switchable region is timed both ways at the typical shapes (best of --runs) and the bytes
+crossing PCIe per step are counted, as gpu_daemon/region_timing.py describes: attn_warm,
+sample and kv_codec.
 
-    attn_warm  CPU partial over the Warm blocks vs the device's (WarmTier.device_partial), all
-               layers; placed by warm_tier.choose_placement (cpu, gpu, or split with a share)
-    sample     the device sampler vs top-K candidates to the host and the CPU's pick
-    kv_codec   encode on the device + D2H of the records vs D2H of the raw block + encode on
-               the CPU, one block of every layer
-
-attn_warm and kv_codec need a Warm tier (kv_cache.warm_region_mb). Under the daemons the CPU's
-sampling pick also costs a ring round trip per token, which is not timed here. On a CPU-only
+attn_warm and kv_codec need a Warm tier (kv_cache.warm_region_mb). On a CPU-only
 machine both "devices" are the CPU: both code paths are still timed and the file says
 "device": "cpu". Point the config's profile_path at the file to serve with it.
 """
@@ -41,19 +35,19 @@ from hybridgen import log as hlog
 from hybridgen.benchmarks.e2e_benchmark import Prompt, int_range, load_prompts
 from hybridgen.benchmarks.report import git_commit, machine_info
 from hybridgen.config import load_config
-from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
 from hybridgen.engine_config import ConfigError
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
-from hybridgen.gpu_daemon.warm_tier import WarmTier, best_of, choose_placement
-from hybridgen.sampling.candidates import Candidates, sample_candidates
+from hybridgen.gpu_daemon.region_timing import (
+    NoWarmRoom,
+    profile_attn_warm,
+    profile_kv_codec,
+    profile_sample,
+)
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.sampling.sampler import Sampler, SamplingBatch
-from hybridgen.tuning_profile import RegionProfile, TuningProfile, save_profile
+from hybridgen.tuning_profile import TuningProfile, save_profile
 
 log = structlog.get_logger()
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class ProfilerError(Exception):
@@ -128,115 +122,6 @@ def replay(engine: Engine, prompts: list[Prompt], max_new_tokens: int) -> Shapes
     return shapes
 
 
-def _randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
-
-
-def profile_attn_warm(warm: WarmTier, rows: int, blocks: int, runs: int) -> RegionProfile:
-    """attn_warm over `rows` decoding sequences of `blocks` Warm blocks each, all layers."""
-    spec, bs, device = warm.spec, warm.block_size, warm.device
-    rows, blocks = max(1, rows), max(1, blocks)
-    held = warm.room(rows * blocks)  # rows share slots when the pool holds fewer
-    if held == 0:
-        raise ProfilerError("the Warm pool has no free slot to time attn_warm with")
-    slots = warm.index.alloc(held)
-    kv = _randn(spec.num_layers, bs, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
-                device=device, seed=1)  # fmt: skip
-    for slot in slots:
-        warm.pool.store(slot, kv, kv)
-    table = [[slots[(r * blocks + j) % held] for j in range(blocks)] for r in range(rows)]
-    spans = [WarmSpan(t, 0, bs, blocks * bs) for t in table]
-    q = _randn(rows, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device, seed=2)
-    scale = spec.head_dim**-0.5
-
-    def cpu() -> None:
-        for layer in range(spec.num_layers):
-            out, lse = warm_decode_attention(warm.pool, layer, q, spans, scale)
-            out.to(device), lse.to(device)
-
-    def gpu() -> None:
-        for layer in range(spec.num_layers):
-            warm.device_partial(layer, q, table, scale)
-
-    try:
-        cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
-    finally:
-        warm.pool.free(slots)
-    placement, share = choose_placement(cpu_ms, gpu_ms)
-    # cpu: q out and the fp32 (out, lse) partial back, per layer; gpu: the records in.
-    heads = rows * spec.num_heads
-    per_layer = heads * spec.head_dim * (spec.dtype.itemsize + 4) + heads * 4
-    measured = {
-        "cpu_ms": cpu_ms,
-        "gpu_ms": gpu_ms,
-        "pcie_bytes_cpu": spec.num_layers * per_layer,
-        "pcie_bytes_gpu": rows * blocks * warm.pool.slot_bytes,
-        "rows": rows,
-        "blocks": blocks,
-    }
-    return RegionProfile(placement, share if placement == "split" else None, measured)
-
-
-def profile_sample(engine: Engine, batch: int, runs: int) -> RegionProfile:
-    """Greedy picks for [batch, vocab] fp32 logits: the device sampler vs the CPU's pick from
-    the top num_candidates logits per row (their D2H included), as model_runner does them."""
-    batch, vocab, device = max(1, batch), engine.spec.vocab_size, engine.device
-    k = min(engine.config.num_candidates, vocab)
-    logits = _randn(batch, vocab, dtype=torch.float32, device=device, seed=3)
-    sampler, params = Sampler(), [GREEDY] * batch
-
-    def gpu() -> None:
-        sb = SamplingBatch.build(params, [0] * batch, [0] * batch, None, None, vocab, device)
-        sampler(logits, sb).token_ids.cpu()
-
-    def cpu() -> None:
-        t = torch.tensor([1.0] * batch, device=device)[:, None]  # greedy rows: temperature 1
-        vals, ids = logits.topk(k, dim=-1)
-        lse = torch.logsumexp(logits, -1, keepdim=True)
-        lse_t = torch.logsumexp(logits / t, -1, keepdim=True)
-        floats = torch.cat([vals, lse, lse_t], dim=-1).cpu().numpy()
-        ids_host = ids.to(torch.int32).cpu().numpy()
-        for i in range(batch):
-            c = Candidates(ids_host[i], floats[i, :k], float(floats[i, k]), float(floats[i, k + 1]))
-            sample_candidates(c, GREEDY, 0, 0)
-
-    cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
-    measured = {
-        "cpu_ms": cpu_ms,
-        "gpu_ms": gpu_ms,
-        "pcie_bytes_cpu": batch * (4 + k * 8 + 8),  # temperatures in; k ids, k logits, 2 lse out
-        "pcie_bytes_gpu": batch * (6 * 4 + 4 * 8 + 8),  # SamplingBatch in; the token ids out
-        "batch": batch,
-        "candidates": k,
-    }
-    return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)
-
-
-def profile_kv_codec(warm: WarmTier, runs: int) -> RegionProfile:
-    """Encoding one Hot block of every layer for the Warm pool, on either side of PCIe."""
-    spec, device, codec = warm.spec, warm.device, warm.pool.codec
-    shape = (spec.num_layers, warm.block_size, spec.num_kv_heads, spec.head_dim)
-    k = _randn(*shape, dtype=spec.dtype, device=device, seed=4)
-    v = _randn(*shape, dtype=spec.dtype, device=device, seed=5)
-
-    def gpu() -> None:
-        codec.encode_blocks(k, v).cpu()
-
-    def cpu() -> None:
-        codec.encode_blocks(k.cpu(), v.cpu())
-
-    cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
-    measured = {
-        "cpu_ms": cpu_ms,
-        "gpu_ms": gpu_ms,
-        "pcie_bytes_cpu": 2 * k.numel() * k.element_size(),
-        "pcie_bytes_gpu": warm.pool.slot_bytes,
-        "blocks": 1,
-    }
-    return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)
-
-
 def profile_engine(
     engine: Engine, prompts: list[Prompt], max_new_tokens: int, runs: int
 ) -> TuningProfile:
@@ -249,7 +134,12 @@ def profile_engine(
 def _profile_regions(engine: Engine, shapes: Shapes, runs: int) -> TuningProfile:
     summary = shapes.summary(engine)
     log.info("profiler_shapes", **{k: v for k, v in summary.items() if k != "tiers"})
-    regions = {"sample": profile_sample(engine, summary["decode_batch"], runs)}
+    spec, config = engine.spec, engine.config
+    regions = {
+        "sample": profile_sample(
+            spec.vocab_size, config.num_candidates, engine.device, summary["decode_batch"], runs
+        )
+    }
     warm = engine.warm
     if warm is None:
         log.info("profiler_no_warm_tier", skipped="attn_warm, kv_codec")
@@ -330,7 +220,7 @@ def main(argv: list[str] | None = None) -> TuningProfile:
     hlog.configure()
     try:
         profile = run(args)
-    except (ConfigError, BudgetTooSmall, ProfilerError) as exc:
+    except (ConfigError, BudgetTooSmall, ProfilerError, NoWarmRoom) as exc:
         print(f"hybridgen-profiler: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     report(profile, args.out)

@@ -1,0 +1,150 @@
+"""Timing the switchable op-regions both ways at given shapes (DESIGN.md "Op-Regions"): what
+hybridgen-profiler records offline (tools/profiler.py) and what the engine measures at start
+for the regions nothing else places (engine.measure_regions).
+
+    attn_warm  CPU partial over the Warm blocks vs the device's (WarmTier.device_partial), all
+               layers; placed by warm_tier.choose_placement (cpu, gpu, or split with a share)
+    sample     the device sampler vs top-K candidates to the host and the CPU's pick, plus
+               SAMPLE_ROUND_TRIP_MS for the ring round trip per token that the CPU pick costs
+               under the daemons
+    kv_codec   encode on the device + D2H of the records vs D2H of the raw block + encode on
+               the CPU, one block of every layer
+
+Each figure is the best of `runs` after a warm-up, host time with the device synchronized
+(warm_tier.best_of); the bytes each way would move over PCIe per step are counted too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
+from hybridgen.gpu_daemon.warm_tier import WarmTier, best_of, choose_placement
+from hybridgen.sampling.candidates import Candidates, sample_candidates
+from hybridgen.sampling.params import SamplingParams
+from hybridgen.sampling.sampler import Sampler, SamplingBatch
+from hybridgen.tuning_profile import RegionProfile
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLE_ROUND_TRIP_MS = 2.7
+"""What picking on the CPU daemon adds per token beyond the pick: the step's candidates go
+over the ring and the token comes back on its next 2 ms tick. Measured on the H200 (B5,
+bench/results/sample_placement_h200.json): 3.07 ms per token served with sample on the CPU
+against 0.37 ms on the GPU."""
+
+
+class NoWarmRoom(Exception):
+    """The Warm pool has no free slot to time attn_warm with."""
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def profile_attn_warm(warm: WarmTier, rows: int, blocks: int, runs: int) -> RegionProfile:
+    """attn_warm over `rows` decoding sequences of `blocks` Warm blocks each, all layers."""
+    spec, bs, device = warm.spec, warm.block_size, warm.device
+    rows, blocks = max(1, rows), max(1, blocks)
+    held = warm.room(rows * blocks)  # rows share slots when the pool holds fewer
+    if held == 0:
+        raise NoWarmRoom("the Warm pool has no free slot to time attn_warm with")
+    slots = warm.index.alloc(held)
+    kv = _randn(spec.num_layers, bs, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
+                device=device, seed=1)  # fmt: skip
+    for slot in slots:
+        warm.pool.store(slot, kv, kv)
+    table = [[slots[(r * blocks + j) % held] for j in range(blocks)] for r in range(rows)]
+    spans = [WarmSpan(t, 0, bs, blocks * bs) for t in table]
+    q = _randn(rows, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device, seed=2)
+    scale = spec.head_dim**-0.5
+
+    def cpu() -> None:
+        for layer in range(spec.num_layers):
+            out, lse = warm_decode_attention(warm.pool, layer, q, spans, scale)
+            out.to(device), lse.to(device)
+
+    def gpu() -> None:
+        for layer in range(spec.num_layers):
+            warm.device_partial(layer, q, table, scale)
+
+    try:
+        cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
+    finally:
+        warm.pool.free(slots)
+    placement, share = choose_placement(cpu_ms, gpu_ms)
+    # cpu: q out and the fp32 (out, lse) partial back, per layer; gpu: the records in.
+    heads = rows * spec.num_heads
+    per_layer = heads * spec.head_dim * (spec.dtype.itemsize + 4) + heads * 4
+    measured = {
+        "cpu_ms": cpu_ms,
+        "gpu_ms": gpu_ms,
+        "pcie_bytes_cpu": spec.num_layers * per_layer,
+        "pcie_bytes_gpu": rows * blocks * warm.pool.slot_bytes,
+        "rows": rows,
+        "blocks": blocks,
+    }
+    return RegionProfile(placement, share if placement == "split" else None, measured)
+
+
+def profile_sample(
+    vocab: int, num_candidates: int, device: torch.device, batch: int, runs: int
+) -> RegionProfile:
+    """Greedy picks for [batch, vocab] fp32 logits: the device sampler vs the CPU's pick from
+    the top num_candidates logits per row (their D2H included), as model_runner does them."""
+    batch = max(1, batch)
+    k = min(num_candidates, vocab)
+    logits = _randn(batch, vocab, dtype=torch.float32, device=device, seed=3)
+    sampler, params = Sampler(), [GREEDY] * batch
+
+    def gpu() -> None:
+        sb = SamplingBatch.build(params, [0] * batch, [0] * batch, None, None, vocab, device)
+        sampler(logits, sb).token_ids.cpu()
+
+    def cpu() -> None:
+        t = torch.tensor([1.0] * batch, device=device)[:, None]  # greedy rows: temperature 1
+        vals, ids = logits.topk(k, dim=-1)
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        lse_t = torch.logsumexp(logits / t, -1, keepdim=True)
+        floats = torch.cat([vals, lse, lse_t], dim=-1).cpu().numpy()
+        ids_host = ids.to(torch.int32).cpu().numpy()
+        for i in range(batch):
+            c = Candidates(ids_host[i], floats[i, :k], float(floats[i, k]), float(floats[i, k + 1]))
+            sample_candidates(c, GREEDY, 0, 0)
+
+    cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
+    measured = {
+        "cpu_ms": cpu_ms,
+        "gpu_ms": gpu_ms,
+        "pcie_bytes_cpu": batch * (4 + k * 8 + 8),  # temperatures in; k ids, k logits, 2 lse out
+        "pcie_bytes_gpu": batch * (6 * 4 + 4 * 8 + 8),  # SamplingBatch in; the token ids out
+        "batch": batch,
+        "candidates": k,
+    }
+    measured["round_trip_ms"] = SAMPLE_ROUND_TRIP_MS
+    on_cpu = cpu_ms + SAMPLE_ROUND_TRIP_MS < gpu_ms
+    return RegionProfile("cpu" if on_cpu else "gpu", None, measured)
+
+
+def profile_kv_codec(warm: WarmTier, runs: int) -> RegionProfile:
+    """Encoding one Hot block of every layer for the Warm pool, on either side of PCIe."""
+    spec, device, codec = warm.spec, warm.device, warm.pool.codec
+    shape = (spec.num_layers, warm.block_size, spec.num_kv_heads, spec.head_dim)
+    k = _randn(*shape, dtype=spec.dtype, device=device, seed=4)
+    v = _randn(*shape, dtype=spec.dtype, device=device, seed=5)
+
+    def gpu() -> None:
+        codec.encode_blocks(k, v).cpu()
+
+    def cpu() -> None:
+        codec.encode_blocks(k.cpu(), v.cpu())
+
+    cpu_ms, gpu_ms = (best_of(runs, f, device) * 1e3 for f in (cpu, gpu))
+    measured = {
+        "cpu_ms": cpu_ms,
+        "gpu_ms": gpu_ms,
+        "pcie_bytes_cpu": 2 * k.numel() * k.element_size(),
+        "pcie_bytes_gpu": warm.pool.slot_bytes,
+        "blocks": 1,
+    }
+    return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)
