@@ -112,7 +112,7 @@ class Engine:
         blocks = [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
         if cold is not None and blocks:
             self.experts = enable_cold_weights(
-                blocks, cold, config.expert_cpu_max_tokens, self.device
+                blocks, cold, config.expert_cpu_max_tokens, self.device, config.expert_format
             )
         self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":

@@ -225,8 +225,10 @@ class ColdWeightsConfig:
     """Device slots of the expert cache, shared by all layers; each routed expert is computed
     on the CPU or fetched into it, whichever the latency model says is faster. null: every
     expert stays on the device."""
-    expert_format: Literal["native"] = "native"
-    """Host format of the experts: native, the checkpoint's dtype (int8/int4: not yet)."""
+    expert_format: Literal["native", "int8", "int4"] = "native"
+    """Format of the experts in host memory and in the device cache: native (the checkpoint's
+    dtype: exact), int8 (per output channel, ~2:1 against bf16) or int4 (groups of 32,
+    ~3.6:1); converted at load. int8 and int4 need expert_cache_slots."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,13 @@ class HybridGenConfig:
                 f"kv_cache.hot_region_mb={hot:g} is out of range: "
                 f"allowed <= device_topology.gpu.memory_mb ({budget})"
             )
-        slots = self.cold_weights.expert_cache_slots
+        slots, fmt = self.cold_weights.expert_cache_slots, self.cold_weights.expert_format
+        if fmt != "native" and slots is None:
+            raise ConfigError(
+                f"cold_weights.expert_format={fmt!r} is out of range: allowed native with "
+                "cold_weights.expert_cache_slots null (int8 and int4 experts live in host "
+                "memory and the device cache; set expert_cache_slots)"
+            )
         if self.mode == "pure_gpu" and slots is not None:
             raise ConfigError(
                 f"cold_weights.expert_cache_slots={slots} is out of range: allowed null with "
@@ -354,6 +362,7 @@ class HybridGenConfig:
             tuning_warmup_steps=self.dynamic_tuning.warmup_steps,
             tuning_interval_ms=self.dynamic_tuning.update_interval_ms,
             expert_cache_slots=self.cold_weights.expert_cache_slots,
+            expert_format=self.cold_weights.expert_format,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,
             seed=m.seed,

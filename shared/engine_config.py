@@ -117,6 +117,9 @@ class EngineConfig:
     expert_cache_slots: int | None = None
     """Cold-Weights for MoE models: None keeps every expert on the device; N keeps the experts
     in host memory with an N-expert device cache (LRU, shared by all layers)."""
+    expert_format: str = "native"
+    """Cold-Weights: the experts' stored format, native, int8 or int4 (models/expert_format.py);
+    int8 and int4 need expert_cache_slots."""
     expert_cpu_max_tokens: int | None = None
     """Cold-Weights: an uncached expert with at most this many routed tokens runs on the CPU,
     more are fetched into the cache; None: the crossover of the latency model timed at start."""
@@ -227,6 +230,13 @@ class EngineConfig:
             "expert_cache_slots",
             self.expert_cache_slots,
             ">= 1 (or unset: every expert on the device)",
+        )
+        _check(
+            self.expert_format == "native"
+            or (self.expert_format in ("int8", "int4") and self.expert_cache_slots is not None),
+            "expert_format",
+            self.expert_format,
+            "native, or int8 / int4 with expert_cache_slots set",
         )
         _check(
             self.expert_cpu_max_tokens is None or self.expert_cpu_max_tokens >= 0,

@@ -118,8 +118,11 @@ def test_cold_block_equals_resident_block(checkpoint, crossover: str) -> None:  
 
 def _store(experts: int = 4) -> ExpertStore:
     g = torch.Generator().manual_seed(1)
-    return ExpertStore(
-        torch.randn(experts, 6, 3, generator=g), torch.randn(experts, 3, 3, generator=g), False
+    return ExpertStore.from_dense(
+        torch.randn(experts, 6, 3, generator=g),
+        torch.randn(experts, 3, 3, generator=g),
+        "native",
+        False,
     )
 
 
@@ -135,8 +138,8 @@ def test_cache_evicts_the_least_recently_used() -> None:
     assert (0, 0) not in cache and (0, 2) in cache and (1, 0) in cache
     for expert in (2, 0):
         slot = cache.fetch(1 if expert == 0 else 0, expert, store)
-        assert torch.equal(cache.gate_up[slot], store.gate_up[expert])
-        assert torch.equal(cache.down[slot], store.down[expert])
+        assert torch.equal(cache.gate_up.matrix(slot), store.gate_up.matrix(expert))
+        assert torch.equal(cache.down.matrix(slot), store.down.matrix(expert))
     s = cache.stats
     assert (s.cache_hits, s.cache_misses) == (3, 4)
     assert s.bytes_h2d == 4 * store.expert_bytes == 4 * (18 + 9) * 4

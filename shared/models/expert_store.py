@@ -4,16 +4,17 @@ the latency model that decides, per step and routed expert, where that expert ru
 DESIGN.md "Shared memory" (Cold-Weights) and "Op-Regions" (moe_experts). Attention, norms,
 embeddings and the router stay on the device; only the experts move:
 
-    host  ExpertStore (one per layer)   gate_up [E, 2I, H], down [E, H, I]   (pinned on CUDA)
+    host  ExpertStore (one per layer)   gate_up [E, 2I, H], down [E, H, I]   (pinned on CUDA),
+                                        native, int8 or int4 (expert_format.py)
             |                    \\
             | fetch (H2D, LRU)     \\ x -> CPU, SwiGLU on the host, result -> device
             v                      v
-    device ExpertCache (shared)      slots: gate_up [N, 2I, H], down [N, H, I]
+    device ExpertCache (shared)      slots: gate_up [N, 2I, H], down [N, H, I], as stored
 
 An expert with t routed tokens runs on the CPU when it is not cached and
 t * cpu_s_per_token < expert_bytes / pcie_bytes_per_s; a cached expert always runs on the
-device. Both paths compute the same SwiGLU in the model dtype (`swiglu`), so exact mode stays
-exact.
+device. Both paths compute the same SwiGLU in the model dtype from the same stored weights
+(`swiglu_packed`), so exact mode stays exact.
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from hybridgen.kernels import ops
+from hybridgen.models.expert_format import Format, PackedMatrices, swiglu_packed
 
 CPU_PCIE_BYTES_PER_S = 25e9
 """Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
 CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
-
-
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert: x [N, H], gate_up [2I, H], down [H, I] -> [N, H] (models.llama.MLP's math)."""
-    return ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
 
 
 @dataclass
@@ -63,28 +60,50 @@ class MoeStats:
 
 
 class ExpertStore:
-    """Every expert of one layer in host memory, in the model dtype.
+    """Every expert of one layer in host memory, in its stored format (expert_format.py).
 
     Invariant: the tensors never move to the device; the cache copies from them.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, pin: bool) -> None:
-        self.gate_up = gate_up.pin_memory() if pin else gate_up  # [E, 2I, H]
-        self.down = down.pin_memory() if pin else down  # [E, H, I]
+    def __init__(self, gate_up: PackedMatrices, down: PackedMatrices) -> None:
+        self.gate_up, self.down = gate_up, down  # [E, 2I, H], [E, H, I] as stored
+
+    @classmethod
+    def from_dense(cls, gate_up: Tensor, down: Tensor, fmt: Format, pin: bool) -> ExpertStore:
+        """gate_up [E, 2I, H], down [E, H, I] in the model dtype -> `fmt` (pinned: for async
+        copies)."""
+        packed = [PackedMatrices.pack(w, fmt) for w in (gate_up, down)]
+        return cls(*(p.pin() if pin else p for p in packed))
+
+    @property
+    def fmt(self) -> Format:
+        return self.gate_up.fmt
+
+    @property
+    def hidden_size(self) -> int:
+        return int(next(iter(self.down.parts.values())).shape[1])
 
     @property
     def expert_bytes(self) -> int:
-        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+        """One expert's gate_up and down as stored: what a fetch copies."""
+        return self.gate_up.matrix_bytes + self.down.matrix_bytes
 
-    def run_cpu(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+    def convert(self, fmt: Format, pin: bool) -> ExpertStore:
+        """This native store in `fmt`."""
+        if fmt == self.fmt:
+            return self
+        assert self.fmt == "native", "only native experts convert"
+        return ExpertStore.from_dense(self.gate_up.parts["w"], self.down.parts["w"], fmt, pin)
+
+    def run_cpu(self, expert: int, x: Tensor) -> Tensor:
         """x: [N, H] on any device -> the expert's output [N, H] on x's device, computed on
         the CPU."""
-        y = swiglu(x.to("cpu"), self.gate_up[expert], self.down[expert])
-        return y.to(x.device)
+        return swiglu_packed(x.to("cpu"), self.gate_up, self.down, expert).to(x.device)
 
 
 class ExpertCache:
-    """`slots` device slots shared by all layers, least recently used evicted first.
+    """`slots` device slots shared by all layers, least recently used evicted first; each
+    slot holds one expert in the store's format.
 
     Invariant: `_slots` maps (layer, expert) -> slot index, in use order (oldest first), and
     slot s holds exactly that expert's weights.
@@ -95,9 +114,9 @@ class ExpertCache:
     ) -> None:
         if slots < 1:
             raise ValueError(f"expert_cache_slots={slots}; expected >= 1 (or None: no cache)")
-        e = store.gate_up
-        self.gate_up = torch.empty((slots, *e.shape[1:]), dtype=e.dtype, device=device)
-        self.down = torch.empty((slots, *store.down.shape[1:]), dtype=e.dtype, device=device)
+        self.gate_up = store.gate_up.empty(slots, device)
+        self.down = store.down.empty(slots, device)
+        self.device = device
         self.capacity, self.stats = slots, stats
         self.expert_bytes = store.expert_bytes
         self._slots: OrderedDict[tuple[int, int], int] = OrderedDict()
@@ -123,13 +142,17 @@ class ExpertCache:
             _, slot = self._slots.popitem(last=False)
         # Same stream as the computations: a slot is overwritten only after the work that
         # read it was queued, so the copy may be asynchronous.
-        non_blocking = self.gate_up.device.type == "cuda"
-        self.gate_up[slot].copy_(store.gate_up[expert], non_blocking=non_blocking)
-        self.down[slot].copy_(store.down[expert], non_blocking=non_blocking)
+        non_blocking = self.device.type == "cuda"
+        self.gate_up.copy_(slot, store.gate_up, expert, non_blocking)
+        self.down.copy_(slot, store.down, expert, non_blocking)
         self._slots[key] = slot
         self.stats.cache_misses += 1
         self.stats.bytes_h2d += self.expert_bytes
         return slot
+
+    def run(self, slot: int, x: Tensor) -> Tensor:
+        """The expert in `slot` on x [N, H] (on the device)."""
+        return swiglu_packed(x, self.gate_up, self.down, slot)
 
 
 @dataclass(frozen=True)
@@ -171,18 +194,18 @@ def calibrate(
     """Time one expert on the CPU on a few tokens and, on CUDA, one fetch (into slot 0,
     which nothing holds yet; the cache's counters are left untouched)."""
     tokens = 4
-    x = torch.randn(tokens, store.gate_up.shape[-1], dtype=store.gate_up.dtype)
+    x = torch.randn(tokens, store.hidden_size, dtype=store.gate_up.dtype)
     store.run_cpu(0, x)  # warm-up
     start = time.perf_counter()
     store.run_cpu(0, x)
     cpu_s = (time.perf_counter() - start) / tokens
     bandwidth = CPU_PCIE_BYTES_PER_S
     if device.type == "cuda":
-        cache.gate_up[0].copy_(store.gate_up[0], non_blocking=True)  # warm-up
+        cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=True)  # warm-up
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        cache.gate_up[0].copy_(store.gate_up[0], non_blocking=True)
-        cache.down[0].copy_(store.down[0], non_blocking=True)
+        cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=True)
+        cache.down.copy_(0, store.down, 0, non_blocking=True)
         torch.cuda.synchronize(device)
         bandwidth = store.expert_bytes / max(time.perf_counter() - start, 1e-9)
     return LatencyModel(max(cpu_s, 1e-12), bandwidth, store.expert_bytes, override)

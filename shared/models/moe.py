@@ -20,14 +20,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridgen import log as hlog
 from hybridgen.kernels import ops
+from hybridgen.models.expert_format import Format
 from hybridgen.models.expert_store import (
     ExpertCache,
     ExpertStore,
     LatencyModel,
     MoeStats,
     calibrate,
-    swiglu,
 )
 from hybridgen.models.spec import ModelSpec
 
@@ -52,7 +53,9 @@ class SparseMoeBlock(nn.Module):
         if self.store is None:
             gate_up = [e.get_parameter("gate_up_proj.weight").detach().cpu() for e in self.experts]
             down = [e.get_parameter("down_proj.weight").detach().cpu() for e in self.experts]
-            self.store = ExpertStore(torch.stack(gate_up), torch.stack(down), pin)
+            self.store = ExpertStore.from_dense(
+                torch.stack(gate_up), torch.stack(down), "native", pin
+            )
             self.experts = nn.ModuleList()
         return self.store
 
@@ -80,7 +83,7 @@ class SparseMoeBlock(nn.Module):
             return self.store.run_cpu(expert, x)
         slot = cache.fetch(layer, expert, self.store)
         cache.stats.gpu_experts += 1
-        return swiglu(x, cache.gate_up[slot], cache.down[slot])
+        return cache.run(slot, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
@@ -94,12 +97,22 @@ class SparseMoeBlock(nn.Module):
 
 
 def enable_cold_weights(
-    blocks: list[SparseMoeBlock], slots: int, cpu_max_tokens: int | None, device: torch.device
+    blocks: list[SparseMoeBlock],
+    slots: int,
+    cpu_max_tokens: int | None,
+    device: torch.device,
+    fmt: Format = "native",
 ) -> tuple[ExpertCache, LatencyModel]:
-    """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory, one
-    `slots`-expert device cache shared by all layers, and the latency model timed here."""
+    """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory in
+    `fmt` (converted here, layer by layer, with progress), one `slots`-expert device cache
+    shared by all layers, and the latency model timed here."""
     pin = device.type == "cuda"
-    stores = [block.experts_to_host(pin) for block in blocks]
+    progress = hlog.Progress("experts_converted", len(blocks), unit="layers")
+    stores = []
+    for i, block in enumerate(blocks):
+        block.store = block.experts_to_host(pin).convert(fmt, pin)
+        stores.append(block.store)
+        progress.update(i + 1)
     cache = ExpertCache(slots, stores[0], device, MoeStats())
     latency = calibrate(stores[0], cache, device, cpu_max_tokens)
     for layer, block in enumerate(blocks):

@@ -1,0 +1,105 @@
+"""MoE expert weights in their stored format (cold_weights.expert_format), as kept in host
+memory and in the device expert cache:
+
+    native  the checkpoint's dtype, as is (exact mode)
+    int8    symmetric per output channel: w ~ q * s, q int8 [out, in], s fp32 [out];
+            about 2:1 against bf16; the CPU multiplies with torch's int8 weight-only kernel
+    int4    symmetric per group of GROUP input values: q in [-7, 7] packed two per byte
+            [out, in / 2], s fp16 [out, in / GROUP]; about 3.6:1 against bf16
+
+A PackedMatrices holds one stack [E, out, in] (every expert's gate_up, or every down) in one
+format; the cache holds N slots of the same layout and copies experts in as stored, so a
+fetch moves the compressed bytes. Both devices compute from the same codes: the device
+dequantizes to the model dtype and multiplies; the CPU does the same for int4 and uses the
+int8 kernel for int8.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from hybridgen.kernels import ops
+
+Format = Literal["native", "int8", "int4"]
+FORMATS: tuple[Format, ...] = ("native", "int8", "int4")
+GROUP = 32
+"""Input values per int4 scale."""
+
+
+class PackedMatrices:
+    """E matrices [out, in] in one format; `parts` are its tensors, each with E first."""
+
+    def __init__(self, fmt: Format, parts: dict[str, Tensor], dtype: torch.dtype) -> None:
+        self.fmt, self.parts, self.dtype = fmt, parts, dtype
+        """dtype: the model's, what `matrix` returns."""
+
+    @classmethod
+    def pack(cls, w: Tensor, fmt: Format) -> PackedMatrices:
+        """w: [E, out, in] in the model dtype (on the CPU) -> the stack in `fmt`."""
+        if fmt == "native":
+            return cls(fmt, {"w": w.contiguous()}, w.dtype)
+        x = w.float()
+        if fmt == "int8":
+            s = x.abs().amax(-1).clamp_min(1e-12) / 127  # [E, out]
+            q = torch.round(x / s[..., None]).clamp(-127, 127).to(torch.int8)
+            return cls(fmt, {"q": q, "s": s}, w.dtype)
+        if w.shape[-1] % GROUP:
+            raise ValueError(f"int4 experts need in_features divisible by {GROUP}, got {w.shape}")
+        g = x.unflatten(-1, (-1, GROUP))  # [E, out, in / G, G]
+        # fp16 scales: 4.5 bits per weight; the codes are taken against the rounded scale.
+        s = (g.abs().amax(-1) / 7).to(torch.float16).clamp_min(2**-24)  # [E, out, in / G]
+        q = torch.round(g / s[..., None].float()).clamp(-7, 7) + 8
+        q = q.to(torch.uint8).flatten(-2)
+        packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [E, out, in / 2]
+        return cls(fmt, {"q": packed, "s": s}, w.dtype)
+
+    @property
+    def num(self) -> int:
+        return next(iter(self.parts.values())).shape[0]
+
+    @property
+    def matrix_bytes(self) -> int:
+        """Bytes of one matrix as stored: what a fetch copies."""
+        return sum(t[0].numel() * t.element_size() for t in self.parts.values())
+
+    def pin(self) -> PackedMatrices:
+        return PackedMatrices(
+            self.fmt, {k: t.pin_memory() for k, t in self.parts.items()}, self.dtype
+        )
+
+    def empty(self, n: int, device: torch.device) -> PackedMatrices:
+        """n slots of this layout on `device`, uninitialized."""
+        parts = {k: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device)
+                 for k, t in self.parts.items()}  # fmt: skip
+        return PackedMatrices(self.fmt, parts, self.dtype)
+
+    def copy_(self, i: int, src: PackedMatrices, j: int, non_blocking: bool) -> None:
+        """Slot i <- src's matrix j, as stored."""
+        for k, t in self.parts.items():
+            t[i].copy_(src.parts[k][j], non_blocking=non_blocking)
+
+    def matrix(self, i: int) -> Tensor:
+        """Matrix i as [out, in] in the model dtype (a view in native format)."""
+        if self.fmt == "native":
+            return self.parts["w"][i]
+        q, s = self.parts["q"][i], self.parts["s"][i]
+        if self.fmt == "int8":
+            return (q.float() * s[:, None]).to(self.dtype)
+        codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).float() - 8  # [out, in]
+        groups = codes.unflatten(-1, (-1, GROUP)) * s[..., None].float()
+        return groups.flatten(-2).to(self.dtype)
+
+    def linear(self, x: Tensor, i: int) -> Tensor:
+        """x [N, in] @ matrix i^T -> [N, out], on x's device, which holds this stack."""
+        if self.fmt == "int8" and x.device.type == "cpu":
+            q, s = self.parts["q"][i], self.parts["s"][i]
+            return torch._weight_int8pack_mm(x, q, s.to(x.dtype))
+        return ops.linear(x, self.matrix(i))
+
+
+def swiglu_packed(x: Tensor, gate_up: PackedMatrices, down: PackedMatrices, i: int) -> Tensor:
+    """Expert i: x [N, H] -> [N, H], models.llama.MLP's math on the stored weights."""
+    return down.linear(ops.silu_and_mul(gate_up.linear(x, i)), i)
