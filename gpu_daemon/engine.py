@@ -103,8 +103,9 @@ class Engine:
         self.config = config
         self.device = config.torch_device()
         cold = config.expert_cache_slots
+        host_experts = config.expert_format if cold is not None else None
         self.loaded = loaded or load_model(
-            config.model, self.device, config.torch_dtype(), config.seed, cold is not None
+            config.model, self.device, config.torch_dtype(), config.seed, host_experts
         )
         spec = self.spec = self.loaded.model.spec
         self.experts: tuple[ExpertCache, LatencyModel] | None = None
@@ -112,7 +113,7 @@ class Engine:
         blocks = [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
         if cold is not None and blocks:
             self.experts = enable_cold_weights(
-                blocks, cold, config.expert_cpu_max_tokens, self.device, config.expert_format
+                blocks, cold, config.expert_cpu_max_tokens, self.device
             )
         self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridgen.models.expert_format import Format
+
 _DTYPES = {
     "auto": None,
     "float32": torch.float32,
@@ -117,7 +119,7 @@ class EngineConfig:
     expert_cache_slots: int | None = None
     """Cold-Weights for MoE models: None keeps every expert on the device; N keeps the experts
     in host memory with an N-expert device cache (LRU, shared by all layers)."""
-    expert_format: str = "native"
+    expert_format: Format = "native"
     """Cold-Weights: the experts' stored format, native, int8 or int4 (models/expert_format.py);
     int8 and int4 need expert_cache_slots."""
     expert_cpu_max_tokens: int | None = None

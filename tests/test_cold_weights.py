@@ -92,7 +92,7 @@ def test_cold_block_equals_resident_block(checkpoint, crossover: str) -> None:  
     each layer on the CPU), all on the CPU, or as the timed latency model says."""
     path = checkpoint("mixtral")
     resident = load_model(str(path), torch.device("cpu"), torch.float32).model
-    cold = load_model(str(path), torch.device("cpu"), torch.float32, host_experts=True).model
+    cold = load_model(str(path), torch.device("cpu"), torch.float32, host_experts="native").model
     blocks = [layer.mlp for layer in cold.layers]
     assert all(isinstance(b, SparseMoeBlock) for b in blocks)
     x = torch.randn(24, cold.spec.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -56,9 +56,22 @@ class PackedMatrices:
         packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [E, out, in / 2]
         return cls(fmt, {"q": packed, "s": s}, w.dtype)
 
-    @property
-    def num(self) -> int:
-        return next(iter(self.parts.values())).shape[0]
+    @classmethod
+    def allocate(
+        cls, fmt: Format, n: int, out: int, in_: int, dtype: torch.dtype, pin: bool
+    ) -> PackedMatrices:
+        """n uninitialized [out, in_] matrices of model dtype `dtype` in `fmt`, on the CPU."""
+        layout: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {
+            "native": {"w": ((out, in_), dtype)},
+            "int8": {"q": ((out, in_), torch.int8), "s": ((out,), torch.float32)},
+            "int4": {
+                "q": ((out, in_ // 2), torch.uint8),
+                "s": ((out, in_ // GROUP), torch.float16),
+            },
+        }
+        parts = {k: torch.empty((n, *shape), dtype=t, pin_memory=pin)
+                 for k, (shape, t) in layout[fmt].items()}  # fmt: skip
+        return cls(fmt, parts, dtype)
 
     @property
     def matrix_bytes(self) -> int:

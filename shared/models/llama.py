@@ -196,11 +196,21 @@ class CausalLM(nn.Module):
         return ops.linear(hidden, self.lm_head.weight).float()
 
 
-def empty_model(spec: ModelSpec, device: torch.device) -> CausalLM:
-    """A model with uninitialised weights in spec.dtype, allocated once on `device`."""
+def empty_model(
+    spec: ModelSpec, device: torch.device, expert_device: torch.device | None = None
+) -> CausalLM:
+    """A model with uninitialised weights in spec.dtype, allocated once on `device`; MoE
+    experts on `expert_device` (default `device`): the CPU keeps them in host memory for
+    Cold-Weights, "meta" allocates none (their ExpertStore is built apart)."""
     with torch.device("meta"):
         net = CausalLM(spec).to(spec.dtype)
+    blocks = [layer.mlp for layer in net.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    held = [block.experts for block in blocks]
+    for block in blocks:
+        block.experts = nn.ModuleList()
     net = net.to_empty(device=device)
+    for block, experts in zip(blocks, held, strict=True):
+        block.experts = experts.to_empty(device=expert_device or device)
     if spec.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     return net

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from hybridgen.log import Progress
 from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.expert_format import Format
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import SparseMoeBlock
@@ -219,51 +219,37 @@ def _moe_blocks(net: CausalLM) -> list[SparseMoeBlock]:
     return [layer.mlp for layer in net.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
 
-def _empty_model_host_experts(spec: ModelSpec, device: torch.device) -> CausalLM:
-    """empty_model, except that MoE experts are allocated in host memory (Cold-Weights), so
-    they never take device memory, not even while loading."""
-    with torch.device("meta"):
-        net = CausalLM(spec).to(spec.dtype)
-    blocks = _moe_blocks(net)
-    experts = [block.experts for block in blocks]
-    for block in blocks:
-        block.experts = nn.ModuleList()
-    net = net.to_empty(device=device)
-    for block, held in zip(blocks, experts, strict=True):
-        block.experts = held.to_empty(device="cpu")
-    if spec.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
-    return net
-
-
 def load_model(
     model: str,
     device: torch.device,
     dtype: torch.dtype | None = None,
     seed: int = 0,
-    host_experts: bool = False,
+    host_experts: Format | None = None,
 ) -> LoadedModel:
     """`model` is a checkpoint directory or a preset name (see presets.PRESETS).
-    `host_experts`: MoE expert weights stay in host memory (pinned on CUDA), each block's
-    ExpertStore (Cold-Weights); everything else goes to `device`."""
+    `host_experts`: MoE expert weights stay in host memory (pinned on CUDA) in that format,
+    each block's ExpertStore (Cold-Weights), converted here layer by layer (presets draw them
+    in it directly); everything else goes to `device`."""
     path = Path(model)
     if path.is_dir():
         spec = parse_config(path / "config.json")
         tokenizer = load_tokenizer(model)
         dtype = dtype or spec.dtype
         spec = replace(spec, dtype=dtype)
-        empty = _empty_model_host_experts if host_experts else empty_model
-        net = empty(spec, device)
+        net = empty_model(spec, device, torch.device("cpu") if host_experts else None)
         copy_weights(net, checkpoint_tensors(path), str(path))
         generation = load_generation_defaults(path, tokenizer.eos_token_id)
     else:
         spec = preset_spec(model)
         dtype = dtype or (spec.dtype if device.type == "cuda" else torch.float32)
         spec = replace(spec, dtype=dtype)
-        net = build_synthetic(spec, device, seed)
+        net = build_synthetic(spec, device, seed, host_experts)
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
-    if host_experts:
-        for block in _moe_blocks(net):
-            block.experts_to_host(pin=device.type == "cuda")
+    if host_experts is not None:
+        pin, blocks = device.type == "cuda", _moe_blocks(net)
+        progress = Progress("experts_to_host", len(blocks), unit="layers")
+        for i, block in enumerate(blocks):
+            block.store = block.experts_to_host(pin).convert(host_experts, pin)
+            progress.update(i + 1, format=host_experts)
     return LoadedModel(net.eval(), spec, tokenizer, generation)

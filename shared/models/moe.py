@@ -20,9 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridgen import log as hlog
 from hybridgen.kernels import ops
-from hybridgen.models.expert_format import Format
 from hybridgen.models.expert_store import (
     ExpertCache,
     ExpertStore,
@@ -97,22 +95,12 @@ class SparseMoeBlock(nn.Module):
 
 
 def enable_cold_weights(
-    blocks: list[SparseMoeBlock],
-    slots: int,
-    cpu_max_tokens: int | None,
-    device: torch.device,
-    fmt: Format = "native",
+    blocks: list[SparseMoeBlock], slots: int, cpu_max_tokens: int | None, device: torch.device
 ) -> tuple[ExpertCache, LatencyModel]:
-    """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory in
-    `fmt` (converted here, layer by layer, with progress), one `slots`-expert device cache
-    shared by all layers, and the latency model timed here."""
-    pin = device.type == "cuda"
-    progress = hlog.Progress("experts_converted", len(blocks), unit="layers")
-    stores = []
-    for i, block in enumerate(blocks):
-        block.store = block.experts_to_host(pin).convert(fmt, pin)
-        stores.append(block.store)
-        progress.update(i + 1)
+    """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory (as
+    loaded), one `slots`-expert device cache shared by all layers, and the latency model
+    timed here."""
+    stores = [block.experts_to_host(device.type == "cuda") for block in blocks]
     cache = ExpertCache(slots, stores[0], device, MoeStats())
     latency = calibrate(stores[0], cache, device, cpu_max_tokens)
     for layer, block in enumerate(blocks):

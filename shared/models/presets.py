@@ -7,10 +7,18 @@ are drawn directly on the target device, so an 8B model builds in seconds on a G
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from hybridgen.log import Progress
 from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.expert_format import Format, PackedMatrices
+from hybridgen.models.expert_store import ExpertStore
 from hybridgen.models.llama import CausalLM, empty_model
+from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.spec import ModelSpec, RopeSpec
+
+STD = 0.02
+"""Standard deviation of every synthetic weight (norms are 1)."""
 
 _LLAMA3_ROPE = RopeSpec(
     theta=500000.0,
@@ -112,6 +120,60 @@ PRESETS: dict[str, ModelSpec] = {
         eos_token_ids=(257,),
         bos_token_id=256,
     ),
+    "tiny-mixtral": _spec(
+        "tiny-mixtral",
+        architecture="MixtralForCausalLM",
+        family="mixtral",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rope=RopeSpec(theta=1000000.0),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "mixtral-8x7b": _spec(
+        "mixtral-8x7b",
+        architecture="MixtralForCausalLM",
+        family="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope=RopeSpec(theta=1000000.0),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "mixtral-8x22b": _spec(
+        "mixtral-8x22b",
+        architecture="MixtralForCausalLM",
+        family="mixtral",
+        vocab_size=32768,
+        hidden_size=6144,
+        intermediate_size=16384,
+        num_layers=56,
+        num_heads=48,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=65536,
+        rope=RopeSpec(theta=1000000.0),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
 }
 
 
@@ -125,14 +187,46 @@ def preset_spec(name: str) -> ModelSpec:
 
 
 @torch.inference_mode()
-def build_synthetic(spec: ModelSpec, device: torch.device, seed: int = 0) -> CausalLM:
-    """Seeded random weights, drawn on `device`; the same seed gives the same model."""
-    model = empty_model(spec, device)
+def build_synthetic(
+    spec: ModelSpec, device: torch.device, seed: int = 0, host_experts: Format | None = None
+) -> CausalLM:
+    """Seeded random weights, drawn on `device`; the same seed gives the same model.
+
+    `host_experts`: MoE experts go straight into host ExpertStores in that format (pinned on
+    CUDA), each expert matrix drawn on `device` and converted on its own, so no full-precision
+    copy of them is ever made (mixtral-8x22b's would be 270 GB). The draws are the same, in
+    the same order, as for experts on the device: native host experts are the same model."""
+    model = empty_model(spec, device, torch.device("meta") if host_experts else None)
     gen = torch.Generator(device=device).manual_seed(seed)
-    std = 0.02
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    stores = [_empty_store(spec, host_experts, device) for _ in blocks] if host_experts else []
+    progress = Progress("synthetic_weights", spec.num_layers, unit="layers")
     for name, param in model.named_parameters():
         if name.endswith("layernorm") or name == "norm":
             param.fill_(1.0)
+        elif param.is_meta:  # layers.L.mlp.experts.E.{gate_up,down}_proj.weight, to the store
+            _, layer, _, _, expert, proj, _ = name.split(".")
+            w = torch.empty(param.shape, dtype=spec.dtype, device=device)
+            w.normal_(0.0, STD, generator=gen)
+            packed = PackedMatrices.pack(w[None], host_experts)  # type: ignore[arg-type]
+            store = stores[int(layer)]
+            stack = store.gate_up if proj == "gate_up_proj" else store.down
+            stack.copy_(int(expert), packed, 0, non_blocking=False)
         else:
-            param.normal_(0.0, std, generator=gen)
+            param.normal_(0.0, STD, generator=gen)
+        if name.startswith("layers."):  # parameters come layer by layer
+            progress.update(int(name.split(".")[1]))
+    progress.update(spec.num_layers)
+    for block, store in zip(blocks, stores, strict=False):
+        block.store, block.experts = store, nn.ModuleList()
     return model
+
+
+def _empty_store(spec: ModelSpec, fmt: Format, device: torch.device) -> ExpertStore:
+    """One layer's experts in `fmt` in host memory (pinned for a CUDA device), unfilled."""
+    h, i, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    pin = device.type == "cuda"
+    return ExpertStore(
+        PackedMatrices.allocate(fmt, e, 2 * i, h, spec.dtype, pin),
+        PackedMatrices.allocate(fmt, e, h, i, spec.dtype, pin),
+    )

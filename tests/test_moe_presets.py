@@ -1,0 +1,59 @@
+"""The synthetic MoE presets (issue 6): Mixtral shapes with seeded random weights, whose
+experts can be drawn straight into host memory in their stored format (Cold-Weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.presets import preset_spec
+from hybridgen.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[256, *range(40, 70)], [256, *range(300, 311)], [256, 65, 66]]
+
+
+def _blocks(engine: Engine) -> list[SparseMoeBlock]:
+    return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def test_host_experts_are_the_same_model() -> None:
+    """Native experts drawn into host memory are the very weights the resident build draws:
+    the same greedy tokens, through both the CPU path and the device cache."""
+    resident = Engine(EngineConfig(model="tiny-mixtral", device="cpu"))
+    expected = [c.token_ids for c in resident.generate(PROMPTS, GREEDY)]
+    cold = Engine(
+        EngineConfig(
+            model="tiny-mixtral", device="cpu", expert_cache_slots=6, expert_cpu_max_tokens=1
+        )
+    )
+    assert [c.token_ids for c in cold.generate(PROMPTS, GREEDY)] == expected
+    stats = cold.moe_stats()
+    assert stats["cpu_experts"] > 0 and stats["gpu_experts"] > 0
+    assert all(len(b.experts) == 0 and b.store is not None for b in _blocks(cold))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_experts_are_drawn_in_their_format(fmt: str) -> None:
+    engine = Engine(
+        EngineConfig(model="tiny-mixtral", device="cpu", expert_cache_slots=6, expert_format=fmt)  # type: ignore[arg-type]
+    )
+    spec = engine.spec
+    native_bytes = 3 * spec.hidden_size * spec.intermediate_size * spec.dtype.itemsize
+    for block in _blocks(engine):
+        assert len(block.experts) == 0 and block.store is not None
+        assert block.store.fmt == fmt
+        ratio = native_bytes / block.store.expert_bytes
+        assert ratio > {"int8": 3.8, "int4": 7.0}[fmt]  # against fp32 on the CPU
+    got = engine.generate(PROMPTS, GREEDY)
+    assert all(len(c.token_ids) == GREEDY.max_tokens for c in got)
+
+
+def test_mixtral_presets_have_the_published_sizes() -> None:
+    billions = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6}
+    for name, size in billions.items():
+        spec = preset_spec(name)
+        assert spec.synthetic and spec.num_local_experts == 8 and spec.num_experts_per_tok == 2
+        assert spec.num_parameters() / 1e9 == pytest.approx(size, rel=0.01)
