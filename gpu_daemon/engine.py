@@ -22,7 +22,12 @@ import torch
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
-from hybridgen.gpu_daemon.memory import graph_batch_size, plan_engine_memory
+from hybridgen.gpu_daemon.memory import (
+    BudgetTooSmall,
+    graph_batch_size,
+    plan_engine_memory,
+    spare_expert_slots,
+)
 from hybridgen.gpu_daemon.model_runner import (
     ModelRunner,
     Sampled,
@@ -113,8 +118,10 @@ class Engine:
         blocks = [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
         if cold is not None and blocks:
             self.experts = enable_cold_weights(
-                blocks, cold, config.expert_cpu_max_tokens, self.device
+                blocks, 1 if cold == "auto" else cold, config.expert_cpu_max_tokens, self.device
             )
+            if cold == "auto":
+                self._size_expert_cache(len(blocks) * spec.num_local_experts)
         self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -189,6 +196,28 @@ class Engine:
             dtype=str(spec.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             **self.plan.summary(),
+        )
+
+    def _size_expert_cache(self, experts: int) -> None:
+        """cold_weights.expert_cache_slots: auto: plan with a one-slot cache, then give the
+        cache what the budget leaves beyond the KV pool's minimum (memory.spare_expert_slots)."""
+        assert self.experts is not None
+        cache = self.experts[0]
+        try:
+            plan, _ = plan_engine_memory(self.config, self.loaded.model, self.device)
+        except BudgetTooSmall as exc:
+            raise BudgetTooSmall(
+                f"cold_weights.expert_cache_slots=auto: not even one expert fits: {exc}"
+            ) from exc
+        fixed = self.config.kv_pool_mb is not None or self.config.num_kv_blocks is not None
+        slots = min(1 + spare_expert_slots(plan, fixed, cache.expert_bytes), experts)
+        cache.resize(slots)
+        log.info(
+            "expert_cache_sized",
+            slots=slots,
+            experts=experts,
+            cache_mb=round(cache.nbytes / 2**20),
+            expert_mb=round(cache.expert_bytes / 2**20, 1),
         )
 
     def _measure_regions(self) -> None:

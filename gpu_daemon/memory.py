@@ -51,6 +51,8 @@ class MemoryPlan:
     """K and V of one block over all layers."""
     num_blocks: int
     """Blocks in the KV pool."""
+    min_blocks: int = 0
+    """Fewest blocks the pool may have (a whole sequence, or a step's chunk with Warm)."""
 
     @property
     def kv_pool(self) -> int:
@@ -144,7 +146,16 @@ def plan_memory(
             f"for {num_blocks} KV blocks; one {min_tokens}-token sequence needs {need}. "
             f"Raise the budget, lower max_model_len or max_num_batched_tokens."
         )
-    return MemoryPlan(budget, weights, workspace, block_bytes, int(num_blocks))
+    return MemoryPlan(budget, weights, workspace, block_bytes, int(num_blocks), need)
+
+
+def spare_expert_slots(plan: MemoryPlan, fixed_pool: bool, expert_bytes: int) -> int:
+    """For cold_weights.expert_cache_slots: auto, the experts that fit beside a plan: the KV
+    pool keeps its size if fixed (kv_cache.hot_region_mb), else its minimum, and what the
+    budget leaves beyond it and the plan's weights, workspace holds that many more."""
+    free = plan.budget - plan.weights - plan.workspace
+    kv = plan.kv_pool if fixed_pool else plan.min_blocks * plan.block_bytes
+    return max(free - kv, 0) // expert_bytes
 
 
 def budget_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -221,10 +221,13 @@ class ServerConfig:
 class ColdWeightsConfig:
     """MoE experts kept in host memory (Cold-Weights); dense models ignore it."""
 
-    expert_cache_slots: int | None = at_least(None, 1)
+    expert_cache_slots: int | Literal["auto"] | None = checked(
+        None, lambda v: v == "auto" or v >= 1, ">= 1 or auto"
+    )
     """Device slots of the expert cache, shared by all layers; each routed expert is computed
-    on the CPU or fetched into it, whichever the latency model says is faster. null: every
-    expert stays on the device."""
+    on the CPU or fetched into it, whichever the latency model says is faster. auto: what the
+    budget leaves after the weights, the step workspace and the Hot pool (hot_region_mb, or
+    its minimum), up to every expert. null: every expert stays on the device."""
     expert_format: Literal["native", "int8", "int4"] = "native"
     """Format of the experts in host memory and in the device cache: native (the checkpoint's
     dtype: exact), int8 (per output channel, ~2:1 against bf16) or int4 (groups of 32,

@@ -99,8 +99,16 @@ def typed_value(hint: Any, value: object, key: str, optional: bool = False) -> o
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
-        inner = next(a for a in typing.get_args(hint) if a is not type(None))
-        return typed_value(inner, value, key, optional=True)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1:
+            return typed_value(inner[0], value, key, optional=True)
+        for alternative in inner:  # the first type that takes the value
+            try:
+                return typed_value(alternative, value, key)
+            except ConfigError:
+                continue
+        names = [_describe(a) for a in inner]
+        raise ConfigError(f"{key}={value!r} is out of range: allowed {' or '.join(names)} or null")
     if origin is Literal:
         choices = typing.get_args(hint)
         if any(type(value) is type(c) and value == c for c in choices):
@@ -115,6 +123,13 @@ def typed_value(hint: Any, value: object, key: str, optional: bool = False) -> o
         return value
     expected = TYPE_NAMES.get(hint, str(hint)) + (" or null" if optional else "")
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
+
+
+def _describe(hint: Any) -> str:
+    """What a type annotation allows, in an error message."""
+    if typing.get_origin(hint) is Literal:
+        return ", ".join(str(c) for c in typing.get_args(hint))
+    return TYPE_NAMES.get(hint, str(hint))
 
 
 _MAX_CPUS = 8192

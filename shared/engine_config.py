@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -116,7 +117,7 @@ class EngineConfig:
     profile_measured: tuple[tuple[str, str, float], ...] = ()
     """The profile's figures behind those placements: (region, key, value), e.g.
     ("sample", "cpu_ms", 0.12); the region table shows them."""
-    expert_cache_slots: int | None = None
+    expert_cache_slots: int | Literal["auto"] | None = None
     """Cold-Weights for MoE models: None keeps every expert on the device; N keeps the experts
     in host memory with an N-expert device cache (LRU, shared by all layers)."""
     expert_format: Format = "native"
@@ -228,10 +229,11 @@ class EngineConfig:
                 "gpu with mode=pure_gpu",
             )
         _check(
-            self.expert_cache_slots is None or self.expert_cache_slots >= 1,
+            self.expert_cache_slots in (None, "auto")
+            or (isinstance(self.expert_cache_slots, int) and self.expert_cache_slots >= 1),
             "expert_cache_slots",
             self.expert_cache_slots,
-            ">= 1 (or unset: every expert on the device)",
+            ">= 1, auto (what the budget leaves), or unset (every expert on the device)",
         )
         _check(
             self.expert_format == "native"

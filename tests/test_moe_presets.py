@@ -7,6 +7,7 @@ import pytest
 
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
@@ -57,3 +58,25 @@ def test_mixtral_presets_have_the_published_sizes() -> None:
         spec = preset_spec(name)
         assert spec.synthetic and spec.num_local_experts == 8 and spec.num_experts_per_tok == 2
         assert spec.num_parameters() / 1e9 == pytest.approx(size, rel=0.01)
+
+
+def test_auto_cache_takes_what_the_budget_leaves() -> None:
+    """expert_cache_slots: auto sizes the cache from the budget: all 32 experts when they
+    fit, fewer in a tight budget (the KV pool keeps its minimum), an error naming the key
+    when not even one fits; the tokens stay the resident model's."""
+    options = {"model": "tiny-mixtral", "device": "cpu", "max_model_len": 512}
+    roomy = Engine(EngineConfig(**options, expert_cache_slots="auto"))  # type: ignore[arg-type]
+    assert roomy.experts is not None and roomy.experts[0].capacity == 32
+    tight = Engine(
+        EngineConfig(**options, expert_cache_slots="auto", gpu_memory_mb=90)  # type: ignore[arg-type]
+    )
+    assert tight.experts is not None
+    cache, plan = tight.experts[0], tight.plan
+    assert 1 < cache.capacity < 32
+    assert plan.num_blocks >= plan.min_blocks and plan.planned_peak <= plan.budget
+    assert plan.kv_pool < cache.expert_bytes + plan.min_blocks * plan.block_bytes  # the rest
+    resident = Engine(EngineConfig(**options))  # type: ignore[arg-type]
+    expected = [c.token_ids for c in resident.generate(PROMPTS, GREEDY)]
+    assert [c.token_ids for c in tight.generate(PROMPTS, GREEDY)] == expected
+    with pytest.raises(BudgetTooSmall, match=r"expert_cache_slots=auto"):
+        Engine(EngineConfig(**options, expert_cache_slots="auto", gpu_memory_mb=84))  # type: ignore[arg-type]

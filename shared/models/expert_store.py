@@ -125,6 +125,16 @@ class ExpertCache:
     def nbytes(self) -> int:
         return self.capacity * self.expert_bytes
 
+    def resize(self, slots: int) -> None:
+        """Reallocate with `slots` empty slots (cold_weights.expert_cache_slots: auto, once the
+        budget's split is known); what was cached is dropped."""
+        device = self.device
+        self.gate_up = self.gate_up.empty(0, device)  # free the old slots first
+        self.down = self.down.empty(0, device)
+        self.gate_up, self.down = self.gate_up.empty(slots, device), self.down.empty(slots, device)
+        self.capacity = slots
+        self._slots.clear()
+
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._slots
 
