@@ -156,3 +156,30 @@ def test_cold_weights_on_cuda_matches_hf(checkpoint) -> None:  # type: ignore[no
     engine.release()
     assert got == expected
     assert stats["cpu_experts"] > 0 and stats["cache_hits"] > 0 and stats["cache_misses"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_experts_on_cuda_match_the_cpu_engine(fmt: str) -> None:
+    """tiny-mixtral (fp32) with int8 / int4 experts drawn into host memory: the CUDA engine
+    (device cache and CPU experts) gives the CPU engine's greedy tokens. test_expert_format.py
+    and test_moe_presets.py cover the formats with the engine on the CPU."""
+    prompts = [[256, *range(40, 70)], [256, *range(300, 311)]]
+
+    def tokens(device: str) -> list[list[int]]:
+        config = EngineConfig(
+            model="tiny-mixtral",
+            device=device,
+            dtype="float32",
+            gpu_memory_mb=2048,
+            expert_cache_slots=6,
+            expert_cpu_max_tokens=1,
+            expert_format=fmt,  # type: ignore[arg-type]
+        )
+        engine = Engine(config)
+        got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+        stats = engine.moe_stats()
+        engine.release()
+        assert stats["cpu_experts"] > 0 and stats["gpu_experts"] > 0
+        return got
+
+    assert tokens("cuda") == tokens("cpu")

@@ -15,7 +15,7 @@ log = structlog.get_logger()
 
 
 def hf_config(spec: ModelSpec) -> Any:
-    """A transformers config with the spec's shape (Llama, Mistral or Qwen2)."""
+    """A transformers config with the spec's shape (Llama, Mistral, Qwen2 or Mixtral)."""
     import transformers
 
     rope: dict[str, Any] = {"rope_type": spec.rope.rope_type, "rope_theta": spec.rope.theta}
@@ -30,6 +30,7 @@ def hf_config(spec: ModelSpec) -> Any:
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "mixtral": transformers.MixtralConfig,
     }[spec.family]
     kwargs: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
@@ -44,8 +45,13 @@ def hf_config(spec: ModelSpec) -> Any:
         tie_word_embeddings=spec.tie_word_embeddings,
         rope_parameters=rope,
     )
-    if spec.family == "mistral":
+    if spec.family in ("mistral", "mixtral"):
         kwargs["sliding_window"] = spec.sliding_window or None
+    if spec.family == "mixtral":
+        kwargs.update(
+            num_local_experts=spec.num_local_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+        )
     return cls(**kwargs)
 
 
