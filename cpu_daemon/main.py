@@ -21,6 +21,7 @@ import structlog
 
 from hybridgen import log as hlog
 from hybridgen.config import ConfigError, load_config
+from hybridgen.cpu_daemon.expert_link import ExpertLinkWorker
 from hybridgen.cpu_daemon.ring_backend import RingBackend
 from hybridgen.cpu_daemon.warm_link import WarmLinkWorker
 from hybridgen.gateway.metrics import Metrics
@@ -80,15 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     structlog.contextvars.bind_contextvars(process="cpu_daemon", instance=instance)
     tokenizer = load_tokenizer(config.model.name_or_path)
     channels = Channels.attach(instance, wait=args.attach_timeout)
-    worker = None
+    workers: list[WarmLinkWorker | ExpertLinkWorker] = []
     if config.warm_pool_mb:  # the GPU daemon asks for attn_warm's CPU share
-        worker = WarmLinkWorker(instance)
+        workers.append(WarmLinkWorker(instance))
+    if config.cold_weights.expert_cache_slots is not None:  # ... and Cold-Weights' CPU experts
+        workers.append(ExpertLinkWorker(instance))
+    for worker in workers:
         worker.start()
     try:
         backend = RingBackend(channels, tokenizer)
         return asyncio.run(run(backend, listen, config.server.max_queue))
     finally:
-        if worker is not None:
+        for worker in workers:
             worker.stop()
         channels.close()
 

@@ -31,7 +31,7 @@ from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
-from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info
+from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info, moe_info
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
@@ -114,7 +114,7 @@ class _PoolSnapshot:
     running_requests: int = 0
     """Sequences running."""
     tiers: tuple[tuple[str, float | int], ...] = ()
-    """Engine.tier_stats() items."""
+    """Engine.tier_stats() and info.moe_info() items."""
 
 
 def _post(
@@ -317,7 +317,7 @@ class EngineBackend:
             log.info("request_aborted", request_id=command.request_id)
 
     def _publish(self, engine: Engine) -> None:
-        tiers = tuple(engine.tier_stats().items())
+        tiers = tuple({**engine.tier_stats(), **moe_info(engine)}.items())
         snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running), tiers)
         if snap == self._snapshot:
             return

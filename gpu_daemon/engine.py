@@ -109,8 +109,14 @@ class Engine:
         self.device = config.torch_device()
         cold = config.expert_cache_slots
         host_experts = config.expert_format if cold is not None else None
+        self._owns_loaded = loaded is None
         self.loaded = loaded or load_model(
-            config.model, self.device, config.torch_dtype(), config.seed, host_experts
+            config.model,
+            self.device,
+            config.torch_dtype(),
+            config.seed,
+            host_experts,
+            config.shm_instance,
         )
         spec = self.spec = self.loaded.model.spec
         self.experts: tuple[ExpertCache, LatencyModel] | None = None
@@ -438,9 +444,12 @@ class Engine:
     def release(self) -> None:
         """Free the weights, the KV pool and the graphs, and lift the memory cap; the engine
         cannot be used afterwards."""
+        arena = self.loaded.expert_arena if self._owns_loaded else None
         del self.runner, self.loaded
         if self.warm is not None:
             self.warm.close()
+        if arena is not None:
+            arena.close()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ import structlog
 
 from hybridgen import sd_notify
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
-from hybridgen.gpu_daemon.info import engine_info, memory_info
+from hybridgen.gpu_daemon.info import engine_info, memory_info, moe_info
 from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
     StepResult,
@@ -185,6 +185,7 @@ class GpuHeartbeat:
             info = dict(
                 engine_info(self.engine),
                 **self.engine.tier_stats(),
+                **moe_info(self.engine),
                 **memory_info(self.engine.device),
                 **self.engine.degrade.info(),
                 kv_blocks_used=self.engine.pool.num_used,

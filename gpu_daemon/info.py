@@ -33,6 +33,18 @@ def engine_info(engine: Engine) -> dict[str, Any]:
     }
 
 
+def moe_info(engine: Engine) -> dict[str, float | int]:
+    """Cold-Weights counters, keyed by GetModelInfo field names (all 0 without it)."""
+    s = engine.moe_stats()
+    return {
+        "expert_cache_hit_rate": s["cache_hit_rate"],
+        "cpu_experts": int(s["cpu_experts"]),
+        "cpu_daemon_experts": int(s["cpu_daemon_experts"]),
+        "gpu_experts": int(s["gpu_experts"]),
+        "expert_bytes_h2d": int(s["bytes_h2d"]),
+    }
+
+
 def memory_info(device: torch.device) -> dict[str, float]:
     """Device memory figures that change while serving, keyed by GetModelInfo field names.
     They read only the CUDA caching allocator's counters, which are thread-safe, so any

@@ -20,6 +20,7 @@ import structlog
 from hybridgen import log as hlog
 from hybridgen import sd_notify
 from hybridgen.config import ConfigError, load_config
+from hybridgen.cpu_daemon.expert_link import ExpertLinkClient
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.heartbeat import GpuHeartbeat
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(dataclasses.replace(engine_config, shm_instance=instance))
         if engine.warm is not None:  # the CPU daemon computes the CPU share of attn_warm
             engine.warm.remote = WarmLinkClient(instance)
+        if engine.experts is not None:  # ... and Cold-Weights' CPU experts
+            engine.experts[0].remote = ExpertLinkClient(instance)
         loop = GpuHeartbeat(engine, channels)
 
         def stop(signum: int, frame: FrameType | None) -> None:

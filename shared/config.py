@@ -228,6 +228,9 @@ class ColdWeightsConfig:
     on the CPU or fetched into it, whichever the latency model says is faster. auto: what the
     budget leaves after the weights, the step workspace and the Hot pool (hot_region_mb, or
     its minimum), up to every expert. null: every expert stays on the device."""
+    cpu_max_tokens: int | None = at_least(None, 0)
+    """Pins the latency model's crossover: an uncached expert with at most this many routed
+    tokens runs on the CPU, more are fetched into the cache. null: timed at start."""
     expert_format: Literal["native", "int8", "int4"] = "native"
     """Format of the experts in host memory and in the device cache: native (the checkpoint's
     dtype: exact), int8 (per output channel, ~2:1 against bf16) or int4 (groups of 32,
@@ -366,6 +369,7 @@ class HybridGenConfig:
             tuning_interval_ms=self.dynamic_tuning.update_interval_ms,
             expert_cache_slots=self.cold_weights.expert_cache_slots,
             expert_format=self.cold_weights.expert_format,
+            expert_cpu_max_tokens=self.cold_weights.cpu_max_tokens,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,
             seed=m.seed,

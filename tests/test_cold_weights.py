@@ -15,6 +15,7 @@ import torch
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
+from hybridgen.models.expert_format import host_alloc
 from hybridgen.models.expert_store import ExpertCache, ExpertStore, LatencyModel, MoeStats
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
@@ -122,7 +123,7 @@ def _store(experts: int = 4) -> ExpertStore:
         torch.randn(experts, 6, 3, generator=g),
         torch.randn(experts, 3, 3, generator=g),
         "native",
-        False,
+        host_alloc(False),
     )
 
 

@@ -38,7 +38,7 @@ FULL: dict[str, Any] = {
     "dynamic_tuning": {"enable": False, "warmup_steps": 8, "update_interval_ms": 250},
     "profile_path": "/var/lib/hybridgen/tuning_profile.json",
     "placements": {"attn_warm": "split", "sample": "cpu", "rope": "gpu"},
-    "cold_weights": {"expert_cache_slots": 6, "expert_format": "native"},
+    "cold_weights": {"expert_cache_slots": 6, "cpu_max_tokens": 2, "expert_format": "native"},
     "model": {
         "name_or_path": "llama3-8b",
         "dtype": "bfloat16",
@@ -345,6 +345,7 @@ def test_engine_config_mapping() -> None:
         sample_placement="cpu",
         pinned_regions=("rope", "attn_warm", "sample"),
         expert_cache_slots=6,
+        expert_cpu_max_tokens=2,
         tuning_warmup_steps=8,
         tuning_interval_ms=250,
         seed=7,

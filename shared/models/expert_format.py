@@ -16,6 +16,7 @@ int8 kernel for int8.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -24,6 +25,8 @@ from torch import Tensor
 from hybridgen.kernels import ops
 
 Format = Literal["native", "int8", "int4"]
+Alloc = Callable[[tuple[int, ...], torch.dtype], Tensor]
+"""Where stored tensors come from: (shape, dtype) -> an uninitialized host tensor."""
 FORMATS: tuple[Format, ...] = ("native", "int8", "int4")
 GROUP = 32
 """Input values per int4 scale."""
@@ -56,32 +59,41 @@ class PackedMatrices:
         packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [E, out, in / 2]
         return cls(fmt, {"q": packed, "s": s}, w.dtype)
 
-    @classmethod
-    def allocate(
-        cls, fmt: Format, n: int, out: int, in_: int, dtype: torch.dtype, pin: bool
-    ) -> PackedMatrices:
-        """n uninitialized [out, in_] matrices of model dtype `dtype` in `fmt`, on the CPU."""
-        layout: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {
-            "native": {"w": ((out, in_), dtype)},
-            "int8": {"q": ((out, in_), torch.int8), "s": ((out,), torch.float32)},
+    @staticmethod
+    def layout(
+        fmt: Format, n: int, out: int, in_: int, dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors of n [out, in_] matrices of model dtype `dtype` in `fmt`."""
+        layouts: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {
+            "native": {"w": ((n, out, in_), dtype)},
+            "int8": {"q": ((n, out, in_), torch.int8), "s": ((n, out), torch.float32)},
             "int4": {
-                "q": ((out, in_ // 2), torch.uint8),
-                "s": ((out, in_ // GROUP), torch.float16),
+                "q": ((n, out, in_ // 2), torch.uint8),
+                "s": ((n, out, in_ // GROUP), torch.float16),
             },
         }
-        parts = {k: torch.empty((n, *shape), dtype=t, pin_memory=pin)
-                 for k, (shape, t) in layout[fmt].items()}  # fmt: skip
-        return cls(fmt, parts, dtype)
+        return layouts[fmt]
+
+    @classmethod
+    def allocate(
+        cls, fmt: Format, n: int, out: int, in_: int, dtype: torch.dtype, alloc: Alloc
+    ) -> PackedMatrices:
+        """n uninitialized [out, in_] matrices of model dtype `dtype` in `fmt`, from `alloc`."""
+        layout = cls.layout(fmt, n, out, in_, dtype)
+        return cls(fmt, {k: alloc(shape, t) for k, (shape, t) in layout.items()}, dtype)
 
     @property
     def matrix_bytes(self) -> int:
         """Bytes of one matrix as stored: what a fetch copies."""
         return sum(t[0].numel() * t.element_size() for t in self.parts.values())
 
-    def pin(self) -> PackedMatrices:
-        return PackedMatrices(
-            self.fmt, {k: t.pin_memory() for k, t in self.parts.items()}, self.dtype
-        )
+    def moved(self, alloc: Alloc) -> PackedMatrices:
+        """A copy in tensors from `alloc` (pinned memory, the shared expert arena)."""
+        parts = {}
+        for k, t in self.parts.items():
+            parts[k] = alloc(tuple(t.shape), t.dtype)
+            parts[k].copy_(t)
+        return PackedMatrices(self.fmt, parts, self.dtype)
 
     def empty(self, n: int, device: torch.device) -> PackedMatrices:
         """n slots of this layout on `device`, uninitialized."""
@@ -111,6 +123,11 @@ class PackedMatrices:
             q, s = self.parts["q"][i], self.parts["s"][i]
             return torch._weight_int8pack_mm(x, q, s.to(x.dtype))
         return ops.linear(x, self.matrix(i))
+
+
+def host_alloc(pin: bool) -> Alloc:
+    """Plain host tensors, page-locked when `pin` (for async copies to CUDA)."""
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
 def swiglu_packed(x: Tensor, gate_up: PackedMatrices, down: PackedMatrices, i: int) -> Tensor:

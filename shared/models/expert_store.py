@@ -23,15 +23,28 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from hybridgen.models.expert_format import Format, PackedMatrices, swiglu_packed
+from hybridgen.models.expert_format import Alloc, Format, PackedMatrices, swiglu_packed
 
 CPU_PCIE_BYTES_PER_S = 25e9
 """Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
 CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
+
+
+class RemoteDown(RuntimeError):
+    """The CPU daemon did not take or answer an EXPERT_RUN request; compute locally."""
+
+
+class RemoteExperts(Protocol):
+    """The CPU daemon computing experts (cpu_daemon.expert_link.ExpertLinkClient)."""
+
+    def submit(self, layer: int, jobs: list[tuple[int, Tensor]]) -> int: ...
+
+    def wait(self, seq: int, jobs: list[tuple[int, Tensor]]) -> list[Tensor]: ...
 
 
 @dataclass
@@ -44,6 +57,8 @@ class MoeStats:
     """Fetches: an expert copied host -> device into a cache slot."""
     cpu_experts: int = 0
     """(layer, expert) computations on the CPU with the host weights."""
+    cpu_daemon_experts: int = 0
+    """Of those, the ones the CPU daemon computed (EXPERT_RUN) while the device worked."""
     gpu_experts: int = 0
     """(layer, expert) computations on the device from the cache (hits + misses)."""
     bytes_h2d: int = 0
@@ -69,11 +84,10 @@ class ExpertStore:
         self.gate_up, self.down = gate_up, down  # [E, 2I, H], [E, H, I] as stored
 
     @classmethod
-    def from_dense(cls, gate_up: Tensor, down: Tensor, fmt: Format, pin: bool) -> ExpertStore:
-        """gate_up [E, 2I, H], down [E, H, I] in the model dtype -> `fmt` (pinned: for async
-        copies)."""
-        packed = [PackedMatrices.pack(w, fmt) for w in (gate_up, down)]
-        return cls(*(p.pin() if pin else p for p in packed))
+    def from_dense(cls, gate_up: Tensor, down: Tensor, fmt: Format, alloc: Alloc) -> ExpertStore:
+        """gate_up [E, 2I, H], down [E, H, I] in the model dtype -> `fmt`, in tensors from
+        `alloc` (pinned host memory, the shared expert arena)."""
+        return cls(*(PackedMatrices.pack(w, fmt).moved(alloc) for w in (gate_up, down)))
 
     @property
     def fmt(self) -> Format:
@@ -88,12 +102,10 @@ class ExpertStore:
         """One expert's gate_up and down as stored: what a fetch copies."""
         return self.gate_up.matrix_bytes + self.down.matrix_bytes
 
-    def convert(self, fmt: Format, pin: bool) -> ExpertStore:
-        """This native store in `fmt`."""
-        if fmt == self.fmt:
-            return self
+    def convert(self, fmt: Format, alloc: Alloc) -> ExpertStore:
+        """This native store in `fmt`, in tensors from `alloc`."""
         assert self.fmt == "native", "only native experts convert"
-        return ExpertStore.from_dense(self.gate_up.parts["w"], self.down.parts["w"], fmt, pin)
+        return ExpertStore.from_dense(self.gate_up.parts["w"], self.down.parts["w"], fmt, alloc)
 
     def run_cpu(self, expert: int, x: Tensor) -> Tensor:
         """x: [N, H] on any device -> the expert's output [N, H] on x's device, computed on
@@ -120,6 +132,9 @@ class ExpertCache:
         self.capacity, self.stats = slots, stats
         self.expert_bytes = store.expert_bytes
         self._slots: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.remote: RemoteExperts | None = None
+        """Under the daemons: the CPU daemon computes the CPU's experts (set by the GPU
+        daemon; dropped when it stops answering)."""
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from hybridgen.log import Progress
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.expert_format import Format
+from hybridgen.models.expert_arena import ExpertArena, arena_bytes
+from hybridgen.models.expert_format import Format, host_alloc
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import SparseMoeBlock
@@ -41,6 +42,8 @@ class LoadedModel:
     spec: ModelSpec
     tokenizer: Tokenizer
     generation: GenerationDefaults
+    expert_arena: ExpertArena | None = None
+    """Cold-Weights experts in shared memory, for the CPU daemon (expert_arena.py)."""
 
 
 def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
@@ -225,31 +228,42 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     host_experts: Format | None = None,
+    shm_instance: str | None = None,
 ) -> LoadedModel:
     """`model` is a checkpoint directory or a preset name (see presets.PRESETS).
-    `host_experts`: MoE expert weights stay in host memory (pinned on CUDA) in that format,
-    each block's ExpertStore (Cold-Weights), converted here layer by layer (presets draw them
-    in it directly); everything else goes to `device`."""
+    `host_experts`: MoE expert weights stay in host memory in that format, each block's
+    ExpertStore (Cold-Weights), converted here layer by layer (presets draw them in it
+    directly): in the instance's shared expert arena when `shm_instance` is given (the CPU
+    daemon computes with them), else in pinned memory on CUDA. Everything else goes to
+    `device`."""
     path = Path(model)
+    spec = parse_config(path / "config.json") if path.is_dir() else preset_spec(model)
+    arena = None
+    alloc = host_alloc(device.type == "cuda")
+    if host_experts is not None and shm_instance is not None and spec.num_local_experts:
+        arena = ExpertArena.create(shm_instance, arena_bytes(spec, host_experts, spec.num_layers))
+        alloc = arena.alloc
     if path.is_dir():
-        spec = parse_config(path / "config.json")
         tokenizer = load_tokenizer(model)
-        dtype = dtype or spec.dtype
-        spec = replace(spec, dtype=dtype)
+        spec = replace(spec, dtype=dtype or spec.dtype)
         net = empty_model(spec, device, torch.device("cpu") if host_experts else None)
         copy_weights(net, checkpoint_tensors(path), str(path))
         generation = load_generation_defaults(path, tokenizer.eos_token_id)
     else:
-        spec = preset_spec(model)
-        dtype = dtype or (spec.dtype if device.type == "cuda" else torch.float32)
-        spec = replace(spec, dtype=dtype)
-        net = build_synthetic(spec, device, seed, host_experts)
+        preset_dtype = spec.dtype if device.type == "cuda" else torch.float32
+        spec = replace(spec, dtype=dtype or preset_dtype)
+        net = build_synthetic(spec, device, seed, host_experts, alloc)
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
     if host_experts is not None:
-        pin, blocks = device.type == "cuda", _moe_blocks(net)
+        blocks = _moe_blocks(net)
         progress = Progress("experts_to_host", len(blocks), unit="layers")
         for i, block in enumerate(blocks):
-            block.store = block.experts_to_host(pin).convert(host_experts, pin)
+            if block.store is None:  # a checkpoint's: native, then converted
+                block.store = block.experts_to_host().convert(host_experts, alloc)
+            if arena is not None:
+                arena.record(block.store)
             progress.update(i + 1, format=host_experts)
-    return LoadedModel(net.eval(), spec, tokenizer, generation)
+        if arena is not None:
+            arena.publish(device)
+    return LoadedModel(net.eval(), spec, tokenizer, generation, arena)

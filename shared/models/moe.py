@@ -17,18 +17,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import structlog
 import torch
 from torch import nn
 
 from hybridgen.kernels import ops
+from hybridgen.models.expert_format import PackedMatrices
 from hybridgen.models.expert_store import (
     ExpertCache,
     ExpertStore,
     LatencyModel,
     MoeStats,
+    RemoteDown,
     calibrate,
 )
 from hybridgen.models.spec import ModelSpec
+
+log = structlog.get_logger()
 
 
 class SparseMoeBlock(nn.Module):
@@ -46,13 +51,15 @@ class SparseMoeBlock(nn.Module):
         self.cold: tuple[int, ExpertCache, LatencyModel] | None = None
         """Cold-Weights: (this layer's index, the shared device cache, the latency model)."""
 
-    def experts_to_host(self, pin: bool) -> ExpertStore:
-        """Move the experts' weights into a host ExpertStore (pinned: for async copies)."""
+    def experts_to_host(self) -> ExpertStore:
+        """This block's experts' weights as a native host ExpertStore (the loader converts it
+        to the configured format); the expert modules go."""
         if self.store is None:
             gate_up = [e.get_parameter("gate_up_proj.weight").detach().cpu() for e in self.experts]
             down = [e.get_parameter("down_proj.weight").detach().cpu() for e in self.experts]
-            self.store = ExpertStore.from_dense(
-                torch.stack(gate_up), torch.stack(down), "native", pin
+            self.store = ExpertStore(
+                PackedMatrices.pack(torch.stack(gate_up), "native"),
+                PackedMatrices.pack(torch.stack(down), "native"),
             )
             self.experts = nn.ModuleList()
         return self.store
@@ -85,13 +92,61 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
+        routed = [(e, *torch.where(ids == e)) for e in torch.unique(ids).tolist()]
+        # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
+        # launched while it computes them, and only then is its answer awaited.
+        remote = self._send_cpu_experts(x, routed)
+        sent = remote[1] if remote is not None else {}
+        ys = {e: self.run_expert(e, x[t]) for e, t, _ in routed if e not in sent}
+        if remote is not None:
+            ys.update(self._collect_cpu_experts(x, *remote))
         out = torch.zeros_like(x)  # [T, H]
         # Ascending expert order fixes each token's summation order (HF's, too).
-        for expert in torch.unique(ids).tolist():
-            tokens, slot = torch.where(ids == expert)  # [N], [N]: token and its top-k position
-            y = self.run_expert(expert, x[tokens]) * weights[tokens, slot, None]
+        for expert, tokens, slot in routed:  # tokens [N] and their top-k positions [N]
+            y = ys[expert] * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(x.dtype))
         return out
+
+    def _send_cpu_experts(
+        self, x: torch.Tensor, routed: list[tuple[int, torch.Tensor, torch.Tensor]]
+    ) -> tuple[int, dict[int, torch.Tensor]] | None:
+        """EXPERT_RUN for the experts the latency model puts on the CPU, when the CPU daemon
+        computes them: (request number, {expert: its rows}); None to compute them here."""
+        if self.cold is None or self.cold[1].remote is None:
+            return None
+        layer, cache, latency = self.cold
+        jobs = {e: x[t] for e, t, _ in routed
+                if (layer, e) not in cache and len(t) <= latency.cpu_max_tokens}  # fmt: skip
+        if not jobs:
+            return None
+        try:
+            return cache.remote.submit(layer, list(jobs.items())), jobs  # type: ignore[union-attr]
+        except RemoteDown as exc:
+            self._drop_remote(exc)
+            return None
+
+    def _collect_cpu_experts(
+        self, x: torch.Tensor, seq: int, jobs: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """The CPU daemon's answer to `seq` on x's device (computed here if it fails)."""
+        assert self.cold is not None and self.store is not None
+        cache = self.cold[1]
+        try:
+            assert cache.remote is not None
+            ys = cache.remote.wait(seq, list(jobs.items()))
+            cache.stats.cpu_daemon_experts += len(jobs)
+        except RemoteDown as exc:
+            self._drop_remote(exc)
+            ys = [self.store.run_cpu(e, rows) for e, rows in jobs.items()]
+        cache.stats.cpu_experts += len(jobs)
+        return {e: y.to(x.device) for e, y in zip(jobs, ys, strict=True)}
+
+    def _drop_remote(self, exc: RemoteDown) -> None:
+        """The CPU daemon stopped answering: every layer computes its CPU experts here now
+        (a dead CPU daemon restarts the pair anyway)."""
+        assert self.cold is not None
+        log.warning("expert_link_down", reason=str(exc))
+        self.cold[1].remote = None
 
 
 def enable_cold_weights(
@@ -100,7 +155,7 @@ def enable_cold_weights(
     """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory (as
     loaded), one `slots`-expert device cache shared by all layers, and the latency model
     timed here."""
-    stores = [block.experts_to_host(device.type == "cuda") for block in blocks]
+    stores = [block.experts_to_host() for block in blocks]
     cache = ExpertCache(slots, stores[0], device, MoeStats())
     latency = calibrate(stores[0], cache, device, cpu_max_tokens)
     for layer, block in enumerate(blocks):

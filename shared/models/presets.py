@@ -11,7 +11,7 @@ from torch import nn
 
 from hybridgen.log import Progress
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.expert_format import Format, PackedMatrices
+from hybridgen.models.expert_format import Alloc, Format, PackedMatrices, host_alloc
 from hybridgen.models.expert_store import ExpertStore
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import SparseMoeBlock
@@ -188,18 +188,24 @@ def preset_spec(name: str) -> ModelSpec:
 
 @torch.inference_mode()
 def build_synthetic(
-    spec: ModelSpec, device: torch.device, seed: int = 0, host_experts: Format | None = None
+    spec: ModelSpec,
+    device: torch.device,
+    seed: int = 0,
+    host_experts: Format | None = None,
+    alloc: Alloc | None = None,
 ) -> CausalLM:
     """Seeded random weights, drawn on `device`; the same seed gives the same model.
 
-    `host_experts`: MoE experts go straight into host ExpertStores in that format (pinned on
-    CUDA), each expert matrix drawn on `device` and converted on its own, so no full-precision
+    `host_experts`: MoE experts go straight into host ExpertStores in that format, in tensors
+    from `alloc` (default: pinned on CUDA), each expert matrix drawn on `device` and converted
+    on its own, so no full-precision
     copy of them is ever made (mixtral-8x22b's would be 270 GB). The draws are the same, in
     the same order, as for experts on the device: native host experts are the same model."""
     model = empty_model(spec, device, torch.device("meta") if host_experts else None)
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    stores = [_empty_store(spec, host_experts, device) for _ in blocks] if host_experts else []
+    alloc = alloc or host_alloc(device.type == "cuda")
+    stores = [_empty_store(spec, host_experts, alloc) for _ in blocks] if host_experts else []
     progress = Progress("synthetic_weights", spec.num_layers, unit="layers")
     for name, param in model.named_parameters():
         if name.endswith("layernorm") or name == "norm":
@@ -222,11 +228,10 @@ def build_synthetic(
     return model
 
 
-def _empty_store(spec: ModelSpec, fmt: Format, device: torch.device) -> ExpertStore:
-    """One layer's experts in `fmt` in host memory (pinned for a CUDA device), unfilled."""
+def _empty_store(spec: ModelSpec, fmt: Format, alloc: Alloc) -> ExpertStore:
+    """One layer's experts in `fmt`, in tensors from `alloc`, unfilled."""
     h, i, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
-    pin = device.type == "cuda"
     return ExpertStore(
-        PackedMatrices.allocate(fmt, e, 2 * i, h, spec.dtype, pin),
-        PackedMatrices.allocate(fmt, e, h, i, spec.dtype, pin),
+        PackedMatrices.allocate(fmt, e, 2 * i, h, spec.dtype, alloc),
+        PackedMatrices.allocate(fmt, e, h, i, spec.dtype, alloc),
     )

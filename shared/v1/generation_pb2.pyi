@@ -131,7 +131,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes", "mode", "gpu_mem_peak_reserved_mb", "op_regions", "degraded", "degrade_entries", "degraded_steps")
+    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes", "mode", "gpu_mem_peak_reserved_mb", "op_regions", "degraded", "degrade_entries", "degraded_steps", "expert_cache_hit_rate", "cpu_experts", "cpu_daemon_experts", "gpu_experts", "expert_bytes_h2d")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,11 @@ class GetModelInfoResponse(_message.Message):
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     DEGRADE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    CPU_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    CPU_DAEMON_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    GPU_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_H2D_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     synthetic: bool
@@ -204,7 +209,12 @@ class GetModelInfoResponse(_message.Message):
     degraded: bool
     degrade_entries: int
     degraded_steps: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., gpu_mem_peak_reserved_mb: _Optional[float] = ..., op_regions: _Optional[_Iterable[_Union[OpRegion, _Mapping]]] = ..., degraded: _Optional[bool] = ..., degrade_entries: _Optional[int] = ..., degraded_steps: _Optional[int] = ...) -> None: ...
+    expert_cache_hit_rate: float
+    cpu_experts: int
+    cpu_daemon_experts: int
+    gpu_experts: int
+    expert_bytes_h2d: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., gpu_mem_peak_reserved_mb: _Optional[float] = ..., op_regions: _Optional[_Iterable[_Union[OpRegion, _Mapping]]] = ..., degraded: _Optional[bool] = ..., degrade_entries: _Optional[int] = ..., degraded_steps: _Optional[int] = ..., expert_cache_hit_rate: _Optional[float] = ..., cpu_experts: _Optional[int] = ..., cpu_daemon_experts: _Optional[int] = ..., gpu_experts: _Optional[int] = ..., expert_bytes_h2d: _Optional[int] = ...) -> None: ...
 
 class OpRegion(_message.Message):
     __slots__ = ("name", "scope", "label", "placement", "source", "measured")
