@@ -20,15 +20,14 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import structlog
 import torch
 from torch import Tensor
 
-from hybridgen.ipc.meta_buffer import ArenaFull, MetaBuffer
-from hybridgen.ipc.ring import Ring
+from hybridgen.ipc.link import LinkShm
+from hybridgen.ipc.meta_buffer import ArenaFull
 from hybridgen.ipc.ticket import DType, Op, Ticket
 from hybridgen.models.expert_arena import ExpertArena
 from hybridgen.models.expert_store import ExpertStore, RemoteDown
@@ -41,36 +40,6 @@ ARENA_BYTES = 32 << 20
 """Each direction's arena; a request that does not fit is computed in the GPU daemon."""
 _CODES = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
 _DTYPES = {int(code): dtype for dtype, code in _CODES.items()}
-
-
-@dataclass
-class _Shm:
-    x2c: Ring
-    c2x: Ring
-    x2c_meta: MetaBuffer
-    c2x_meta: MetaBuffer
-
-    def close(self) -> None:
-        for obj in (self.x2c, self.c2x, self.x2c_meta, self.c2x_meta):
-            obj.close()
-
-
-def _create(instance: str) -> _Shm:
-    return _Shm(
-        Ring.create(instance, "x2c", 16),
-        Ring.create(instance, "c2x", 16),
-        MetaBuffer.create(instance, "x2c_meta", ARENA_BYTES),
-        MetaBuffer.create(instance, "c2x_meta", ARENA_BYTES),
-    )
-
-
-def _attach(instance: str, wait: float) -> _Shm:
-    return _Shm(
-        Ring.attach(instance, "x2c", wait),
-        Ring.attach(instance, "c2x", wait),
-        MetaBuffer.attach(instance, "x2c_meta", wait),
-        MetaBuffer.attach(instance, "c2x_meta", wait),
-    )
 
 
 def _raw(t: Tensor) -> bytes:
@@ -110,7 +79,7 @@ class ExpertLinkClient:
     in flight at a time."""
 
     def __init__(self, instance: str, timeout_s: float = 10.0) -> None:
-        self.shm = _create(instance)
+        self.shm = LinkShm.create(instance, "x2c", "c2x", ARENA_BYTES)
         self.timeout_s = timeout_s
         self._seq = 0
         self.cpu_s = 0.0
@@ -120,28 +89,28 @@ class ExpertLinkClient:
         """Send `jobs` (expert id, its rows [N, hidden]); the request's number. RemoteDown when
         the request does not fit or the ring stays full."""
         try:
-            offset, length = self.shm.x2c_meta.write(encode_request(layer, jobs))
+            offset, length = self.shm.ask_meta.write(encode_request(layer, jobs))
         except ArenaFull as exc:
             raise RemoteDown(f"the EXPERT_RUN request does not fit the arena: {exc}") from exc
         self._seq += 1
         ticket = Ticket(Op.EXPERT_RUN, self._seq, layer=layer, payload_offset=offset,
                         payload_len=length)  # fmt: skip
-        if not self.shm.x2c.put(ticket, self.timeout_s):
-            self.shm.x2c_meta.release(offset, length)
+        if not self.shm.ask.put(ticket, self.timeout_s):
+            self.shm.ask_meta.release(offset, length)
             raise RemoteDown("the CPU daemon's EXPERT_RUN ring stayed full")
         return self._seq
 
     def wait(self, seq: int, jobs: list[tuple[int, Tensor]]) -> list[Tensor]:
         """The outputs of request `seq`, on the CPU in job order; RemoteDown after timeout_s."""
         while True:
-            answer = self.shm.c2x.get(self.timeout_s)
+            answer = self.shm.answer.get(self.timeout_s)
             if answer is None:
                 raise RemoteDown(f"no EXPERT_DONE within {self.timeout_s} s")
             if answer.request_id == seq:
                 break
-            self.shm.c2x_meta.release(answer.payload_offset, answer.payload_len)  # a late one
-        data = self.shm.c2x_meta.read_bytes(answer.payload_offset, answer.payload_len)
-        self.shm.c2x_meta.release(answer.payload_offset, answer.payload_len)
+            self.shm.answer_meta.release(answer.payload_offset, answer.payload_len)  # a late one
+        data = self.shm.answer_meta.read_bytes(answer.payload_offset, answer.payload_len)
+        self.shm.answer_meta.release(answer.payload_offset, answer.payload_len)
         (seconds,) = _TIME.unpack_from(data, 0)
         self.cpu_s += seconds
         x0 = jobs[0][1]
@@ -172,36 +141,36 @@ class ExpertLinkWorker:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        shm: _Shm | None = None
+        shm: LinkShm | None = None
         stores: list[ExpertStore] | None = None
         try:
             while not self._stop.is_set() and (shm is None or stores is None):
                 try:
-                    shm = shm or _attach(self.instance, wait=0.5)
+                    shm = shm or LinkShm.attach(self.instance, "x2c", "c2x", wait=0.5)
                     stores = stores or ExpertArena.attach(self.instance)
                 except (FileNotFoundError, ValueError):
                     time.sleep(0.2)
             while not self._stop.is_set():
                 assert shm is not None and stores is not None
-                ticket = shm.x2c.get(0.2)
+                ticket = shm.ask.get(0.2)
                 if ticket is not None:
                     self._answer(shm, stores, ticket)
         finally:
             if shm is not None:
                 shm.close()
 
-    def _answer(self, shm: _Shm, stores: list[ExpertStore], ticket: Ticket) -> None:
-        data = shm.x2c_meta.read_bytes(ticket.payload_offset, ticket.payload_len)
-        shm.x2c_meta.release(ticket.payload_offset, ticket.payload_len)
+    def _answer(self, shm: LinkShm, stores: list[ExpertStore], ticket: Ticket) -> None:
+        data = shm.ask_meta.read_bytes(ticket.payload_offset, ticket.payload_len)
+        shm.ask_meta.release(ticket.payload_offset, ticket.payload_len)
         layer, jobs = decode_request(data)
         start = time.perf_counter()
         with torch.inference_mode():
             ys = [stores[layer].run_cpu(expert, x) for expert, x in jobs]
         reply = _TIME.pack(time.perf_counter() - start) + b"".join(_raw(y) for y in ys)
-        offset, length = shm.c2x_meta.write(reply)
+        offset, length = shm.answer_meta.write(reply)
         answer = Ticket(Op.EXPERT_DONE, ticket.request_id, payload_offset=offset,
                         payload_len=length)  # fmt: skip
-        if not shm.c2x.put(answer, 5.0):  # the GPU daemon stopped reading: it is going away
+        if not shm.answer.put(answer, 5.0):  # the GPU daemon stopped reading: it is going away
             log.warning("expert_answer_dropped", request=ticket.request_id)
         self.answered += 1
         if self.answered == 1:

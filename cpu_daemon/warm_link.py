@@ -24,7 +24,6 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import structlog
@@ -32,8 +31,7 @@ import torch
 from torch import Tensor
 
 from hybridgen.cpu_daemon.warm_attention import WarmAttnStats, WarmSpan, warm_decode_attention
-from hybridgen.ipc.meta_buffer import MetaBuffer
-from hybridgen.ipc.ring import Ring
+from hybridgen.ipc.link import LinkShm
 from hybridgen.ipc.ticket import Op, Ticket
 from hybridgen.kvcodec.warm_pool import WarmPool
 
@@ -47,36 +45,6 @@ ARENA_BYTES = 8 << 20
 
 class WarmLinkDown(RuntimeError):
     """The CPU daemon did not answer in time (dead or stuck); compute locally instead."""
-
-
-@dataclass
-class _Shm:
-    w2c: Ring
-    c2w: Ring
-    w2c_meta: MetaBuffer
-    c2w_meta: MetaBuffer
-
-    def close(self) -> None:
-        for obj in (self.w2c, self.c2w, self.w2c_meta, self.c2w_meta):
-            obj.close()
-
-
-def _create(instance: str) -> _Shm:
-    return _Shm(
-        Ring.create(instance, "w2c", 16),
-        Ring.create(instance, "c2w", 16),
-        MetaBuffer.create(instance, "w2c_meta", ARENA_BYTES),
-        MetaBuffer.create(instance, "c2w_meta", ARENA_BYTES),
-    )
-
-
-def _attach(instance: str, wait: float) -> _Shm:
-    return _Shm(
-        Ring.attach(instance, "w2c", wait),
-        Ring.attach(instance, "c2w", wait),
-        MetaBuffer.attach(instance, "w2c_meta", wait),
-        MetaBuffer.attach(instance, "c2w_meta", wait),
-    )
 
 
 def encode_request(
@@ -111,7 +79,7 @@ class WarmLinkClient:
     """GPU daemon side: creates the link's shared memory and asks for warm partials."""
 
     def __init__(self, instance: str, timeout_s: float = 5.0) -> None:
-        self.shm = _create(instance)
+        self.shm = LinkShm.create(instance, "w2c", "c2w", ARENA_BYTES)
         self.timeout_s = timeout_s
         self._seq = 0
 
@@ -127,22 +95,22 @@ class WarmLinkClient:
         """What warm_decode_attention returns, computed by the CPU daemon; raises
         WarmLinkDown when no answer comes within timeout_s."""
         self._seq += 1
-        offset, length = self.shm.w2c_meta.write(encode_request(layer, q, spans, scale, window))
+        offset, length = self.shm.ask_meta.write(encode_request(layer, q, spans, scale, window))
         ticket = Ticket(
             Op.ATTN_WARM, self._seq, layer=layer, payload_offset=offset, payload_len=length
         )
-        if not self.shm.w2c.put(ticket, self.timeout_s):
+        if not self.shm.ask.put(ticket, self.timeout_s):
             raise WarmLinkDown("the CPU daemon's attn_warm ring stayed full")
         while True:
-            answer = self.shm.c2w.get(self.timeout_s)
+            answer = self.shm.answer.get(self.timeout_s)
             if answer is None:
                 raise WarmLinkDown(f"no ATTN_WARM_DONE within {self.timeout_s} s")
             if answer.request_id == self._seq:
                 break
             # A late answer to a request that timed out: drop it.
-            self.shm.c2w_meta.release(answer.payload_offset, answer.payload_len)
-        data = self.shm.c2w_meta.read_bytes(answer.payload_offset, answer.payload_len)
-        self.shm.c2w_meta.release(answer.payload_offset, answer.payload_len)
+            self.shm.answer_meta.release(answer.payload_offset, answer.payload_len)
+        data = self.shm.answer_meta.read_bytes(answer.payload_offset, answer.payload_len)
+        self.shm.answer_meta.release(answer.payload_offset, answer.payload_len)
         decode_s, attn_s = _TIMES.unpack_from(data, 0)
         rows, heads, dim = q.shape
         n_out = rows * heads * dim
@@ -180,13 +148,13 @@ class WarmLinkWorker:
         try:
             while not self._stop.is_set() and (shm is None or pool is None):
                 try:
-                    shm = shm or _attach(self.instance, wait=0.5)
+                    shm = shm or LinkShm.attach(self.instance, "w2c", "c2w", wait=0.5)
                     pool = pool or WarmPool.attach(self.instance, wait=0.5)
                 except (FileNotFoundError, ValueError):
                     continue
             while not self._stop.is_set():
                 assert shm is not None and pool is not None
-                ticket = shm.w2c.get(0.2)
+                ticket = shm.ask.get(0.2)
                 if ticket is not None:
                     self._answer(shm, pool, ticket)
         finally:
@@ -195,9 +163,9 @@ class WarmLinkWorker:
             if shm is not None:
                 shm.close()
 
-    def _answer(self, shm: _Shm, pool: WarmPool, ticket: Ticket) -> None:
-        data = shm.w2c_meta.read_bytes(ticket.payload_offset, ticket.payload_len)
-        shm.w2c_meta.release(ticket.payload_offset, ticket.payload_len)
+    def _answer(self, shm: LinkShm, pool: WarmPool, ticket: Ticket) -> None:
+        data = shm.ask_meta.read_bytes(ticket.payload_offset, ticket.payload_len)
+        shm.ask_meta.release(ticket.payload_offset, ticket.payload_len)
         layer, q, spans, scale, window = decode_request(data)
         stats = WarmAttnStats()
         out, lse = warm_decode_attention(pool, layer, q, spans, scale, window, stats=stats)
@@ -206,11 +174,11 @@ class WarmLinkWorker:
             + out.numpy().tobytes()
             + lse.numpy().tobytes()
         )
-        offset, length = shm.c2w_meta.write(reply)
+        offset, length = shm.answer_meta.write(reply)
         answer = Ticket(
             Op.ATTN_WARM_DONE, ticket.request_id, payload_offset=offset, payload_len=length
         )
-        if not shm.c2w.put(answer, 5.0):  # the GPU daemon stopped reading: it is going away
+        if not shm.answer.put(answer, 5.0):  # the GPU daemon stopped reading: it is going away
             log.warning("attn_warm_answer_dropped", request=ticket.request_id)
         self.answered += 1
         if self.answered == 1:

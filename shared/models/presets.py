@@ -43,6 +43,22 @@ def _spec(name: str, **kw: object) -> ModelSpec:
     return ModelSpec(**defaults)  # type: ignore[arg-type]
 
 
+def _mixtral(name: str, **kw: object) -> ModelSpec:
+    """Mixtral's shape: 8 experts, top-2, 8 KV heads of 128, rope theta 1e6 (unless given)."""
+    defaults: dict[str, object] = dict(
+        architecture="MixtralForCausalLM",
+        family="mixtral",
+        num_kv_heads=8,
+        head_dim=128,
+        rope=RopeSpec(theta=1000000.0),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    )
+    return _spec(name, **{**defaults, **kw})
+
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny-llama": _spec(
         "tiny-llama",
@@ -120,59 +136,34 @@ PRESETS: dict[str, ModelSpec] = {
         eos_token_ids=(257,),
         bos_token_id=256,
     ),
-    "tiny-mixtral": _spec(
+    "tiny-mixtral": _mixtral(
         "tiny-mixtral",
-        architecture="MixtralForCausalLM",
-        family="mixtral",
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
         num_layers=4,
         num_heads=4,
-        num_kv_heads=2,
         head_dim=32,
+        num_kv_heads=2,
         max_position_embeddings=4096,
-        rope=RopeSpec(theta=1000000.0),
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        eos_token_ids=(257,),
-        bos_token_id=256,
     ),
-    "mixtral-8x7b": _spec(
+    "mixtral-8x7b": _mixtral(
         "mixtral-8x7b",
-        architecture="MixtralForCausalLM",
-        family="mixtral",
         vocab_size=32000,
         hidden_size=4096,
         intermediate_size=14336,
         num_layers=32,
         num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
         max_position_embeddings=32768,
-        rope=RopeSpec(theta=1000000.0),
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        eos_token_ids=(257,),
-        bos_token_id=256,
     ),
-    "mixtral-8x22b": _spec(
+    "mixtral-8x22b": _mixtral(
         "mixtral-8x22b",
-        architecture="MixtralForCausalLM",
-        family="mixtral",
         vocab_size=32768,
         hidden_size=6144,
         intermediate_size=16384,
         num_layers=56,
         num_heads=48,
-        num_kv_heads=8,
-        head_dim=128,
         max_position_embeddings=65536,
-        rope=RopeSpec(theta=1000000.0),
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        eos_token_ids=(257,),
-        bos_token_id=256,
     ),
 }
 
