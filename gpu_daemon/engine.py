@@ -33,7 +33,11 @@ from hybridgen.gpu_daemon.model_runner import (
     Sampled,
     has_penalty,
 )
-from hybridgen.gpu_daemon.region_timing import profile_kv_codec, profile_sample
+from hybridgen.gpu_daemon.region_timing import (
+    profile_kv_codec,
+    profile_moe_gate,
+    profile_sample,
+)
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.gpu_daemon.tuner import Tuner
@@ -121,7 +125,8 @@ class Engine:
         spec = self.spec = self.loaded.model.spec
         self.experts: tuple[ExpertCache, LatencyModel] | None = None
         """Cold-Weights: the shared device cache of experts and the latency model."""
-        blocks = [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+        blocks = self._moe_blocks()
+        self._place_moe_gate(config.moe_gate_placement)
         if cold is not None and blocks:
             self.experts = enable_cold_weights(
                 blocks, 1 if cold == "auto" else cold, config.expert_cpu_max_tokens, self.device
@@ -204,6 +209,13 @@ class Engine:
             **self.plan.summary(),
         )
 
+    def _moe_blocks(self) -> list[SparseMoeBlock]:
+        return [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+
+    def _place_moe_gate(self, placement: str) -> None:
+        for block in self._moe_blocks():
+            block.gate_on = placement
+
     def _size_expert_cache(self, experts: int) -> None:
         """cold_weights.expert_cache_slots: auto: plan with a one-slot cache, then give the
         cache what the budget leaves beyond the KV pool's minimum (memory.spare_expert_slots)."""
@@ -227,13 +239,15 @@ class Engine:
         )
 
     def _measure_regions(self) -> None:
-        """Time sample and kv_codec both ways and place each on the faster side, unless the
-        config pinned it or a profile placed it (config.measure_regions says where)."""
+        """Time sample, kv_codec and moe_gate both ways and place each on the faster side,
+        unless the config pinned it or a profile placed it (config.measure_regions says
+        where)."""
         config = self.config
         on = config.measure_regions
         if config.mode == "pure_gpu" or not (on or (on is None and self.device.type == "cuda")):
             return
-        free = set(("sample", "kv_codec")) - set(config.pinned_regions + config.profiled_regions)
+        placed = set(config.pinned_regions + config.profiled_regions)
+        free = {"sample", "kv_codec", "moe_gate"} - placed
         with torch.inference_mode():
             if "sample" in free:
                 batch = min(config.max_num_seqs, START_SAMPLE_BATCH)
@@ -246,6 +260,11 @@ class Engine:
                 r = profile_kv_codec(self.warm, START_RUNS)
                 self.warm.codec_on = r.placement
                 self.measured["kv_codec"] = r
+            blocks = self._moe_blocks()
+            if "moe_gate" in free and blocks:
+                r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS)
+                self._place_moe_gate(r.placement)
+                self.measured["moe_gate"] = r
         for name, r in self.measured.items():
             log.info("region_measured", region=name, placement=r.placement, **r.measured)
 

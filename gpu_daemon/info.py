@@ -101,6 +101,17 @@ def engine_regions(engine: Engine) -> list[Region]:
             )
         )
     if engine.spec.num_local_experts:
+        gate = engine.measured.get("moe_gate")
+        rows.append(
+            Region(
+                "moe_gate",
+                "layer",
+                "hybrid-aware",
+                config.moe_gate_placement if gate is None else gate.placement,
+                source("moe_gate", gate is not None),
+                {} if gate is None else gate.measured,
+            )
+        )
         rows.append(_moe_experts_row(engine))
     sample, d = engine.degrade.sample_placement, engine.degrade
     shifted = sample != d.normal_sample

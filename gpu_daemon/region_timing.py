@@ -9,6 +9,8 @@ for the regions nothing else places (engine.measure_regions).
                under the daemons
     kv_codec   encode on the device + D2H of the records vs D2H of the raw block + encode on
                the CPU, one block of every layer
+    moe_gate   a MoE router's softmax and top-k on the device vs its logits to the host and
+               the pick there, with the host sync the step's expert loop needs either way
 
 Each figure is the best of `runs` after a warm-up, host time with the device synchronized
 (warm_tier.best_of); the bytes each way would move over PCIe per step are counted too.
@@ -20,6 +22,7 @@ import torch
 
 from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
 from hybridgen.gpu_daemon.warm_tier import WarmTier, best_of, choose_placement
+from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.sampling.sampler import Sampler, SamplingBatch
@@ -147,4 +150,21 @@ def profile_kv_codec(warm: WarmTier, runs: int) -> RegionProfile:
         "pcie_bytes_gpu": warm.pool.slot_bytes,
         "blocks": 1,
     }
+    return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)
+
+
+def profile_moe_gate(block: SparseMoeBlock, tokens: int, runs: int) -> RegionProfile:
+    """One router's pick for `tokens` tokens, both ways, up to the expert ids on the host
+    (SparseMoeBlock.forward needs them there to loop over the experts)."""
+    weight = block.gate.weight
+    x = _randn(max(1, tokens), weight.shape[1], dtype=weight.dtype, device=weight.device, seed=6)
+    saved, figures = block.gate_on, {}
+    try:
+        for side in ("cpu", "gpu"):
+            block.gate_on = side
+            figures[f"{side}_ms"] = best_of(runs, lambda: block.route(x)[0].tolist(), x.device)
+    finally:
+        block.gate_on = saved
+    cpu_ms, gpu_ms = figures["cpu_ms"] * 1e3, figures["gpu_ms"] * 1e3
+    measured = {"cpu_ms": cpu_ms, "gpu_ms": gpu_ms, "tokens": max(1, tokens)}
     return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)

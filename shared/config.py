@@ -139,6 +139,9 @@ class Placements:
     decides."""
     attn_warm: DeviceOrSplit | None = None
     """Attention over Warm-KV: CPU partials, blocks sent to the GPU, or a measured split."""
+    moe_gate: Device | None = None
+    """The MoE router's softmax and top-k: on the device, or its logits to the host, where
+    the CPU picks each token's experts."""
     moe_experts: DeviceOrSplit | None = None
     """MoE experts kept in host memory: CPU compute, transfer to the GPU, or a split."""
     kv_codec: Device | None = None
@@ -358,6 +361,7 @@ class HybridGenConfig:
             # (gpu_daemon/region_timing.py); these are where it starts from.
             sample_placement="gpu" if pure_gpu else placed.sample or "gpu",
             kv_codec_placement="gpu" if pure_gpu else placed.kv_codec or "gpu",
+            moe_gate_placement="gpu" if pure_gpu else self.placements.moe_gate or "gpu",
             degrade_softmax=self.placements.softmax or "auto",
             softmax_threshold_mflops=self.offload_threshold.softmax,
             pinned_regions=tuple(

@@ -92,10 +92,13 @@ class EngineConfig:
     kv_codec_placement: str = "gpu"
     """Where the Warm codec encodes spilled blocks and decodes copied records
     (placements.kv_codec): gpu (compressed bytes cross PCIe) or cpu (raw bytes cross)."""
+    moe_gate_placement: str = "gpu"
+    """Where MoE routers pick experts (placements.moe_gate): gpu (softmax and top-k on the
+    device) or cpu (the router's logits to the host, the pick there)."""
     measure_regions: bool | None = None
-    """Time sample and kv_codec both ways at start and place each on the faster side, where
-    neither the config nor a profile placed it (gpu_daemon/region_timing.py). None: on CUDA
-    only (on a CPU-only engine both sides are the CPU); never in mode pure_gpu."""
+    """Time sample, kv_codec and moe_gate both ways at start and place each on the faster
+    side, where neither the config nor a profile placed it (gpu_daemon/region_timing.py).
+    None: on CUDA only (on a CPU-only engine both sides are the CPU); never in pure_gpu."""
     dynamic_tuning: bool = False
     """Re-balance attn_warm's split from live timings while serving (gpu_daemon/tuner.py;
     dynamic_tuning.enable in the config file)."""
@@ -204,6 +207,12 @@ class EngineConfig:
             "hot_codec",
             self.hot_codec,
             "native while warm_pool_mb > 0 (the Warm tier moves native Hot blocks)",
+        )
+        _check(
+            self.moe_gate_placement in ("gpu", "cpu"),
+            "moe_gate_placement",
+            self.moe_gate_placement,
+            "gpu or cpu",
         )
         _check(
             self.kv_codec_placement in ("gpu", "cpu"),

@@ -107,6 +107,7 @@ def test_every_section_parses() -> None:
         "placements.norm",
         "placements.softmax",
         "placements.moe_experts",
+        "placements.moe_gate",
         "placements.kv_codec",
     }
     topo = config.device_topology

@@ -86,3 +86,30 @@ def test_start_up_measurement_places_sample_and_kv_codec(checkpoint, monkeypatch
     engine = Engine(config)
     assert engine.measured == {} and engine.warm is not None and engine.warm.codec_on == "gpu"
     engine.release()
+
+
+def test_moe_gate_placements_give_hf_tokens_and_are_measured(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """placements.moe_gate: the router's pick on the CPU gives HF's greedy tokens as on the
+    device; unpinned, it is timed both ways at start (asked for here: on by default on CUDA)."""
+    import dataclasses
+
+    from hybridgen.sampling.params import SamplingParams
+    from tests.hf_reference import hf_greedy, sample_prompts
+
+    path = checkpoint("mixtral")
+    prompts = sample_prompts(path, 2, [11, 37])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = hf_greedy(path, prompts, 12)
+    pinned = _engine(path, {"placements": {"moe_gate": "cpu"}})
+    assert [c.token_ids for c in pinned.generate(prompts, greedy)] == expected
+    rows = {r.name: r for r in engine_regions(pinned)}
+    assert (rows["moe_gate"].placement, rows["moe_gate"].source) == ("cpu", "pinned")
+    pinned.release()
+
+    config = parse_config({"model": {"name_or_path": str(path), "max_model_len": 256}})
+    measured = Engine(dataclasses.replace(config.engine_config("cpu"), measure_regions=True))
+    gate = {r.name: r for r in engine_regions(measured)}["moe_gate"]
+    assert gate.source == "measured" and gate.measured["cpu_ms"] > 0 and gate.measured["gpu_ms"] > 0
+    assert gate.placement == ("cpu" if gate.measured["cpu_ms"] < gate.measured["gpu_ms"] else "gpu")
+    assert [c.token_ids for c in measured.generate(prompts, greedy)] == expected
+    measured.release()

@@ -47,6 +47,9 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k = spec.num_local_experts, spec.num_experts_per_tok
         self.gate = nn.Linear(spec.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleList(expert(spec) for _ in range(self.num_experts))
+        self.gate_on = "gpu"
+        """Where route() picks experts: gpu (on the model's device) or cpu (the router's
+        logits to the host first; placements.moe_gate)."""
         self.store: ExpertStore | None = None
         self.cold: tuple[int, ExpertCache, LatencyModel] | None = None
         """Cold-Weights: (this layer's index, the shared device cache, the latency model)."""
@@ -72,9 +75,10 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token)."""
         logits = ops.linear(x, self.gate.weight)  # [T, E] in model dtype, as HF
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        return ids, weights / weights.sum(dim=-1, keepdim=True)
+        if self.gate_on == "cpu":  # the same math on the host; the ids go back for indexing
+            ids, weights = _top_k(logits.cpu(), self.top_k)
+            return ids.to(x.device, non_blocking=True), weights.to(x.device, non_blocking=True)
+        return _top_k(logits, self.top_k)
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]."""
@@ -147,6 +151,12 @@ class SparseMoeBlock(nn.Module):
         assert self.cold is not None
         log.warning("expert_link_down", reason=str(exc))
         self.cold[1].remote = None
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, the top k, renormalised to sum to 1 per token (HF's order)."""
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    return ids, weights / weights.sum(dim=-1, keepdim=True)
 
 
 def enable_cold_weights(
