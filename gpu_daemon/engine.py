@@ -34,6 +34,8 @@ from hybridgen.gpu_daemon.model_runner import (
     has_penalty,
 )
 from hybridgen.gpu_daemon.region_timing import (
+    choose_placement,
+    profile_attn_warm,
     profile_kv_codec,
     profile_moe_gate,
     profile_sample,
@@ -45,6 +47,7 @@ from hybridgen.gpu_daemon.tuner import Tuner
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
+from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.expert_store import ExpertCache, LatencyModel, MoeStats
 from hybridgen.models.loader import LoadedModel, load_model
@@ -75,6 +78,8 @@ class RequestOutput:
 
 START_RUNS = 3
 """Timed runs per figure of the start-up measurement (the best counts)."""
+ATTN_WARM_PROBE_BLOCKS = 512
+"""Warm blocks the start-up attn_warm timing attends: enough that launch costs do not decide."""
 START_SAMPLE_BATCH = 16
 """Decode batch the start-up measurement times sample at (max_num_seqs if smaller)."""
 TIER_LOG_STEPS = 256
@@ -111,6 +116,8 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.device = config.torch_device()
+        self.measured: dict[str, RegionProfile] = {}
+        """Regions timed at start (region_timing) and the placement each got."""
         cold = config.expert_cache_slots
         host_experts = config.expert_format if cold is not None else None
         self._owns_loaded = loaded is None
@@ -155,6 +162,11 @@ class Engine:
                 config.kv_codec_placement,
             )
         try:
+            unplaced = config.attn_warm == "auto" or (
+                config.attn_warm == "split" and config.warm_split is None
+            )
+            if self.warm is not None and unplaced:
+                self._place_attn_warm()
             self._check_reach()
             self.runner = ModelRunner(
                 self.loaded.model,
@@ -194,8 +206,6 @@ class Engine:
             )
         self.degrade = Degrade(config, self.warm, spec.vocab_size)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
-        self.measured: dict[str, RegionProfile] = {}
-        """Regions timed at start (region_timing) and the placement each got."""
         self._measure_regions()
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
@@ -208,6 +218,28 @@ class Engine:
             max_model_len=self.max_model_len,
             **self.plan.summary(),
         )
+
+    def _place_attn_warm(self) -> None:
+        """attn_warm unpinned (auto), or split without a share: on CUDA, time both sides over
+        ATTN_WARM_PROBE_BLOCKS synthetic blocks of one layer and place it (auto), or share it
+        so both finish together (split). Runs before the KV pool is allocated, and gives its
+        device memory back: left cached, it fragmented the budget and the steps ran up to 2x
+        slower at the cap (bench/NOTES.md, B6). A CPU-only engine keeps the CPU."""
+        warm, split_only = self.warm, self.config.attn_warm == "split"
+        assert warm is not None
+        blocks = min(ATTN_WARM_PROBE_BLOCKS, warm.pool.capacity)
+        if self.device.type != "cuda" or blocks == 0:
+            return
+        r = profile_attn_warm(warm, 1, blocks, START_RUNS, layers=1)
+        torch.cuda.empty_cache()
+        warm.stats = WarmStats()  # the probe is not traffic
+        cpu_ms, gpu_ms = r.measured["cpu_ms"], r.measured["gpu_ms"]
+        if split_only:
+            warm.split = gpu_ms / (cpu_ms + gpu_ms)
+        else:
+            warm.mode, warm.split = choose_placement(cpu_ms, gpu_ms)
+        self.measured["attn_warm"] = r
+        log.info("attn_warm_placed", mode=warm.mode, cpu_share=round(warm.split, 3), **r.measured)
 
     def _moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]

@@ -83,8 +83,9 @@ def engine_regions(engine: Engine) -> list[Region]:
         rows.append(Region("kv_codec", "step", "hybrid-aware", "off", "no Warm tier"))
     else:
         place = f"split:{warm.split:.3f}" if warm.mode == "split" else warm.mode
-        figures = dict(warm.measured or profiled.get("attn_warm", {}))
-        how = source("attn_warm", bool(warm.measured), shifted=warm.mode != "cpu")
+        timed = engine.measured.get("attn_warm")
+        figures = dict(timed.measured if timed is not None else profiled.get("attn_warm", {}))
+        how = source("attn_warm", timed is not None, shifted=warm.mode != "cpu")
         tuned = warm.tuner.updates if warm.tuner is not None else 0
         if tuned and how != "degrade":  # re-balanced from live timings (tuner.py)
             how, figures["tuned_updates"] = "tuned", tuned

@@ -1,6 +1,7 @@
 """Timing the switchable op-regions both ways at given shapes (DESIGN.md "Op-Regions"): what
 hybridgen-profiler records offline (tools/profiler.py) and what the engine measures at start
-for the regions nothing else places (engine.measure_regions).
+for the regions nothing else places (Engine._measure_regions, and Engine._place_attn_warm:
+512 blocks of one layer, before the KV pool is allocated).
 
     attn_warm  CPU partial over the Warm blocks vs the device's (WarmTier.device_partial), all
                layers; placed by warm_tier.choose_placement (cpu, gpu, or split with a share)
@@ -18,10 +19,14 @@ Each figure is the best of `runs` after a warm-up, host time with the device syn
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
+
 import torch
 
 from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
-from hybridgen.gpu_daemon.warm_tier import WarmTier, best_of, choose_placement
+from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
@@ -36,6 +41,32 @@ bench/results/sample_placement_h200.json): 3.07 ms per token served with sample 
 against 0.37 ms on the GPU."""
 
 
+def choose_placement(t_cpu: float, t_gpu: float) -> tuple[str, float]:
+    """attn_warm from the measured times of the same Warm blocks on the CPU and the device:
+    (mode, CPU share of the blocks). One side 4x faster takes everything; otherwise the
+    blocks are split in inverse proportion to the times, so both sides finish together."""
+    if t_cpu > 4 * t_gpu:
+        return "gpu", 0.0
+    if t_gpu > 4 * t_cpu:
+        return "cpu", 1.0
+    return "split", t_gpu / (t_cpu + t_gpu)
+
+
+def best_of(n: int, fn: Callable[[], object], device: torch.device) -> float:
+    """Shortest wall time in seconds of n calls, after one warm-up call, each call waited
+    for on the device."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class NoWarmRoom(Exception):
     """The Warm pool has no free slot to time attn_warm with."""
 
@@ -45,8 +76,11 @@ def _randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int) -> 
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
 
-def profile_attn_warm(warm: WarmTier, rows: int, blocks: int, runs: int) -> RegionProfile:
-    """attn_warm over `rows` decoding sequences of `blocks` Warm blocks each, all layers."""
+def profile_attn_warm(
+    warm: WarmTier, rows: int, blocks: int, runs: int, layers: int | None = None
+) -> RegionProfile:
+    """attn_warm over `rows` decoding sequences of `blocks` Warm blocks each, over the first
+    `layers` layers (default all)."""
     spec, bs, device = warm.spec, warm.block_size, warm.device
     rows, blocks = max(1, rows), max(1, blocks)
     held = warm.room(rows * blocks)  # rows share slots when the pool holds fewer
@@ -62,13 +96,15 @@ def profile_attn_warm(warm: WarmTier, rows: int, blocks: int, runs: int) -> Regi
     q = _randn(rows, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device, seed=2)
     scale = spec.head_dim**-0.5
 
+    depth = spec.num_layers if layers is None else layers
+
     def cpu() -> None:
-        for layer in range(spec.num_layers):
+        for layer in range(depth):
             out, lse = warm_decode_attention(warm.pool, layer, q, spans, scale)
             out.to(device), lse.to(device)
 
     def gpu() -> None:
-        for layer in range(spec.num_layers):
+        for layer in range(depth):
             warm.device_partial(layer, q, table, scale)
 
     try:
@@ -82,10 +118,11 @@ def profile_attn_warm(warm: WarmTier, rows: int, blocks: int, runs: int) -> Regi
     measured = {
         "cpu_ms": cpu_ms,
         "gpu_ms": gpu_ms,
-        "pcie_bytes_cpu": spec.num_layers * per_layer,
-        "pcie_bytes_gpu": rows * blocks * warm.pool.slot_bytes,
+        "pcie_bytes_cpu": depth * per_layer,
+        "pcie_bytes_gpu": rows * blocks * warm.pool.slot_bytes * depth // spec.num_layers,
         "rows": rows,
         "blocks": blocks,
+        "layers": depth,
     }
     return RegionProfile(placement, share if placement == "split" else None, measured)
 

@@ -31,10 +31,8 @@ maps the pool (cpu_daemon.warm_link); in one process, here. Not for sliding-wind
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -112,15 +110,10 @@ class WarmTier:
         prefill's Warm prefix; warm_device)."""
         self.tuner: Tuner | None = None
         """Set by the engine with dynamic_tuning: re-balances `split` from live timings."""
-        self.measured: dict[str, float] = {}
-        """The start-up probe's figures (cpu_ms, gpu_ms, blocks), when it ran."""
-        if mode == "auto" or (mode == "split" and split is None):
-            times = self._measure_placement()
-            if mode == "auto":
-                self.mode, self.split = choose_placement(*times) if times else ("cpu", 1.0)
-            else:  # split pinned, its share measured: both sides finish together
-                self.split = times[1] / sum(times) if times else 0.5
-            log.info("attn_warm_placed", mode=self.mode, cpu_share=round(self.split, 3))
+        if mode == "auto":  # until the engine measures both sides (on CUDA): the CPU
+            self.mode, self.split = "cpu", 1.0
+        elif mode == "split" and split is None:  # ... and here, an even share until then
+            self.split = 0.5
 
     def age(self) -> int:
         """Move cached Warm blocks nobody used for cold_threshold_ms to Cold (lz4 of their
@@ -167,39 +160,6 @@ class WarmTier:
         if self.mode == "cpu":
             return n
         return 0 if self.mode == "gpu" else round(self.split * n)
-
-    def _measure_placement(self) -> tuple[float, float] | None:
-        """Seconds of the CPU (mode a) and of the device (mode b) over the same synthetic Warm
-        blocks; None on a CPU-only engine (both would be the CPU) or an empty pool."""
-        n = min(512, self.pool.capacity)  # enough blocks that launch costs do not decide
-        if self.device.type != "cuda" or n == 0:
-            return None
-        spec = self.spec
-        shape = (spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim)
-        slots = self.pool.alloc(n)
-        k = torch.randn(shape, dtype=spec.dtype, device=self.device)
-        for slot in slots:
-            self.pool.store(slot, k, k)
-        q = torch.randn(1, spec.num_heads, spec.head_dim, device=self.device)
-        span = WarmSpan(slots, 0, self.block_size, n * self.block_size)
-        scale = spec.head_dim**-0.5
-
-        def cpu() -> None:
-            warm_decode_attention(self.pool, 0, q, [span], scale)
-
-        def gpu() -> None:
-            self.device_partial(0, q.to(spec.dtype), [slots], scale)
-
-        t_cpu, t_gpu = (best_of(3, fn, self.device) for fn in (cpu, gpu))
-        self.pool.free(slots)
-        # Give the probe's cached device blocks back before the KV pool is allocated: left
-        # in the allocator they fragment the budget, and the steps then ran up to 2x slower
-        # at the cap (bench/NOTES.md, B6).
-        torch.cuda.empty_cache()
-        self.stats = WarmStats()  # the probe is not traffic
-        self.measured = {"cpu_ms": t_cpu * 1e3, "gpu_ms": t_gpu * 1e3, "blocks": n}
-        log.info("attn_warm_measured", **self.measured)
-        return t_cpu, t_gpu
 
     def room(self, n: int) -> int:
         """How many of `n` slots a store can take now: free ones, then those only the prefix
@@ -335,29 +295,3 @@ def warm_mb_for(spec: ModelSpec, codec: str, block_size: int, tokens: int) -> fl
     c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
     slots = -(-tokens // block_size) + 2
     return slots * slot_bytes_for(c, spec.num_layers) / 2**20 + 1.0
-
-
-def choose_placement(t_cpu: float, t_gpu: float) -> tuple[str, float]:
-    """attn_warm from the measured times of the same Warm blocks on the CPU and the device:
-    (mode, CPU share of the blocks). One side 4x faster takes everything; otherwise the
-    blocks are split in inverse proportion to the times, so both sides finish together."""
-    if t_cpu > 4 * t_gpu:
-        return "gpu", 0.0
-    if t_gpu > 4 * t_cpu:
-        return "cpu", 1.0
-    return "split", t_gpu / (t_cpu + t_gpu)
-
-
-def best_of(n: int, fn: Callable[[], object], device: torch.device) -> float:
-    """Shortest wall time in seconds of n calls, after one warm-up call, each call waited
-    for on the device."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best = math.inf
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best

@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 from hybridgen.config import ConfigError, load_config
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
-from hybridgen.gpu_daemon.warm_tier import WarmTier, choose_placement
+from hybridgen.gpu_daemon.region_timing import choose_placement
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.tools import profiler
 from hybridgen.tuning_profile import (
@@ -134,14 +134,14 @@ def test_profile_places_the_regions_without_a_probe(  # type: ignore[no-untyped-
     checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = checkpoint("llama3")
-    probes: list[WarmTier] = []
-    real_probe = WarmTier._measure_placement
+    probes: list[Engine] = []
+    real_probe = Engine._place_attn_warm
 
-    def probe(self: WarmTier) -> tuple[float, float] | None:
+    def probe(self: Engine) -> None:
         probes.append(self)
-        return real_probe(self)
+        real_probe(self)
 
-    monkeypatch.setattr(WarmTier, "_measure_placement", probe)
+    monkeypatch.setattr(Engine, "_place_attn_warm", probe)
     save_profile(_hand_profile(model), tmp_path / "tuning_profile.json")
     (tmp_path / "p").mkdir()
     plain = load_config(_config(tmp_path / "p", model))
@@ -161,7 +161,7 @@ def test_profile_places_the_regions_without_a_probe(  # type: ignore[no-untyped-
     engine = Engine(ec)
     assert len(probes) == 1  # no probe with the profile
     warm = engine.warm
-    assert warm is not None and warm.measured == {}
+    assert warm is not None and "attn_warm" not in engine.measured
     assert engine.config.sample_placement == "cpu" and warm.codec_on == "cpu"
     assert (warm.mode, warm.split) == ("split", 0.25)
     rows = {r.name: r for r in engine_regions(engine)}

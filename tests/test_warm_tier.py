@@ -209,7 +209,7 @@ def test_warm_pool_is_named_after_the_server_instance(checkpoint) -> None:  # ty
 def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Without a pin (auto) the engine picks the placement: the CPU on a CPU-only engine;
     on CUDA from measured times, through choose_placement."""
-    from hybridgen.gpu_daemon.warm_tier import choose_placement
+    from hybridgen.gpu_daemon.region_timing import choose_placement
 
     engine = small_engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, attn_warm="auto")
     assert engine.warm is not None and engine.warm.mode == "cpu"
