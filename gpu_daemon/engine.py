@@ -23,35 +23,25 @@ from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
 from hybridgen.gpu_daemon.memory import (
-    BudgetTooSmall,
     graph_batch_size,
     plan_engine_memory,
-    spare_expert_slots,
 )
 from hybridgen.gpu_daemon.model_runner import (
     ModelRunner,
     Sampled,
     has_penalty,
 )
-from hybridgen.gpu_daemon.region_timing import (
-    choose_placement,
-    profile_attn_warm,
-    profile_kv_codec,
-    profile_moe_gate,
-    profile_sample,
-)
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
+from hybridgen.gpu_daemon.startup import measure_regions, place_attn_warm, setup_moe
 from hybridgen.gpu_daemon.tuner import Tuner
 
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
-from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.expert_store import ExpertCache, LatencyModel, MoeStats
 from hybridgen.models.loader import LoadedModel, load_model
-from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.tuning_profile import RegionProfile
@@ -76,12 +66,6 @@ class RequestOutput:
     yet; answer with Engine.accept_token)."""
 
 
-START_RUNS = 3
-"""Timed runs per figure of the start-up measurement (the best counts)."""
-ATTN_WARM_PROBE_BLOCKS = 512
-"""Warm blocks the start-up attn_warm timing attends: enough that launch costs do not decide."""
-START_SAMPLE_BATCH = 16
-"""Decode batch the start-up measurement times sample at (max_num_seqs if smaller)."""
 TIER_LOG_STEPS = 256
 """With a Warm tier in use, the KV tier figures are logged every this many steps."""
 
@@ -130,16 +114,10 @@ class Engine:
             config.shm_instance,
         )
         spec = self.spec = self.loaded.model.spec
-        self.experts: tuple[ExpertCache, LatencyModel] | None = None
+        self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(
+            config, self.loaded.model, self.device
+        )
         """Cold-Weights: the shared device cache of experts and the latency model."""
-        blocks = self._moe_blocks()
-        self._place_moe_gate(config.moe_gate_placement)
-        if cold is not None and blocks:
-            self.experts = enable_cold_weights(
-                blocks, 1 if cold == "auto" else cold, config.expert_cpu_max_tokens, self.device
-            )
-            if cold == "auto":
-                self._size_expert_cache(len(blocks) * spec.num_local_experts)
         self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -162,11 +140,8 @@ class Engine:
                 config.kv_codec_placement,
             )
         try:
-            unplaced = config.attn_warm == "auto" or (
-                config.attn_warm == "split" and config.warm_split is None
-            )
-            if self.warm is not None and unplaced:
-                self._place_attn_warm()
+            if self.warm is not None:
+                self.measured.update(place_attn_warm(self.warm, config, self.device))
             self._check_reach()
             self.runner = ModelRunner(
                 self.loaded.model,
@@ -206,7 +181,7 @@ class Engine:
             )
         self.degrade = Degrade(config, self.warm, spec.vocab_size)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
-        self._measure_regions()
+        self.measured.update(measure_regions(self))
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
         log.info(
@@ -218,87 +193,6 @@ class Engine:
             max_model_len=self.max_model_len,
             **self.plan.summary(),
         )
-
-    def _place_attn_warm(self) -> None:
-        """attn_warm unpinned (auto), or split without a share: on CUDA, time both sides over
-        ATTN_WARM_PROBE_BLOCKS synthetic blocks of one layer and place it (auto), or share it
-        so both finish together (split). Runs before the KV pool is allocated, and gives its
-        device memory back: left cached, it fragmented the budget and the steps ran up to 2x
-        slower at the cap (bench/NOTES.md, B6). A CPU-only engine keeps the CPU."""
-        warm, split_only = self.warm, self.config.attn_warm == "split"
-        assert warm is not None
-        blocks = min(ATTN_WARM_PROBE_BLOCKS, warm.pool.capacity)
-        if self.device.type != "cuda" or blocks == 0:
-            return
-        r = profile_attn_warm(warm, 1, blocks, START_RUNS, layers=1)
-        torch.cuda.empty_cache()
-        warm.stats = WarmStats()  # the probe is not traffic
-        cpu_ms, gpu_ms = r.measured["cpu_ms"], r.measured["gpu_ms"]
-        if split_only:
-            warm.split = gpu_ms / (cpu_ms + gpu_ms)
-        else:
-            warm.mode, warm.split = choose_placement(cpu_ms, gpu_ms)
-        self.measured["attn_warm"] = r
-        log.info("attn_warm_placed", mode=warm.mode, cpu_share=round(warm.split, 3), **r.measured)
-
-    def _moe_blocks(self) -> list[SparseMoeBlock]:
-        return [m for m in self.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
-
-    def _place_moe_gate(self, placement: str) -> None:
-        for block in self._moe_blocks():
-            block.gate_on = placement
-
-    def _size_expert_cache(self, experts: int) -> None:
-        """cold_weights.expert_cache_slots: auto: plan with a one-slot cache, then give the
-        cache what the budget leaves beyond the KV pool's minimum (memory.spare_expert_slots)."""
-        assert self.experts is not None
-        cache = self.experts[0]
-        try:
-            plan, _ = plan_engine_memory(self.config, self.loaded.model, self.device)
-        except BudgetTooSmall as exc:
-            raise BudgetTooSmall(
-                f"cold_weights.expert_cache_slots=auto: not even one expert fits: {exc}"
-            ) from exc
-        fixed = self.config.kv_pool_mb is not None or self.config.num_kv_blocks is not None
-        slots = min(1 + spare_expert_slots(plan, fixed, cache.expert_bytes), experts)
-        cache.resize(slots)
-        log.info(
-            "expert_cache_sized",
-            slots=slots,
-            experts=experts,
-            cache_mb=round(cache.nbytes / 2**20),
-            expert_mb=round(cache.expert_bytes / 2**20, 1),
-        )
-
-    def _measure_regions(self) -> None:
-        """Time sample, kv_codec and moe_gate both ways and place each on the faster side,
-        unless the config pinned it or a profile placed it (config.measure_regions says
-        where)."""
-        config = self.config
-        on = config.measure_regions
-        if config.mode == "pure_gpu" or not (on or (on is None and self.device.type == "cuda")):
-            return
-        placed = set(config.pinned_regions + config.profiled_regions)
-        free = {"sample", "kv_codec", "moe_gate"} - placed
-        with torch.inference_mode():
-            if "sample" in free:
-                batch = min(config.max_num_seqs, START_SAMPLE_BATCH)
-                r = profile_sample(
-                    self.spec.vocab_size, config.num_candidates, self.device, batch, START_RUNS
-                )
-                self.degrade.place_sample(r.placement)
-                self.measured["sample"] = r
-            if "kv_codec" in free and self.warm is not None:
-                r = profile_kv_codec(self.warm, START_RUNS)
-                self.warm.codec_on = r.placement
-                self.measured["kv_codec"] = r
-            blocks = self._moe_blocks()
-            if "moe_gate" in free and blocks:
-                r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS)
-                self._place_moe_gate(r.placement)
-                self.measured["moe_gate"] = r
-        for name, r in self.measured.items():
-            log.info("region_measured", region=name, placement=r.placement, **r.measured)
 
     def tier_stats(self) -> dict[str, float | int]:
         """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and

@@ -53,13 +53,13 @@ def test_start_up_measurement_places_sample_and_kv_codec(checkpoint, monkeypatch
     asked for (measure_regions), and kv_codec's timing is replaced to force the CPU side."""
     import dataclasses
 
-    from hybridgen.gpu_daemon import engine as engine_module
+    from hybridgen.gpu_daemon import startup
     from hybridgen.gpu_daemon.region_timing import SAMPLE_ROUND_TRIP_MS
     from hybridgen.tuning_profile import RegionProfile
 
     path = checkpoint("llama3")
     forced = RegionProfile("cpu", None, {"cpu_ms": 0.1, "gpu_ms": 0.5})
-    monkeypatch.setattr(engine_module, "profile_kv_codec", lambda warm, runs: forced)
+    monkeypatch.setattr(startup, "profile_kv_codec", lambda warm, runs: forced)
     yaml = {"model": {"name_or_path": str(path), "max_model_len": 256}}
     config = parse_config({**yaml, "kv_cache": {"warm_region_mb": 2}}).engine_config("cpu")
     engine = Engine(dataclasses.replace(config, measure_regions=True))

@@ -17,6 +17,8 @@ import yaml
 from structlog.testing import capture_logs
 
 from hybridgen.config import ConfigError, load_config
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon import engine as engine_module
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
 from hybridgen.gpu_daemon.region_timing import choose_placement
@@ -134,14 +136,15 @@ def test_profile_places_the_regions_without_a_probe(  # type: ignore[no-untyped-
     checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = checkpoint("llama3")
-    probes: list[Engine] = []
-    real_probe = Engine._place_attn_warm
+    probes: list[EngineConfig] = []
+    real_probe = engine_module.place_attn_warm
 
-    def probe(self: Engine) -> None:
-        probes.append(self)
-        real_probe(self)
+    def probe(warm, config: EngineConfig, device):  # type: ignore[no-untyped-def]
+        if config.attn_warm == "auto" or (config.attn_warm, config.warm_split) == ("split", None):
+            probes.append(config)  # a placement the start-up timing decides
+        return real_probe(warm, config, device)
 
-    monkeypatch.setattr(Engine, "_place_attn_warm", probe)
+    monkeypatch.setattr(engine_module, "place_attn_warm", probe)
     save_profile(_hand_profile(model), tmp_path / "tuning_profile.json")
     (tmp_path / "p").mkdir()
     plain = load_config(_config(tmp_path / "p", model))

@@ -1,0 +1,152 @@
+"""What the engine sets up by measurement before it serves (Engine.__init__, in this order):
+
+    setup_moe         MoE: where routers pick (moe_gate), and Cold-Weights: the experts' device
+                      cache, sized from the budget with expert_cache_slots: auto
+    place_attn_warm   attn_warm unpinned: both sides timed over synthetic Warm blocks, before
+                      the KV pool is allocated
+    measure_regions   sample, kv_codec and moe_gate unpinned and unprofiled: both sides timed
+                      at the live shapes, each placed on the faster one
+
+The timers are gpu_daemon/region_timing.py's, the ones hybridgen-profiler uses offline. On a
+CPU-only engine both sides are the CPU, so nothing is timed unless a test asks
+(EngineConfig.measure_regions) and the defaults hold.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.memory import BudgetTooSmall, plan_engine_memory, spare_expert_slots
+from hybridgen.gpu_daemon.region_timing import (
+    choose_placement,
+    profile_attn_warm,
+    profile_kv_codec,
+    profile_moe_gate,
+    profile_sample,
+)
+from hybridgen.gpu_daemon.warm_stats import WarmStats
+from hybridgen.gpu_daemon.warm_tier import WarmTier
+from hybridgen.models.expert_store import ExpertCache, LatencyModel
+from hybridgen.models.llama import CausalLM
+from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
+from hybridgen.tuning_profile import RegionProfile
+
+if TYPE_CHECKING:
+    from hybridgen.gpu_daemon.engine import Engine
+
+log = structlog.get_logger()
+
+START_RUNS = 3
+"""Timed runs per figure (the best counts)."""
+START_SAMPLE_BATCH = 16
+"""Decode batch sample and moe_gate are timed at (max_num_seqs if smaller)."""
+ATTN_WARM_PROBE_BLOCKS = 512
+"""Warm blocks the attn_warm timing attends: enough that launch costs do not decide."""
+
+
+def moe_blocks(model: CausalLM) -> list[SparseMoeBlock]:
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def place_moe_gate(model: CausalLM, placement: str) -> None:
+    for block in moe_blocks(model):
+        block.gate_on = placement
+
+
+def setup_moe(
+    config: EngineConfig, model: CausalLM, device: torch.device
+) -> tuple[ExpertCache, LatencyModel] | None:
+    """The routers' configured placement, and Cold-Weights when expert_cache_slots is set:
+    (the device cache, the latency model); None for a dense model or resident experts."""
+    blocks = moe_blocks(model)
+    place_moe_gate(model, config.moe_gate_placement)
+    slots = config.expert_cache_slots
+    if slots is None or not blocks:
+        return None
+    experts = enable_cold_weights(
+        blocks, 1 if slots == "auto" else slots, config.expert_cpu_max_tokens, device
+    )
+    if slots == "auto":
+        _size_expert_cache(config, model, device, experts[0], len(blocks) * blocks[0].num_experts)
+    return experts
+
+
+def _size_expert_cache(
+    config: EngineConfig, model: CausalLM, device: torch.device, cache: ExpertCache, experts: int
+) -> None:
+    """expert_cache_slots: auto: plan with a one-slot cache, then give the cache what the
+    budget leaves beyond the KV pool's minimum (memory.spare_expert_slots)."""
+    try:
+        plan, _ = plan_engine_memory(config, model, device)
+    except BudgetTooSmall as exc:
+        raise BudgetTooSmall(
+            f"cold_weights.expert_cache_slots=auto: not even one expert fits: {exc}"
+        ) from exc
+    fixed = config.kv_pool_mb is not None or config.num_kv_blocks is not None
+    slots = min(1 + spare_expert_slots(plan, fixed, cache.expert_bytes), experts)
+    cache.resize(slots)
+    log.info(
+        "expert_cache_sized",
+        slots=slots,
+        experts=experts,
+        cache_mb=round(cache.nbytes / 2**20),
+        expert_mb=round(cache.expert_bytes / 2**20, 1),
+    )
+
+
+def place_attn_warm(
+    warm: WarmTier, config: EngineConfig, device: torch.device
+) -> dict[str, RegionProfile]:
+    """attn_warm unpinned (auto), or split without a share: on CUDA, time both sides over
+    ATTN_WARM_PROBE_BLOCKS synthetic blocks of one layer and place it (auto), or share it so
+    both finish together (split); {"attn_warm": figures} when timed. It gives its device
+    memory back: left cached, it fragmented the budget the KV pool is allocated from next,
+    and the steps ran up to 2x slower at the cap (bench/NOTES.md, B6)."""
+    split_only = config.attn_warm == "split" and config.warm_split is None
+    blocks = min(ATTN_WARM_PROBE_BLOCKS, warm.pool.capacity)
+    if not (config.attn_warm == "auto" or split_only) or device.type != "cuda" or not blocks:
+        return {}
+    r = profile_attn_warm(warm, 1, blocks, START_RUNS, layers=1)
+    torch.cuda.empty_cache()
+    warm.stats = WarmStats()  # the probe is not traffic
+    cpu_ms, gpu_ms = r.measured["cpu_ms"], r.measured["gpu_ms"]
+    if split_only:
+        warm.split = gpu_ms / (cpu_ms + gpu_ms)
+    else:
+        warm.mode, warm.split = choose_placement(cpu_ms, gpu_ms)
+    log.info("attn_warm_placed", mode=warm.mode, cpu_share=round(warm.split, 3), **r.measured)
+    return {"attn_warm": r}
+
+
+def measure_regions(engine: Engine) -> dict[str, RegionProfile]:
+    """Time sample, kv_codec and moe_gate both ways and place each on the faster side,
+    unless the config pinned it or a profile placed it (config.measure_regions says
+    where)."""
+    config, measured = engine.config, {}
+    on = config.measure_regions
+    if config.mode == "pure_gpu" or not (on or (on is None and engine.device.type == "cuda")):
+        return {}
+    free = {"sample", "kv_codec", "moe_gate"} - set(config.pinned_regions + config.profiled_regions)
+    blocks = moe_blocks(engine.loaded.model)
+    with torch.inference_mode():
+        if "sample" in free:
+            batch = min(config.max_num_seqs, START_SAMPLE_BATCH)
+            vocab = engine.spec.vocab_size
+            r = profile_sample(vocab, config.num_candidates, engine.device, batch, START_RUNS)
+            engine.degrade.place_sample(r.placement)
+            measured["sample"] = r
+        if "kv_codec" in free and engine.warm is not None:
+            r = profile_kv_codec(engine.warm, START_RUNS)
+            engine.warm.codec_on = r.placement
+            measured["kv_codec"] = r
+        if "moe_gate" in free and blocks:
+            r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS)
+            place_moe_gate(engine.loaded.model, r.placement)
+            measured["moe_gate"] = r
+    for name, r in measured.items():
+        log.info("region_measured", region=name, placement=r.placement, **r.measured)
+    return measured
