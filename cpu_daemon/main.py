@@ -20,6 +20,7 @@ import sys
 import structlog
 
 from hybridgen import log as hlog
+from hybridgen.affinity import bind
 from hybridgen.config import ConfigError, load_config
 from hybridgen.cpu_daemon.expert_link import ExpertLinkWorker
 from hybridgen.cpu_daemon.ring_backend import RingBackend
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     hlog.configure(json=True)
     try:
         config = load_config(args.config)
+        bind(config.device_topology.cpu.cores, "device_topology.cpu.cores")
     except ConfigError as e:
         print(f"hybridgen-cpu: {e}", file=sys.stderr)
         return 2

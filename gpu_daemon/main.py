@@ -19,6 +19,7 @@ import structlog
 
 from hybridgen import log as hlog
 from hybridgen import sd_notify
+from hybridgen.affinity import bind
 from hybridgen.config import ConfigError, load_config
 from hybridgen.cpu_daemon.expert_link import ExpertLinkClient
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     hlog.configure(json=True)
     try:
         config = load_config(args.config)
+        bind(config.device_topology.cpu.cores, "device_topology.cpu.cores")
     except ConfigError as e:
         print(f"hybridgen-gpu: {e}", file=sys.stderr)
         return 2

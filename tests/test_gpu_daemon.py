@@ -162,3 +162,20 @@ def test_backpressure_is_signalled_and_released(daemon) -> None:  # type: ignore
     signals = [(t.flags, t.shape[0]) for t in events if t.op is Op.BACKPRESSURE]
     assert signals[0] == (NO_SEQ_SLOTS, 1), signals
     assert signals[-1][0] == 0, "backpressure must be released when the slot frees"
+
+
+@pytest.mark.parametrize("daemon", ['device_topology:\n  cpu:\n    cores: "0"\n'], indirect=True)
+def test_daemon_binds_to_the_configured_cores(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """device_topology.cpu.cores binds the daemon (its worker threads with it); cores this
+    process may not use stop it at once with an error naming the key."""
+    proc, _, _ = daemon
+    assert os.sched_getaffinity(proc.pid) == {0}
+    config = tmp_path / "bad.yaml"
+    config.write_text('device_topology:\n  cpu:\n    cores: "4000-4001"\n')
+    bad = subprocess.run(
+        [sys.executable, "-m", "hybridgen.gpu_daemon.main", "--model", "tiny-llama",
+         "--instance", f"t{uuid.uuid4().hex[:12]}", "--device", "cpu", "--config", str(config)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "device_topology.cpu.cores='4000-4001' is out of range" in bad.stderr

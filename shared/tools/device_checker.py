@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from hybridgen import log as hlog
+from hybridgen.affinity import bind, check_cores, format_cores
 from hybridgen.config import parse_cpu_list
 from hybridgen.engine_config import ConfigError
 
@@ -90,29 +91,11 @@ class DeviceReport:
 
 def parse_cores(text: str, available: Iterable[int]) -> list[int]:
     """The cores of a list like "0-15" or "0,2,4-7", all of which must be in `available`."""
-    allowed = format_cores(available)
     try:
         cores = parse_cpu_list(text, key="--cpu-cores")
     except ConfigError as exc:
-        raise ConfigError(f"{exc}; this process may use cores {allowed}") from exc
-    missing = sorted(set(cores) - set(available))
-    if missing:
-        raise ConfigError(
-            f"--cpu-cores={text!r} is out of range: cores {format_cores(missing)} are not "
-            f"available to this process; allowed: cores {allowed}"
-        )
-    return list(cores)
-
-
-def format_cores(cores: Iterable[int]) -> str:
-    """The cpulist spelling of `cores` ("0-3,8"), the inverse of parse_cpu_list."""
-    runs: list[list[int]] = []
-    for core in sorted(set(cores)):
-        if runs and core == runs[-1][1] + 1:
-            runs[-1][1] = core
-        else:
-            runs.append([core, core])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        raise ConfigError(f"{exc}; this process may use cores {format_cores(available)}") from exc
+    return check_cores(cores, "--cpu-cores", available)
 
 
 def check_gpu_id(gpu_id: int, count: int) -> None:
@@ -306,8 +289,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def _bind(args: argparse.Namespace) -> list[int]:
     """Validate --cpu-cores and --gpu-id, then bind; exit 2 on a bad value."""
-    available = os.sched_getaffinity(0)
     try:
+        available = os.sched_getaffinity(0)
         cores = sorted(available)
         if args.cpu_cores is not None:
             cores = parse_cores(args.cpu_cores, available)
@@ -316,11 +299,8 @@ def _bind(args: argparse.Namespace) -> list[int]:
     except ConfigError as exc:
         print(f"device_checker: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
-    os.sched_setaffinity(0, cores)
     # torch sized its pool for the whole machine; the CPU daemon runs one thread per bound core
-    torch.set_num_threads(len(cores))
-    log.info("bound", cores=format_cores(cores))
-    return cores
+    return bind(cores, "--cpu-cores")
 
 
 def main(argv: list[str] | None = None) -> DeviceReport:
