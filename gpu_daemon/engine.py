@@ -22,6 +22,7 @@ import torch
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
+from hybridgen.gpu_daemon.host_memory import check_host_budget
 from hybridgen.gpu_daemon.memory import (
     graph_batch_size,
     plan_engine_memory,
@@ -41,7 +42,7 @@ from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.expert_store import ExpertCache, LatencyModel, MoeStats
-from hybridgen.models.loader import LoadedModel, load_model
+from hybridgen.models.loader import LoadedModel, load_model, model_spec
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.tuning_profile import RegionProfile
@@ -105,6 +106,7 @@ class Engine:
         cold = config.expert_cache_slots
         host_experts = config.expert_format if cold is not None else None
         self._owns_loaded = loaded is None
+        check_host_budget(config, loaded.spec if loaded is not None else model_spec(config.model))
         self.loaded = loaded or load_model(
             config.model,
             self.device,

@@ -345,6 +345,7 @@ class HybridGenConfig:
             device=device,
             dtype=m.dtype,
             gpu_memory_mb=self.device_topology.gpu.memory_mb,
+            host_memory_mb=self.device_topology.cpu.memory_mb,
             block_size=self.kv_cache.block_size,
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=m.max_num_batched_tokens,

@@ -39,6 +39,9 @@ class EngineConfig:
     gpu_memory_mb: int | None = None
     """Hard budget for everything the engine allocates (device_topology.gpu.memory_mb);
     None: 90 % of the device's free memory (on CPU: 4096)."""
+    host_memory_mb: int | None = None
+    """Host memory budget for the Warm and Cold tiers and Cold-Weights' experts
+    (device_topology.cpu.memory_mb); None: 90 % of the host's available memory."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 64

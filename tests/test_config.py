@@ -333,6 +333,7 @@ def test_engine_config_mapping() -> None:
         device="cpu",
         dtype="bfloat16",
         gpu_memory_mb=24576,
+        host_memory_mb=128000,
         block_size=32,
         max_num_seqs=8,
         max_num_batched_tokens=512,

@@ -80,3 +80,23 @@ def test_auto_cache_takes_what_the_budget_leaves() -> None:
     assert [c.token_ids for c in tight.generate(PROMPTS, GREEDY)] == expected
     with pytest.raises(BudgetTooSmall, match=r"expert_cache_slots=auto"):
         Engine(EngineConfig(**options, expert_cache_slots="auto", gpu_memory_mb=84))  # type: ignore[arg-type]
+
+
+def test_host_tiers_must_fit_the_host_budget() -> None:
+    """device_topology.cpu.memory_mb bounds the Warm and Cold tiers and the experts; a budget
+    too small is an error naming the keys, before anything is allocated."""
+    from hybridgen.config import parse_config
+
+    too_small = parse_config(
+        {
+            "model": {"name_or_path": "tiny-mixtral", "max_model_len": 256},
+            "device_topology": {"cpu": {"memory_mb": 64}},
+            "kv_cache": {"warm_region_mb": 40},
+            "cold_weights": {"expert_cache_slots": 4},
+        }
+    ).engine_config("cpu")
+    with pytest.raises(BudgetTooSmall, match=r"device_topology\.cpu\.memory_mb=64 is too small"):
+        Engine(too_small)
+    fits = Engine(EngineConfig(**{**vars(too_small), "warm_pool_mb": 16}))  # type: ignore[arg-type]
+    assert fits.warm is not None and fits.experts is not None
+    fits.release()

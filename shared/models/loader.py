@@ -222,6 +222,12 @@ def _moe_blocks(net: CausalLM) -> list[SparseMoeBlock]:
     return [layer.mlp for layer in net.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
 
+def model_spec(model: str) -> ModelSpec:
+    """The shape of `model` (a checkpoint directory's config.json, or a preset), unloaded."""
+    path = Path(model)
+    return parse_config(path / "config.json") if path.is_dir() else preset_spec(model)
+
+
 def load_model(
     model: str,
     device: torch.device,
@@ -237,7 +243,7 @@ def load_model(
     daemon computes with them), else in pinned memory on CUDA. Everything else goes to
     `device`."""
     path = Path(model)
-    spec = parse_config(path / "config.json") if path.is_dir() else preset_spec(model)
+    spec = model_spec(model)
     arena = None
     alloc = host_alloc(device.type == "cuda")
     if host_experts is not None and shm_instance is not None and spec.num_local_experts:
