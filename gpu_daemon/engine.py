@@ -41,7 +41,8 @@ from hybridgen.gpu_daemon.tuner import Tuner
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
 from hybridgen.gpu_daemon.warm_tier import WarmTier
-from hybridgen.models.expert_store import ExpertCache, LatencyModel, MoeStats
+from hybridgen.models.expert_latency import LatencyModel
+from hybridgen.models.expert_store import ExpertCache, MoeStats
 from hybridgen.models.loader import LoadedModel, load_model, model_spec
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams

@@ -30,7 +30,8 @@ from hybridgen.gpu_daemon.region_timing import (
 )
 from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.gpu_daemon.warm_tier import WarmTier
-from hybridgen.models.expert_store import ExpertCache, LatencyModel
+from hybridgen.models.expert_latency import LatencyModel
+from hybridgen.models.expert_store import ExpertCache
 from hybridgen.models.llama import CausalLM
 from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
 from hybridgen.tuning_profile import RegionProfile
@@ -68,7 +69,11 @@ def setup_moe(
     if slots is None or not blocks:
         return None
     experts = enable_cold_weights(
-        blocks, 1 if slots == "auto" else slots, config.expert_cpu_max_tokens, device
+        blocks,
+        1 if slots == "auto" else slots,
+        config.expert_cpu_max_tokens,
+        device,
+        (config.cpu_bandwidth_gbps, config.gpu_bandwidth_gbps),
     )
     if slots == "auto":
         _size_expert_cache(config, model, device, experts[0], len(blocks) * blocks[0].num_experts)

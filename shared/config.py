@@ -54,7 +54,8 @@ class GpuTopology:
     memory_mb: int | None = at_least(None, 64)
     """Hard budget for everything the GPU daemon allocates; null: 90 % of free memory."""
     bandwidth_gbps: float | None = checked(None, *_POSITIVE)
-    """Device memory bandwidth for the placement cost model; null: measured at warmup."""
+    """Device memory bandwidth for the placement cost model (Cold-Weights' latency model:
+    a fetched expert's time on the device); null: measured at start."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class CpuTopology:
     memory_mb: int | None = at_least(None, 64)
     """Host memory budget for Warm-KV, Cold tiers and experts; null: derived from free RAM."""
     bandwidth_gbps: float | None = checked(None, *_POSITIVE)
-    """Host memory bandwidth for the placement cost model; null: measured at warmup."""
+    """Host memory bandwidth for the placement cost model (Cold-Weights' latency model: the
+    CPU's time to read an expert); null: measured at start."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +348,8 @@ class HybridGenConfig:
             dtype=m.dtype,
             gpu_memory_mb=self.device_topology.gpu.memory_mb,
             host_memory_mb=self.device_topology.cpu.memory_mb,
+            cpu_bandwidth_gbps=self.device_topology.cpu.bandwidth_gbps,
+            gpu_bandwidth_gbps=self.device_topology.gpu.bandwidth_gbps,
             block_size=self.kv_cache.block_size,
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=m.max_num_batched_tokens,

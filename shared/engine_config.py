@@ -39,6 +39,12 @@ class EngineConfig:
     gpu_memory_mb: int | None = None
     """Hard budget for everything the engine allocates (device_topology.gpu.memory_mb);
     None: 90 % of the device's free memory (on CPU: 4096)."""
+    cpu_bandwidth_gbps: float | None = None
+    """Host memory bandwidth (device_topology.cpu.bandwidth_gbps): the CPU's time to read an
+    expert's weights in the Cold-Weights latency model; None: measured at start."""
+    gpu_bandwidth_gbps: float | None = None
+    """Device memory bandwidth (device_topology.gpu.bandwidth_gbps): the device's time for a
+    fetched expert in the latency model; None: measured at start."""
     host_memory_mb: int | None = None
     """Host memory budget for the Warm and Cold tiers and Cold-Weights' experts
     (device_topology.cpu.memory_mb); None: 90 % of the host's available memory."""

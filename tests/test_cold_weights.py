@@ -16,7 +16,8 @@ from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
 from hybridgen.models.expert_format import host_alloc
-from hybridgen.models.expert_store import ExpertCache, ExpertStore, LatencyModel, MoeStats
+from hybridgen.models.expert_latency import LatencyModel
+from hybridgen.models.expert_store import ExpertCache, ExpertStore, MoeStats
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
 from hybridgen.sampling.params import SamplingParams
@@ -103,7 +104,7 @@ def test_cold_block_equals_resident_block(checkpoint, crossover: str) -> None:  
     limit = {"cache": 0, "mixed": fewest, "cpu": 1000, "timed": None}[crossover]
     cache, latency = enable_cold_weights(blocks, 2, limit, torch.device("cpu"))  # type: ignore[arg-type]
     if crossover == "timed":  # CPU time per token, and the 25 GB/s fallback without CUDA
-        assert latency.cpu_s_per_token > 0 and latency.pcie_bytes_per_s == 25e9
+        assert latency.cpu_s(1) > 0 and latency.pcie_bytes_per_s == 25e9
     with torch.no_grad():
         for mine, theirs in zip(blocks, resident.layers, strict=True):
             assert torch.equal(mine(x), theirs.mlp(x))
@@ -147,12 +148,33 @@ def test_cache_evicts_the_least_recently_used() -> None:
 
 
 def test_latency_model_crossover() -> None:
-    """cpu_s(t) = t * cpu_s_per_token against fetch_s = bytes / bandwidth."""
-    model = LatencyModel(cpu_s_per_token=1e-6, pcie_bytes_per_s=1e9, expert_bytes=4500)
+    """cpu_s(t) = fixed + t * per_token against fetch_s + gpu_s = bytes / bandwidth + one call."""
+    model = LatencyModel(
+        cpu_fixed_s=2e-6, cpu_s_per_token=1e-6, pcie_bytes_per_s=1e9, expert_bytes=4500,
+        gpu_s=0.4e-6,
+    )  # fmt: skip
     assert model.fetch_s == pytest.approx(4.5e-6)
-    assert model.cpu_max_tokens == 4  # 4 us < 4.5 us, 5 us is not
-    assert LatencyModel(1.0, 1e9, 10).cpu_max_tokens == 0  # fetching always wins
-    assert LatencyModel(1e-6, 1e9, 4500, max_cpu_tokens_override=7).cpu_max_tokens == 7
+    assert model.cpu_max_tokens == 2  # 2 + 2 = 4 us < 4.9 us; 2 + 3 = 5 us is not
+    assert model.cpu_s(3) == pytest.approx(5e-6)
+    assert LatencyModel(1e-3, 1e-6, 1e9, 10).cpu_max_tokens == 0  # reading alone loses
+    assert LatencyModel(0.0, 0.0, 1e9, 10).cpu_max_tokens == 2**31 - 1  # free CPU
+    assert LatencyModel(0.0, 1e-6, 1e9, 4500, max_cpu_tokens_override=7).cpu_max_tokens == 7
+
+
+def test_calibration_is_affine_and_takes_configured_bandwidths() -> None:
+    """The CPU is timed at 1 and 16 tokens (a fixed read plus a cost per token); a configured
+    host or device bandwidth replaces the measured weight-read time."""
+    from hybridgen.models.expert_latency import calibrate
+
+    store = _store()
+    cache = ExpertCache(2, store, torch.device("cpu"), MoeStats())
+    measured = calibrate(store, cache, torch.device("cpu"), None)
+    assert measured.cpu_fixed_s >= 0 and measured.cpu_s_per_token >= 0 and measured.gpu_s > 0
+    assert measured.pcie_bytes_per_s == 25e9 and cache.stats.cache_misses == 0
+    given = calibrate(store, cache, torch.device("cpu"), None, 1.0, 2.0)
+    assert given.cpu_fixed_s == pytest.approx(store.expert_bytes / 1e9)
+    dense = (6 * 3 + 3 * 3) * 4  # the dequantized gate_up and down, fp32
+    assert given.gpu_s == pytest.approx(dense / 2e9)
 
 
 def test_bad_cold_weights_config_names_the_key() -> None:

@@ -334,6 +334,8 @@ def test_engine_config_mapping() -> None:
         dtype="bfloat16",
         gpu_memory_mb=24576,
         host_memory_mb=128000,
+        cpu_bandwidth_gbps=204.8,
+        gpu_bandwidth_gbps=600.0,
         block_size=32,
         max_num_seqs=8,
         max_num_batched_tokens=512,

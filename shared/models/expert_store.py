@@ -19,8 +19,6 @@ device. Both paths compute the same SwiGLU in the model dtype from the same stor
 
 from __future__ import annotations
 
-import math
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,10 +27,6 @@ import torch
 from torch import Tensor
 
 from hybridgen.models.expert_format import Alloc, Format, PackedMatrices, swiglu_packed
-
-CPU_PCIE_BYTES_PER_S = 25e9
-"""Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
-CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
 
 
 class RemoteDown(RuntimeError):
@@ -178,59 +172,3 @@ class ExpertCache:
     def run(self, slot: int, x: Tensor) -> Tensor:
         """The expert in `slot` on x [N, H] (on the device)."""
         return swiglu_packed(x, self.gate_up, self.down, slot)
-
-
-@dataclass(frozen=True)
-class LatencyModel:
-    """CPU compute time against transfer time of one expert, as a function of its tokens."""
-
-    cpu_s_per_token: float
-    """CPU SwiGLU time per routed token (timed at start)."""
-    pcie_bytes_per_s: float
-    """Host-to-device copy bandwidth (timed at start on CUDA)."""
-    expert_bytes: int
-    """gate_up and down of one expert."""
-    max_cpu_tokens_override: int | None = None
-    """config expert_cpu_max_tokens: a fixed crossover instead of the timings."""
-
-    @property
-    def fetch_s(self) -> float:
-        return self.expert_bytes / self.pcie_bytes_per_s
-
-    @property
-    def cpu_max_tokens(self) -> int:
-        """Most tokens an uncached expert may have and still run on the CPU."""
-        if self.max_cpu_tokens_override is not None:
-            return self.max_cpu_tokens_override
-        # The largest t with t * cpu_s_per_token < fetch_s.
-        return max(math.ceil(self.fetch_s / self.cpu_s_per_token) - 1, 0)
-
-    def figures(self) -> dict[str, float]:
-        return {
-            "cpu_us_per_token": self.cpu_s_per_token * 1e6,
-            "fetch_us": self.fetch_s * 1e6,
-            "cpu_max_tokens": self.cpu_max_tokens,
-        }
-
-
-def calibrate(
-    store: ExpertStore, cache: ExpertCache, device: torch.device, override: int | None
-) -> LatencyModel:
-    """Time one expert on the CPU on a few tokens and, on CUDA, one fetch (into slot 0,
-    which nothing holds yet; the cache's counters are left untouched)."""
-    tokens = 4
-    x = torch.randn(tokens, store.hidden_size, dtype=store.gate_up.dtype)
-    store.run_cpu(0, x)  # warm-up
-    start = time.perf_counter()
-    store.run_cpu(0, x)
-    cpu_s = (time.perf_counter() - start) / tokens
-    bandwidth = CPU_PCIE_BYTES_PER_S
-    if device.type == "cuda":
-        cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=True)  # warm-up
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=True)
-        cache.down.copy_(0, store.down, 0, non_blocking=True)
-        torch.cuda.synchronize(device)
-        bandwidth = store.expert_bytes / max(time.perf_counter() - start, 1e-9)
-    return LatencyModel(max(cpu_s, 1e-12), bandwidth, store.expert_bytes, override)

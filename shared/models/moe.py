@@ -23,14 +23,8 @@ from torch import nn
 
 from hybridgen.kernels import ops
 from hybridgen.models.expert_format import PackedMatrices
-from hybridgen.models.expert_store import (
-    ExpertCache,
-    ExpertStore,
-    LatencyModel,
-    MoeStats,
-    RemoteDown,
-    calibrate,
-)
+from hybridgen.models.expert_latency import LatencyModel, calibrate
+from hybridgen.models.expert_store import ExpertCache, ExpertStore, MoeStats, RemoteDown
 from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
@@ -160,14 +154,18 @@ def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def enable_cold_weights(
-    blocks: list[SparseMoeBlock], slots: int, cpu_max_tokens: int | None, device: torch.device
+    blocks: list[SparseMoeBlock],
+    slots: int,
+    cpu_max_tokens: int | None,
+    device: torch.device,
+    bandwidths_gbps: tuple[float | None, float | None] = (None, None),
 ) -> tuple[ExpertCache, LatencyModel]:
     """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory (as
     loaded), one `slots`-expert device cache shared by all layers, and the latency model
-    timed here."""
+    timed here (`bandwidths_gbps`: the config's CPU and GPU memory bandwidths, if set)."""
     stores = [block.experts_to_host() for block in blocks]
     cache = ExpertCache(slots, stores[0], device, MoeStats())
-    latency = calibrate(stores[0], cache, device, cpu_max_tokens)
+    latency = calibrate(stores[0], cache, device, cpu_max_tokens, *bandwidths_gbps)
     for layer, block in enumerate(blocks):
         block.to_cold_weights(layer, cache, latency)
     return cache, latency

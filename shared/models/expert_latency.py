@@ -1,0 +1,131 @@
+"""The latency model that places each routed expert (Fiddler-style): the CPU's time for an
+expert as a function of its routed tokens against fetching it into the device cache and
+computing it there.
+
+    cpu_s(t)   = cpu_fixed_s + t * cpu_s_per_token     (the weights are read once per call,
+                                                          then each token adds its FLOPs)
+    device_s   = expert_bytes / pcie_bytes_per_s + gpu_s   (fetch, then one call)
+
+An uncached expert with t tokens runs on the CPU while cpu_s(t) < device_s; a cached one
+always runs on the device. Calibrated at start (`calibrate`): the CPU at 1 and 16 tokens, the
+copy and one device call on CUDA. device_topology.cpu.bandwidth_gbps / gpu.bandwidth_gbps,
+when set, replace the measured weight-read time of the CPU (expert_bytes / bandwidth) and
+of the device (its dequantized bytes / bandwidth); cold_weights.cpu_max_tokens pins the
+crossover outright.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridgen.models.expert_store import ExpertCache, ExpertStore
+
+CPU_PCIE_BYTES_PER_S = 25e9
+"""Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
+CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
+CALIBRATION_TOKENS = (1, 16)
+"""The two token counts the CPU is timed at."""
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """CPU compute time against transfer time of one expert, as a function of its tokens."""
+
+    cpu_fixed_s: float
+    """CPU time of a call beyond its tokens: reading the expert's weights."""
+    cpu_s_per_token: float
+    """CPU time each routed token adds."""
+    pcie_bytes_per_s: float
+    """Host-to-device copy bandwidth (timed at start on CUDA)."""
+    expert_bytes: int
+    """gate_up and down of one expert, as stored: what a fetch copies."""
+    gpu_s: float = 0.0
+    """One call of a fetched expert on the device."""
+    max_cpu_tokens_override: int | None = None
+    """config cold_weights.cpu_max_tokens: a fixed crossover instead of the timings."""
+
+    @property
+    def fetch_s(self) -> float:
+        return self.expert_bytes / self.pcie_bytes_per_s
+
+    def cpu_s(self, tokens: int) -> float:
+        return self.cpu_fixed_s + tokens * self.cpu_s_per_token
+
+    @property
+    def cpu_max_tokens(self) -> int:
+        """Most tokens an uncached expert may have and still run on the CPU."""
+        if self.max_cpu_tokens_override is not None:
+            return self.max_cpu_tokens_override
+        spare = self.fetch_s + self.gpu_s - self.cpu_fixed_s  # what the tokens may cost
+        if spare <= 0:
+            return 0
+        if self.cpu_s_per_token <= 0:
+            return 2**31 - 1
+        return max(math.ceil(spare / self.cpu_s_per_token) - 1, 0)  # the largest t below
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "cpu_fixed_us": self.cpu_fixed_s * 1e6,
+            "cpu_us_per_token": self.cpu_s_per_token * 1e6,
+            "fetch_us": self.fetch_s * 1e6,
+            "gpu_us": self.gpu_s * 1e6,
+            "cpu_max_tokens": self.cpu_max_tokens,
+        }
+
+
+def _best_s(fn: Callable[[], object], device: torch.device, runs: int = 3) -> float:
+    """Shortest of `runs` timed calls after a warm-up, each waited for on `device`."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up
+    sync()
+    best = math.inf
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _expert_call(store: ExpertStore, x: torch.Tensor) -> Callable[[], object]:
+    return lambda: store.run_cpu(0, x)
+
+
+def calibrate(
+    store: ExpertStore,
+    cache: ExpertCache,
+    device: torch.device,
+    override: int | None,
+    cpu_bandwidth_gbps: float | None = None,
+    gpu_bandwidth_gbps: float | None = None,
+) -> LatencyModel:
+    """Time expert 0 on the CPU at CALIBRATION_TOKENS and, on CUDA, its fetch into slot 0
+    (which nothing holds yet; the cache's counters are left untouched) and one call there."""
+    lo, hi = CALIBRATION_TOKENS
+    x = torch.randn(hi, store.hidden_size, dtype=store.gate_up.dtype)
+    t_lo, t_hi = (_best_s(_expert_call(store, x[:n]), torch.device("cpu")) for n in (lo, hi))
+    per_token = max((t_hi - t_lo) / (hi - lo), 0.0)
+    fixed = max(t_lo - lo * per_token, 0.0)
+    if cpu_bandwidth_gbps is not None:
+        fixed = store.expert_bytes / (cpu_bandwidth_gbps * 1e9)
+    bandwidth = CPU_PCIE_BYTES_PER_S
+    if device.type == "cuda":
+
+        def fetch() -> None:
+            cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=True)
+            cache.down.copy_(0, store.down, 0, non_blocking=True)
+
+        bandwidth = store.expert_bytes / max(_best_s(fetch, device), 1e-9)
+    cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=False)
+    cache.down.copy_(0, store.down, 0, non_blocking=False)
+    x_dev = x[:1].to(device)
+    gpu_s = _best_s(lambda: cache.run(0, x_dev), device)
+    if gpu_bandwidth_gbps is not None:
+        dense = (store.gate_up.matrix(0).numel() + store.down.matrix(0).numel()) * x.element_size()
+        gpu_s = dense / (gpu_bandwidth_gbps * 1e9)
+    return LatencyModel(fixed, per_token, bandwidth, store.expert_bytes, gpu_s, override)
