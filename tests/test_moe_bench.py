@@ -19,8 +19,9 @@ def test_moe_bench_runs_every_case(
     out = tmp_path / "moe.json"
     result = moe_bench.main(
         [
-            *("--model=tiny-mixtral", "--device=cpu", "--budget-mb=86", "--prompt-len=32"),
-            *("--new-tokens=8", "--baseline-new-tokens=3", "--in-process", f"--out={out}"),
+            *("--model=tiny-mixtral", "--device=cpu", "--budget-mb=82", "--prompt-len=32"),
+            *("--new-tokens=8", "--baseline-new-tokens=3", "--cpu-max-tokens=1"),
+            *("--in-process", f"--out={out}"),
         ]
     )
     cases = result["cases"]
@@ -32,8 +33,12 @@ def test_moe_bench_runs_every_case(
     assert skewed["top2_share"] > uniform["top2_share"] + 0.2  # the bias concentrates routing
     assert 1 <= uniform["cache_slots"] <= uniform["experts_total"] == 32
     assert uniform["expert_format"] == "int4" and 0 <= uniform["cache_hit_rate"] <= 1
+    for r in (uniform, skewed):  # the CPU's experts went to the worker, as under serve
+        assert r["cpu_worker_experts"] > 0
+        assert r["cpu_worker_experts"] == round(r["cpu_experts_per_token"] * 8)
     assert cases["accelerate"]["devices"] == ["cpu"] and cases["accelerate"]["shape"] == "same"
     assert json.loads(out.read_text())["cases"].keys() == cases.keys()
+    assert not list(Path("/dev/shm").glob("*hybridgen-moe*"))  # the arena and links are gone
     assert "B4 moe" in capsys.readouterr().out
 
 

@@ -2,7 +2,7 @@
 
     python -m hybridgen.benchmarks.moe_bench --model mixtral-8x7b --budget-mb 24576 \\
         --expert-format int4 --prompt-len 256 --new-tokens 64 [--cases NAMES] \\
-        [--baseline-layers N] [--out bench/results/moe.json]
+        [--baseline-layers N] [--cpu-max-tokens N] [--out bench/results/moe.json]
 
 Cases, each in its own process (`--in-process`: in this one), batch 1, greedy:
 - uniform: the router as drawn;
@@ -13,7 +13,9 @@ Cases, each in its own process (`--in-process`: in this one), batch 1, greedy:
   memory), --baseline-new-tokens tokens; --baseline-layers cuts its depth when the bf16
   model would not fit in host memory (said so in the results).
 Ours run with Cold-Weights: experts in host memory in --expert-format and a device cache
-sized from the budget (expert_cache_slots: auto). Each case reports decode tok/s, TTFT, the
+sized from the budget (expert_cache_slots: auto); the CPU's experts go to an expert worker
+over the shared arena (EXPERT_RUN), as the CPU daemon computes them under `hybridgen serve`,
+here in a thread of this process. Each case reports decode tok/s, TTFT, the
 cache hit rate, experts per step on each side, bytes copied per token and peak reserved GPU
 memory, which must stay within the budget. The JSON file is written after every case and the
 table printed last.
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,9 +43,11 @@ from hybridgen import log as hlog
 from hybridgen.benchmarks.engine_bench import random_prompts
 from hybridgen.benchmarks.hf_baseline import hf_config
 from hybridgen.benchmarks.report import machine_info
+from hybridgen.cpu_daemon.expert_link import ExpertLinkClient, ExpertLinkWorker
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
+from hybridgen.ipc import shm
 from hybridgen.kernels import ops
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import preset_spec
@@ -110,11 +115,30 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
         max_num_seqs=1,
         expert_cache_slots="auto",
         expert_format=args.expert_format,
+        expert_cpu_max_tokens=args.cpu_max_tokens,
+        shm_instance=f"moe{uuid.uuid4().hex[:10]}",  # the shared expert arena, as served
     )
     cuda = config.torch_device().type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     engine = Engine(config)
+    # The CPU's experts as under `hybridgen serve`: EXPERT_RUN to a worker over the arena
+    # (here a thread of this process), while the device runs the cached ones.
+    assert engine.experts is not None and config.shm_instance is not None
+    worker = ExpertLinkWorker(config.shm_instance)
+    worker.start()
+    engine.experts[0].remote = client = ExpertLinkClient(config.shm_instance)
+    try:
+        return _decode(engine, args, skewed, cuda)
+    finally:
+        worker.stop()
+        client.close()
+        engine.release()
+        shm.unlink_all(config.shm_instance)
+
+
+def _decode(engine: Engine, args: argparse.Namespace, skewed: bool, cuda: bool) -> dict[str, Any]:
+    """Batch-1 greedy decode of one random prompt, timed, with the Cold-Weights figures."""
     blocks = [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
     if skewed:
         skew_routing(blocks, engine.spec.hidden_size)
@@ -148,6 +172,7 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
         "decode_tok_s": (tokens - 1) / (end - first) if tokens > 1 else 0.0,
         "cache_hit_rate": _delta_rate(before, stats),
         "cpu_experts_per_token": (stats["cpu_experts"] - before["cpu_experts"]) / steps,
+        "cpu_worker_experts": stats["cpu_daemon_experts"] - before["cpu_daemon_experts"],
         "gpu_experts_per_token": (stats["gpu_experts"] - before["gpu_experts"]) / steps,
         "mb_h2d_per_token": (stats["bytes_h2d"] - before["bytes_h2d"]) / steps / 2**20,
         "top2_share": routing.top2_share(),
@@ -156,7 +181,6 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
     if cuda:
         result["peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
         result["within_budget"] = result["peak_reserved_mb"] <= args.budget_mb
-    engine.release()
     return result
 
 
@@ -285,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--baseline-new-tokens", type=int, default=4)
     ap.add_argument("--baseline-layers", type=int, default=None, help="cut the HF baseline")
+    ap.add_argument(
+        "--cpu-max-tokens", type=int, default=None, help="pin the CPU-or-fetch crossover"
+    )
     ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES))
     ap.add_argument("--out", type=Path, default=Path("bench/results/moe.json"))
     ap.add_argument("--in-process", action="store_true", help="no child process per case")
