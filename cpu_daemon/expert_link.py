@@ -18,7 +18,6 @@ number, echoed by the answer.
 from __future__ import annotations
 
 import struct
-import threading
 import time
 
 import numpy as np
@@ -26,6 +25,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from hybridgen.cpu_daemon.link_worker import LinkWorker
 from hybridgen.ipc.link import LinkShm
 from hybridgen.ipc.meta_buffer import ArenaFull
 from hybridgen.ipc.ticket import DType, Op, Ticket
@@ -122,42 +122,14 @@ class ExpertLinkClient:
         self.shm.close()
 
 
-class ExpertLinkWorker:
+class ExpertLinkWorker(LinkWorker[list[ExpertStore]]):
     """CPU daemon side: a thread that answers EXPERT_RUN with the experts of the shared
-    arena, computed here (expert_store.ExpertStore.run_cpu). It waits for the GPU daemon's
-    shared memory to appear."""
+    arena, computed here (expert_store.ExpertStore.run_cpu)."""
 
-    def __init__(self, instance: str) -> None:
-        self.instance = instance
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="experts", daemon=True)
-        self.answered = 0
+    ask, answer = "x2c", "c2x"
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        shm: LinkShm | None = None
-        stores: list[ExpertStore] | None = None
-        try:
-            while not self._stop.is_set() and (shm is None or stores is None):
-                try:
-                    shm = shm or LinkShm.attach(self.instance, "x2c", "c2x", wait=0.5)
-                    stores = stores or ExpertArena.attach(self.instance)
-                except (FileNotFoundError, ValueError):
-                    time.sleep(0.2)
-            while not self._stop.is_set():
-                assert shm is not None and stores is not None
-                ticket = shm.ask.get(0.2)
-                if ticket is not None:
-                    self._answer(shm, stores, ticket)
-        finally:
-            if shm is not None:
-                shm.close()
+    def _open(self) -> list[ExpertStore]:
+        return ExpertArena.attach(self.instance)
 
     def _answer(self, shm: LinkShm, stores: list[ExpertStore], ticket: Ticket) -> None:
         data = shm.ask_meta.read_bytes(ticket.payload_offset, ticket.payload_len)

@@ -22,7 +22,6 @@ A ticket's `request_id` carries a request number, echoed by the answer.
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +29,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from hybridgen.cpu_daemon.link_worker import LinkWorker
 from hybridgen.cpu_daemon.warm_attention import WarmAttnStats, WarmSpan, warm_decode_attention
 from hybridgen.ipc.link import LinkShm
 from hybridgen.ipc.ticket import Op, Ticket
@@ -126,42 +126,17 @@ class WarmLinkClient:
         self.shm.close()
 
 
-class WarmLinkWorker:
+class WarmLinkWorker(LinkWorker[WarmPool]):
     """CPU daemon side: a thread that answers ATTN_WARM with warm_decode_attention over the
-    Warm pool it maps read-only. It waits for the GPU daemon's shared memory to appear."""
+    Warm pool it maps read-only."""
 
-    def __init__(self, instance: str) -> None:
-        self.instance = instance
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="attn-warm", daemon=True)
-        self.answered = 0
+    ask, answer = "w2c", "c2w"
 
-    def start(self) -> None:
-        self._thread.start()
+    def _open(self) -> WarmPool:
+        return WarmPool.attach(self.instance, wait=0.5)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        shm = pool = None
-        try:
-            while not self._stop.is_set() and (shm is None or pool is None):
-                try:
-                    shm = shm or LinkShm.attach(self.instance, "w2c", "c2w", wait=0.5)
-                    pool = pool or WarmPool.attach(self.instance, wait=0.5)
-                except (FileNotFoundError, ValueError):
-                    continue
-            while not self._stop.is_set():
-                assert shm is not None and pool is not None
-                ticket = shm.ask.get(0.2)
-                if ticket is not None:
-                    self._answer(shm, pool, ticket)
-        finally:
-            if pool is not None:
-                pool.close()
-            if shm is not None:
-                shm.close()
+    def _close(self, resource: WarmPool) -> None:
+        resource.close()
 
     def _answer(self, shm: LinkShm, pool: WarmPool, ticket: Ticket) -> None:
         data = shm.ask_meta.read_bytes(ticket.payload_offset, ticket.payload_len)
