@@ -127,40 +127,8 @@ class Engine:
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, self.plan.budget / total), self.device
             )
-        graph_batch = graph_batch_size(config, spec)
-        self.warm: WarmTier | None = None
-        if config.warm_pool_mb > 0:
-            self.warm = WarmTier(
-                spec,
-                config.block_size,
-                config.warm_codec,
-                config.warm_pool_mb,
-                config.attn_warm,
-                config.warm_split,
-                self.device,
-                config.shm_instance,
-                config.cold_threshold_ms,
-                config.kv_codec_placement,
-            )
-        try:
-            if self.warm is not None:
-                self.measured.update(place_attn_warm(self.warm, config, self.device))
-            self._check_reach()
-            self.runner = ModelRunner(
-                self.loaded.model,
-                spec,
-                self.plan.num_blocks,
-                config.block_size,
-                self.max_model_len,
-                self.device,
-                graph_batch,
-                config.hot_codec,
-                self.warm,
-            )
-        except BaseException:
-            if self.warm is not None:  # unpin and unmap the pool: the engine never existed
-                self.warm.close()
-            raise
+        self.warm = self._warm_tier()
+        self.runner = self._runner()
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         offload = None
         if self.warm is not None:
@@ -196,6 +164,49 @@ class Engine:
             max_model_len=self.max_model_len,
             **self.plan.summary(),
         )
+
+    def _warm_tier(self) -> WarmTier | None:
+        """The Warm tier (kv_cache.warm_region_mb), attn_warm placed; None without one."""
+        config, spec = self.config, self.spec
+        if config.warm_pool_mb <= 0:
+            return None
+        return WarmTier(
+            spec,
+            config.block_size,
+            config.warm_codec,
+            config.warm_pool_mb,
+            config.attn_warm,
+            config.warm_split,
+            self.device,
+            config.shm_instance,
+            config.cold_threshold_ms,
+            config.kv_codec_placement,
+        )
+
+    def _runner(self) -> ModelRunner:
+        """attn_warm placed (its timing must come before the KV pool), then the model runner
+        with the KV pool and the CUDA graphs; on failure the Warm pool is unpinned and
+        unmapped: the engine never existed."""
+        config = self.config
+        try:
+            if self.warm is not None:
+                self.measured.update(place_attn_warm(self.warm, config, self.device))
+            self._check_reach()
+            return ModelRunner(
+                self.loaded.model,
+                self.spec,
+                self.plan.num_blocks,
+                config.block_size,
+                self.max_model_len,
+                self.device,
+                graph_batch_size(config, self.spec),
+                config.hot_codec,
+                self.warm,
+            )
+        except BaseException:
+            if self.warm is not None:
+                self.warm.close()
+            raise
 
     def tier_stats(self) -> dict[str, float | int]:
         """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and
