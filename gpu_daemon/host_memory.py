@@ -2,9 +2,15 @@
 the Warm pool (kv_cache.warm_region_mb), the Cold tier behind it (at most as much again: its
 lz4 records of Warm blocks) and Cold-Weights' experts in their stored format must fit. Without
 a budget, 90 % of the memory the kernel reports available (MemAvailable) is the limit.
+
+Under the daemons the Warm pool and the expert arena are POSIX shared memory, which lives in
+the /dev/shm tmpfs: they must fit its free space too, or the first write past it would kill
+the daemon with SIGBUS instead of an error.
 """
 
 from __future__ import annotations
+
+import os
 
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.memory import MIB, BudgetTooSmall
@@ -27,6 +33,18 @@ def available_bytes() -> int | None:
     return None
 
 
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes() -> int | None:
+    """Free space of the shared-memory tmpfs; None where there is none to ask."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def host_need(config: EngineConfig, spec: ModelSpec) -> dict[str, int]:
     """Bytes each host tier will hold at most."""
     warm = int(config.warm_pool_mb * MIB)
@@ -42,6 +60,18 @@ def check_host_budget(config: EngineConfig, spec: ModelSpec) -> None:
     total = sum(need.values())
     if total == 0:
         return
+    # The Warm pool is a tmpfs file even when private (unlinked, still mapped); the expert
+    # arena is one under the daemons.
+    in_shm = need["warm"] + (need["experts"] if config.shm_instance is not None else 0)
+    shm_free = shm_free_bytes()
+    if shm_free is not None and in_shm > shm_free:
+        raise BudgetTooSmall(
+            f"{SHM_DIR} has {shm_free // MIB} MiB free, and the Warm pool "
+            f"({need['warm'] // MIB} MiB, kv_cache.warm_region_mb) and the expert arena "
+            f"({need['experts'] // MIB} MiB, cold_weights.expert_format={config.expert_format}) "
+            f"need {in_shm // MIB} MiB of it. Lower them, or enlarge {SHM_DIR} "
+            f"(mount -o remount,size=<bytes> {SHM_DIR})"
+        )
     if config.host_memory_mb is not None:
         budget = config.host_memory_mb * MIB
         where = f"device_topology.cpu.memory_mb={config.host_memory_mb}"

@@ -34,7 +34,7 @@ def test_moe_bench_runs_every_case(
     assert 1 <= uniform["cache_slots"] <= uniform["experts_total"] == 32
     assert uniform["expert_format"] == "int4" and 0 <= uniform["cache_hit_rate"] <= 1
     for r in (uniform, skewed):  # the CPU's experts went to the worker, as under serve
-        assert r["cpu_worker_experts"] > 0
+        assert r["cpu_worker_experts"] > 0 and r["cpu_experts_by"].startswith("an expert worker")
         assert r["cpu_worker_experts"] == round(r["cpu_experts_per_token"] * 8)
     assert cases["accelerate"]["devices"] == ["cpu"] and cases["accelerate"]["shape"] == "same"
     assert json.loads(out.read_text())["cases"].keys() == cases.keys()

@@ -100,3 +100,14 @@ def test_host_tiers_must_fit_the_host_budget() -> None:
     fits = Engine(EngineConfig(**{**vars(too_small), "warm_pool_mb": 16}))  # type: ignore[arg-type]
     assert fits.warm is not None and fits.experts is not None
     fits.release()
+
+
+def test_shared_memory_must_hold_the_pool_and_the_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Warm pool and (under the daemons) the expert arena live in /dev/shm: when it is too
+    small the engine says so at once, instead of dying of SIGBUS on the first write past it."""
+    from hybridgen.gpu_daemon import host_memory
+
+    monkeypatch.setattr(host_memory, "shm_free_bytes", lambda: 8 * 2**20)
+    config = EngineConfig(model="tiny-mixtral", device="cpu", warm_pool_mb=16)
+    with pytest.raises(BudgetTooSmall, match=r"/dev/shm has 8 MiB free.*Warm pool \(16 MiB"):
+        Engine(config)

@@ -46,9 +46,11 @@ from hybridgen.benchmarks.report import machine_info
 from hybridgen.cpu_daemon.expert_link import ExpertLinkClient, ExpertLinkWorker
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.host_memory import SHM_DIR, shm_free_bytes
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.ipc import shm
 from hybridgen.kernels import ops
+from hybridgen.models.expert_arena import arena_bytes
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
@@ -107,6 +109,13 @@ class RoutingCount:
 
 
 def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
+    # The CPU's experts as under `hybridgen serve`: EXPERT_RUN to a worker (here a thread of
+    # this process) over the shared expert arena, while the device runs the cached ones;
+    # when /dev/shm cannot hold the arena, the engine's own thread computes them.
+    spec = preset_spec(args.model)
+    arena = arena_bytes(spec, args.expert_format, spec.num_layers)
+    room = shm_free_bytes()
+    linked = room is None or arena <= room
     config = EngineConfig(
         model=args.model,
         device=args.device,
@@ -116,25 +125,33 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
         expert_cache_slots="auto",
         expert_format=args.expert_format,
         expert_cpu_max_tokens=args.cpu_max_tokens,
-        shm_instance=f"moe{uuid.uuid4().hex[:10]}",  # the shared expert arena, as served
+        shm_instance=f"moe{uuid.uuid4().hex[:10]}" if linked else None,
     )
     cuda = config.torch_device().type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     engine = Engine(config)
-    # The CPU's experts as under `hybridgen serve`: EXPERT_RUN to a worker over the arena
-    # (here a thread of this process), while the device runs the cached ones.
-    assert engine.experts is not None and config.shm_instance is not None
-    worker = ExpertLinkWorker(config.shm_instance)
-    worker.start()
-    engine.experts[0].remote = client = ExpertLinkClient(config.shm_instance)
+    assert engine.experts is not None
+    instance = config.shm_instance
+    worker = client = None
+    if instance is not None:
+        worker, client = ExpertLinkWorker(instance), ExpertLinkClient(instance)
+        worker.start()
+        engine.experts[0].remote = client
     try:
-        return _decode(engine, args, skewed, cuda)
+        result = _decode(engine, args, skewed, cuda)
+        result["cpu_experts_by"] = (
+            "an expert worker over the shared arena" if linked
+            else f"the engine's thread ({SHM_DIR} has {room} bytes free, the arena needs {arena})"
+        )  # fmt: skip
+        return result
     finally:
-        worker.stop()
-        client.close()
+        if worker is not None and client is not None:
+            worker.stop()
+            client.close()
         engine.release()
-        shm.unlink_all(config.shm_instance)
+        if instance is not None:
+            shm.unlink_all(instance)
 
 
 def _decode(engine: Engine, args: argparse.Namespace, skewed: bool, cuda: bool) -> dict[str, Any]:
