@@ -1,10 +1,10 @@
 """Timing the switchable op-regions both ways at given shapes (DESIGN.md "Op-Regions"): what
 hybridgen-profiler records offline (tools/profiler.py) and what the engine measures at start
-for the regions nothing else places (Engine._measure_regions, and Engine._place_attn_warm:
-512 blocks of one layer, before the KV pool is allocated).
+for the regions nothing else places (gpu_daemon/startup.py: measure_regions, and
+place_attn_warm over 512 blocks of one layer, before the KV pool is allocated).
 
     attn_warm  CPU partial over the Warm blocks vs the device's (WarmTier.device_partial), all
-               layers; placed by warm_tier.choose_placement (cpu, gpu, or split with a share)
+               layers; placed by choose_placement (cpu, gpu, or split with a share)
     sample     the device sampler vs top-K candidates to the host and the CPU's pick, plus
                SAMPLE_ROUND_TRIP_MS for the ring round trip per token that the CPU pick costs
                under the daemons
@@ -14,14 +14,10 @@ for the regions nothing else places (Engine._measure_regions, and Engine._place_
                the pick there, with the host sync the step's expert loop needs either way
 
 Each figure is the best of `runs` after a warm-up, host time with the device synchronized
-(warm_tier.best_of); the bytes each way would move over PCIe per step are counted too.
+(hybridgen.timing.best_of); the bytes each way would move over PCIe per step are counted too.
 """
 
 from __future__ import annotations
-
-import math
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -31,6 +27,7 @@ from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.sampling.sampler import Sampler, SamplingBatch
+from hybridgen.timing import best_of
 from hybridgen.tuning_profile import RegionProfile
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -50,21 +47,6 @@ def choose_placement(t_cpu: float, t_gpu: float) -> tuple[str, float]:
     if t_gpu > 4 * t_cpu:
         return "cpu", 1.0
     return "split", t_gpu / (t_cpu + t_gpu)
-
-
-def best_of(n: int, fn: Callable[[], object], device: torch.device) -> float:
-    """Shortest wall time in seconds of n calls, after one warm-up call, each call waited
-    for on the device."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best = math.inf
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 class NoWarmRoom(Exception):

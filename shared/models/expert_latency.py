@@ -17,19 +17,21 @@ crossover outright.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from hybridgen.models.expert_store import ExpertCache, ExpertStore
+from hybridgen.timing import best_of
 
 CPU_PCIE_BYTES_PER_S = 25e9
 """Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
 CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
 CALIBRATION_TOKENS = (1, 16)
 """The two token counts the CPU is timed at."""
+RUNS = 3
+"""Timed calls per figure (the shortest counts)."""
 
 
 @dataclass(frozen=True)
@@ -78,24 +80,6 @@ class LatencyModel:
         }
 
 
-def _best_s(fn: Callable[[], object], device: torch.device, runs: int = 3) -> float:
-    """Shortest of `runs` timed calls after a warm-up, each waited for on `device`."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up
-    sync()
-    best = math.inf
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _expert_call(store: ExpertStore, x: torch.Tensor) -> Callable[[], object]:
-    return lambda: store.run_cpu(0, x)
-
-
 def calibrate(
     store: ExpertStore,
     cache: ExpertCache,
@@ -108,7 +92,8 @@ def calibrate(
     (which nothing holds yet; the cache's counters are left untouched) and one call there."""
     lo, hi = CALIBRATION_TOKENS
     x = torch.randn(hi, store.hidden_size, dtype=store.gate_up.dtype)
-    t_lo, t_hi = (_best_s(_expert_call(store, x[:n]), torch.device("cpu")) for n in (lo, hi))
+    cpu = torch.device("cpu")
+    t_lo, t_hi = (best_of(RUNS, partial(store.run_cpu, 0, x[:n]), cpu) for n in (lo, hi))
     per_token = max((t_hi - t_lo) / (hi - lo), 0.0)
     fixed = max(t_lo - lo * per_token, 0.0)
     if cpu_bandwidth_gbps is not None:
@@ -120,12 +105,12 @@ def calibrate(
             cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=True)
             cache.down.copy_(0, store.down, 0, non_blocking=True)
 
-        bandwidth = store.expert_bytes / max(_best_s(fetch, device), 1e-9)
-    cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=False)
-    cache.down.copy_(0, store.down, 0, non_blocking=False)
-    x_dev = x[:1].to(device)
-    gpu_s = _best_s(lambda: cache.run(0, x_dev), device)
-    if gpu_bandwidth_gbps is not None:
+        bandwidth = store.expert_bytes / max(best_of(RUNS, fetch, device), 1e-9)
+    if gpu_bandwidth_gbps is not None:  # the dequantized weights, read once
         dense = (store.gate_up.matrix(0).numel() + store.down.matrix(0).numel()) * x.element_size()
         gpu_s = dense / (gpu_bandwidth_gbps * 1e9)
+    else:
+        cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=False)
+        cache.down.copy_(0, store.down, 0, non_blocking=False)
+        gpu_s = best_of(RUNS, partial(cache.run, 0, x[:1].to(device)), device)
     return LatencyModel(fixed, per_token, bandwidth, store.expert_bytes, gpu_s, override)
