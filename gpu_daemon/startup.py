@@ -33,7 +33,7 @@ from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.expert_latency import LatencyModel
 from hybridgen.models.expert_store import ExpertCache
 from hybridgen.models.llama import CausalLM
-from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
+from hybridgen.models.moe import enable_cold_weights, moe_blocks
 from hybridgen.tuning_profile import RegionProfile
 
 if TYPE_CHECKING:
@@ -47,10 +47,6 @@ START_SAMPLE_BATCH = 16
 """Decode batch sample and moe_gate are timed at (max_num_seqs if smaller)."""
 ATTN_WARM_PROBE_BLOCKS = 512
 """Warm blocks the attn_warm timing attends: enough that launch costs do not decide."""
-
-
-def moe_blocks(model: CausalLM) -> list[SparseMoeBlock]:
-    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def place_moe_gate(model: CausalLM, placement: str) -> None:

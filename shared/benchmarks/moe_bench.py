@@ -51,7 +51,7 @@ from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.ipc import shm
 from hybridgen.kernels import ops
 from hybridgen.models.expert_arena import arena_bytes
-from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.moe import SparseMoeBlock, moe_blocks, route_top_k
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
 
@@ -81,9 +81,7 @@ def _biased_route(
     block: SparseMoeBlock, bias: torch.Tensor, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseMoeBlock.route with `bias` added to the router's logits."""
-    logits = ops.linear(x, block.gate.weight).float() + bias
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), block.top_k, dim=-1)
-    return ids, weights / weights.sum(dim=-1, keepdim=True)
+    return route_top_k(ops.linear(x, block.gate.weight).float() + bias, block.top_k)
 
 
 class RoutingCount:
@@ -156,7 +154,7 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
 
 def _decode(engine: Engine, args: argparse.Namespace, skewed: bool, cuda: bool) -> dict[str, Any]:
     """Batch-1 greedy decode of one random prompt, timed, with the Cold-Weights figures."""
-    blocks = [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = moe_blocks(engine.loaded.model)
     if skewed:
         skew_routing(blocks, engine.spec.hidden_size)
     routing = RoutingCount(blocks)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridgen.kernels import ops
-from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.spec import ModelSpec
 
 
@@ -204,7 +204,7 @@ def empty_model(
     Cold-Weights, "meta" allocates none (their ExpertStore is built apart)."""
     with torch.device("meta"):
         net = CausalLM(spec).to(spec.dtype)
-    blocks = [layer.mlp for layer in net.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    blocks = moe_blocks(net)
     held = [block.experts for block in blocks]
     for block in blocks:
         block.experts = nn.ModuleList()

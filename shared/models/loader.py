@@ -21,7 +21,7 @@ from hybridgen.models.expert_arena import ExpertArena, arena_bytes
 from hybridgen.models.expert_format import Format, host_alloc
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
 from hybridgen.models.llama import CausalLM, empty_model
-from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.moe import moe_blocks
 from hybridgen.models.presets import build_synthetic, preset_spec
 from hybridgen.models.spec import ModelSpec, parse_config
 from hybridgen.models.tokenizer import Tokenizer
@@ -218,10 +218,6 @@ def load_tokenizer(model: str) -> Tokenizer:
     return Tokenizer.synthetic(preset_spec(model).vocab_size)
 
 
-def _moe_blocks(net: CausalLM) -> list[SparseMoeBlock]:
-    return [layer.mlp for layer in net.layers if isinstance(layer.mlp, SparseMoeBlock)]
-
-
 def model_spec(model: str) -> ModelSpec:
     """The shape of `model` (a checkpoint directory's config.json, or a preset), unloaded."""
     path = Path(model)
@@ -262,7 +258,7 @@ def load_model(
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
     if host_experts is not None:
-        blocks = _moe_blocks(net)
+        blocks = moe_blocks(net)
         progress = Progress("experts_to_host", len(blocks), unit="layers")
         for i, block in enumerate(blocks):
             if block.store is None:  # a checkpoint's: native, then converted

@@ -70,9 +70,9 @@ class SparseMoeBlock(nn.Module):
         """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token)."""
         logits = ops.linear(x, self.gate.weight)  # [T, E] in model dtype, as HF
         if self.gate_on == "cpu":  # the same math on the host; the ids go back for indexing
-            ids, weights = _top_k(logits.cpu(), self.top_k)
+            ids, weights = route_top_k(logits.cpu(), self.top_k)
             return ids.to(x.device, non_blocking=True), weights.to(x.device, non_blocking=True)
-        return _top_k(logits, self.top_k)
+        return route_top_k(logits, self.top_k)
 
     def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]."""
@@ -147,10 +147,16 @@ class SparseMoeBlock(nn.Module):
         self.cold[1].remote = None
 
 
-def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, the top k, renormalised to sum to 1 per token (HF's order)."""
+def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's pick from its logits [T, E]: softmax in fp32, the top k, renormalised to
+    sum to 1 per token (HF's order) -> (expert ids [T, k], weights [T, k])."""
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
     return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """A model's sparse MoE blocks, in layer order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def enable_cold_weights(

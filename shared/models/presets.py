@@ -14,7 +14,7 @@ from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.expert_format import Alloc, Format, PackedMatrices, host_alloc
 from hybridgen.models.expert_store import ExpertStore
 from hybridgen.models.llama import CausalLM, empty_model
-from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.moe import moe_blocks
 from hybridgen.models.spec import ModelSpec, RopeSpec
 
 STD = 0.02
@@ -189,14 +189,15 @@ def build_synthetic(
 
     `host_experts`: MoE experts go straight into host ExpertStores in that format, in tensors
     from `alloc` (default: pinned on CUDA), each expert matrix drawn on `device` and converted
-    on its own, so no full-precision
-    copy of them is ever made (mixtral-8x22b's would be 270 GB). The draws are the same, in
-    the same order, as for experts on the device: native host experts are the same model."""
+    on its own, so no full-precision copy of them is ever made (mixtral-8x22b's would be
+    270 GB). The draws are the same, in the same order, as for experts on the device: native
+    host experts are the same model."""
     model = empty_model(spec, device, torch.device("meta") if host_experts else None)
     gen = torch.Generator(device=device).manual_seed(seed)
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    alloc = alloc or host_alloc(device.type == "cuda")
-    stores = [_empty_store(spec, host_experts, alloc) for _ in blocks] if host_experts else []
+    if host_experts is not None:
+        alloc = alloc or host_alloc(device.type == "cuda")
+        for block in moe_blocks(model):
+            block.store = _empty_store(spec, host_experts, alloc)
     progress = Progress("synthetic_weights", spec.num_layers, unit="layers")
     for name, param in model.named_parameters():
         if name.endswith("layernorm") or name == "norm":
@@ -206,7 +207,7 @@ def build_synthetic(
             w = torch.empty(param.shape, dtype=spec.dtype, device=device)
             w.normal_(0.0, STD, generator=gen)
             packed = PackedMatrices.pack(w[None], host_experts)  # type: ignore[arg-type]
-            store = stores[int(layer)]
+            store = model.layers[int(layer)].mlp.store
             stack = store.gate_up if proj == "gate_up_proj" else store.down
             stack.copy_(int(expert), packed, 0, non_blocking=False)
         else:
@@ -214,8 +215,9 @@ def build_synthetic(
         if name.startswith("layers."):  # parameters come layer by layer
             progress.update(int(name.split(".")[1]))
     progress.update(spec.num_layers)
-    for block, store in zip(blocks, stores, strict=False):
-        block.store, block.experts = store, nn.ModuleList()
+    if host_experts is not None:  # the meta expert modules go: the stores hold the weights
+        for block in moe_blocks(model):
+            block.experts = nn.ModuleList()
     return model
 
 
