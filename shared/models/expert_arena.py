@@ -2,15 +2,15 @@
 bytes the GPU daemon fetches into its device cache (DESIGN.md "Shared memory": Cold-Weights).
 
     /hybridgen-<instance>-experts:
-        [0, HEADER_BYTES)   JSON, NUL-padded: {"ready", "fmt", "dtype", "layers": [
+        [0, HEADER_BYTES)   JSON, NUL-padded: {"fmt", "dtype", "layers": [
                               {"gate_up": {part: [offset, shape, dtype]}, "down": {...}}]}
         [HEADER_BYTES, ...) every layer's packed tensors, 64-byte aligned, in layout order
 
 The GPU daemon creates the segment at load, sized from the model's shapes and the format,
 fills it (presets draw into it, checkpoints are converted into it), registers it as pinned
-memory on CUDA and writes the header last ("ready": true). The CPU daemon attaches read-only
-and views the same tensors. Without an instance (one process: tests, benchmarks) the stores
-are ordinary (pinned) host tensors instead.
+memory on CUDA and writes the header last: until then it reads empty. The CPU daemon
+attaches read-only and views the same tensors. Without an instance (one process: tests,
+benchmarks) the stores are ordinary (pinned) host tensors instead.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def _aligned(n: int) -> int:
 class ExpertArena:
     """The segment, and a bump allocator over it (owner side)."""
 
-    def __init__(self, mm: mmap.mmap, name: str, owner: bool) -> None:
-        self.mm, self.name, self.owner = mm, name, owner
+    def __init__(self, mm: mmap.mmap, name: str) -> None:
+        self.mm, self.name = mm, name
         self._buffer = torch.frombuffer(mm, dtype=torch.uint8)
         self._at = HEADER_BYTES
         self._layers: list[dict[str, dict[str, list[object]]]] = []
@@ -62,9 +62,8 @@ class ExpertArena:
 
     @classmethod
     def create(cls, instance: str, nbytes: int) -> ExpertArena:
-        name = shm.segment_name(instance, SEGMENT)
-        shm.unlink_segment(name)
-        return cls(shm.create_segment(name, nbytes), name, owner=True)
+        name = shm.segment_name(instance, SEGMENT)  # create_segment replaces a stale one
+        return cls(shm.create_segment(name, nbytes), name)
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         n = int(np.prod(shape)) * dtype.itemsize
@@ -94,7 +93,7 @@ class ExpertArena:
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {self.name} failed ({int(err)})")
             self._registered = True
-        header = {"ready": True, "fmt": self._fmt, "dtype": self._dtype, "layers": self._layers}
+        header = {"fmt": self._fmt, "dtype": self._dtype, "layers": self._layers}
         raw = json.dumps(header).encode()
         if len(raw) > HEADER_BYTES:
             raise ValueError(f"expert arena header of {len(raw)} bytes > {HEADER_BYTES}")
@@ -127,5 +126,4 @@ class ExpertArena:
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
             self._registered = False
-        if self.owner:
-            shm.unlink_segment(self.name)
+        shm.unlink_segment(self.name)

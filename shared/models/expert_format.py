@@ -27,7 +27,6 @@ from hybridgen.kernels import ops
 Format = Literal["native", "int8", "int4"]
 Alloc = Callable[[tuple[int, ...], torch.dtype], Tensor]
 """Where stored tensors come from: (shape, dtype) -> an uninitialized host tensor."""
-FORMATS: tuple[Format, ...] = ("native", "int8", "int4")
 GROUP = 32
 """Input values per int4 scale."""
 

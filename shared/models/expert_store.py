@@ -1,5 +1,6 @@
-"""Cold-Weights: MoE expert weights in host memory, an LRU cache of them on the device, and
-the latency model that decides, per step and routed expert, where that expert runs.
+"""Cold-Weights: MoE expert weights in host memory and an LRU cache of them on the device;
+the latency model that decides, per step and routed expert, where that expert runs is
+expert_latency.py.
 
 DESIGN.md "Shared memory" (Cold-Weights) and "Op-Regions" (moe_experts). Attention, norms,
 embeddings and the router stay on the device; only the experts move:
@@ -11,9 +12,9 @@ embeddings and the router stay on the device; only the experts move:
             v                      v
     device ExpertCache (shared)      slots: gate_up [N, 2I, H], down [N, H, I], as stored
 
-An expert with t routed tokens runs on the CPU when it is not cached and
-t * cpu_s_per_token < expert_bytes / pcie_bytes_per_s; a cached expert always runs on the
-device. Both paths compute the same SwiGLU in the model dtype from the same stored weights
+An uncached expert runs on the CPU when the latency model says the CPU's time for its
+routed tokens beats a fetch plus a device call; a cached expert always runs on the device.
+Both paths compute the same SwiGLU in the model dtype from the same stored weights
 (`swiglu_packed`), so exact mode stays exact.
 """
 
