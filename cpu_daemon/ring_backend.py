@@ -26,8 +26,8 @@ from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.gateway.backend import BackendUnavailable
 from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.text import TextStream
-from hybridgen.gpu_daemon.engine import RequestOutput
 from hybridgen.gpu_daemon.heartbeat import p99
+from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.ipc.channels import Channels

@@ -30,8 +30,9 @@ from hybridgen.engine_config import EngineConfig
 from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.text import TextStream
-from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
+from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info, moe_info
+from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 

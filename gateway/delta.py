@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 
 from hybridgen.gateway.text import TextStream
-from hybridgen.gpu_daemon.engine import RequestOutput
+from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.gpu_daemon.sequence import FinishReason
 
 

@@ -23,15 +23,13 @@ from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
 from hybridgen.gpu_daemon.host_memory import check_host_budget
-from hybridgen.gpu_daemon.memory import (
-    graph_batch_size,
-    plan_engine_memory,
-)
+from hybridgen.gpu_daemon.memory import graph_batch_size, plan_engine_memory
 from hybridgen.gpu_daemon.model_runner import (
     ModelRunner,
     Sampled,
     has_penalty,
 )
+from hybridgen.gpu_daemon.request_output import Completion, RequestOutput
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
 from hybridgen.gpu_daemon.startup import measure_regions, place_attn_warm, setup_moe
@@ -51,23 +49,6 @@ from hybridgen.tuning_profile import RegionProfile
 log = structlog.get_logger()
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    prompt_tokens: int
-    output_tokens: int
-    candidates: Candidates | None = None
-    """With deferred CPU sampling: the top-k logits to pick the next token from (no token
-    yet; answer with Engine.accept_token)."""
-
-
 TIER_LOG_STEPS = 256
 """With a Warm tier in use, the KV tier figures are logged every this many steps."""
 
@@ -81,16 +62,6 @@ class EngineStats:
     max_step_tokens: int = 0
     """Most tokens computed in one step (never above max_num_batched_tokens)."""
     peak_blocks_used: int = 0
-
-
-@dataclass
-class Completion:
-    """A whole finished request, from `Engine.generate`."""
-
-    request_id: str
-    token_ids: list[int]
-    finish_reason: FinishReason
-    logprobs: list[float] | None
 
 
 def _pick(seq: Sequence, cands: Candidates) -> Sampled:

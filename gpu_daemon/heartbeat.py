@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from hybridgen import sd_notify
-from hybridgen.gpu_daemon.engine import Engine, InvalidRequest, RequestOutput
+from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.info import engine_info, memory_info, moe_info
+from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
     StepResult,
