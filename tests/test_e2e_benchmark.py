@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridgen.benchmarks.e2e_benchmark import load_prompts, main, write_config
+from hybridgen.benchmarks.e2e_benchmark import main, write_config
 from hybridgen.benchmarks.e2e_plot import PERCENTILES, RequestResult, percentile, summarize
+from hybridgen.benchmarks.prompt_file import load_prompts
 from hybridgen.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

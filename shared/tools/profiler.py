@@ -32,7 +32,8 @@ import structlog
 import torch
 
 from hybridgen import log as hlog
-from hybridgen.benchmarks.e2e_benchmark import Prompt, int_range, load_prompts
+from hybridgen.benchmarks.e2e_benchmark import int_range
+from hybridgen.benchmarks.prompt_file import Prompt, load_prompts
 from hybridgen.benchmarks.report import git_commit, machine_info
 from hybridgen.config import load_config
 from hybridgen.engine_config import ConfigError
