@@ -25,6 +25,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from hybridgen.ipc.host_pin import MAPPED, PORTABLE, register_host
 from hybridgen.kernels import ops
 from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.kvcodec.quant import dequantize_sym_int8
@@ -36,7 +37,6 @@ if ops.HAS_TRITON:
 log = structlog.get_logger()
 
 _FIELDS = {"lossless": ("k", "v"), "int8": ("k_codes", "v_codes", "k_scale", "v_scale")}
-_REGISTER_FLAGS = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 class WarmDeviceView:
@@ -60,12 +60,13 @@ class WarmDeviceView:
     def _register(self) -> None:
         assert self._area is not None
         nbytes = self._area.numel()
-        err = torch.cuda.cudart().cudaHostRegister(self._area.data_ptr(), nbytes, _REGISTER_FLAGS)
-        if int(err) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of the Warm pool ({nbytes / 2**20:.0f} MiB) failed with CUDA "
-                f"error {int(err)}; lower kv_cache.warm_region_mb or raise the memlock limit"
-            )
+        register_host(
+            self._area.data_ptr(),
+            nbytes,
+            PORTABLE | MAPPED,
+            "the Warm pool",
+            "lower kv_cache.warm_region_mb or raise the memlock limit",
+        )
         self._registered = True
         log.info("warm_pool_pinned", mib=round(nbytes / 2**20))
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from hybridgen.ipc import shm
+from hybridgen.ipc.host_pin import PORTABLE, register_host
 from hybridgen.models.expert_format import Format, PackedMatrices
 from hybridgen.models.expert_store import ExpertStore
 from hybridgen.models.spec import ModelSpec
@@ -31,7 +32,6 @@ from hybridgen.models.spec import ModelSpec
 SEGMENT = "experts"
 HEADER_BYTES = 1 << 16
 ALIGN = 64
-_REGISTER_FLAGS = 0x1  # cudaHostRegisterPortable
 _DTYPES = {str(t).removeprefix("torch."): t for t in
            (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}  # fmt: skip
 
@@ -87,11 +87,13 @@ class ExpertArena:
     def publish(self, device: torch.device) -> None:
         """Pin the segment for async copies (CUDA), then write the header: readers may go."""
         if device.type == "cuda":
-            err = torch.cuda.cudart().cudaHostRegister(
-                self._buffer.data_ptr(), len(self.mm), _REGISTER_FLAGS
+            register_host(
+                self._buffer.data_ptr(),
+                len(self.mm),
+                PORTABLE,
+                f"the expert arena {self.name}",
+                "choose a smaller cold_weights.expert_format or raise the memlock limit",
             )
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {self.name} failed ({int(err)})")
             self._registered = True
         header = {"fmt": self._fmt, "dtype": self._dtype, "layers": self._layers}
         raw = json.dumps(header).encode()
