@@ -276,13 +276,26 @@ def _one_case(args: argparse.Namespace, name: str) -> dict[str, Any]:
             torch.cuda.empty_cache()
 
 
+def child_argv(argv: list[str], name: str, out: Path) -> list[str]:
+    """The arguments for one case's process: ours without --cases and --out (in either
+    `--out X` or `--out=X` form), plus that case, its own output and --in-process."""
+    keep: list[str] = []
+    skip_value = False
+    for a in argv:
+        if skip_value:
+            skip_value = False
+        elif a in ("--cases", "--out"):
+            skip_value = True
+        elif not a.startswith(("--cases=", "--out=")):
+            keep.append(a)
+    return ["--in-process", *keep, f"--cases={name}", f"--out={out}"]
+
+
 def _isolated(args: argparse.Namespace, name: str, argv: list[str]) -> dict[str, Any]:
     """One case in a child process, so that each starts with the whole budget free."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "case.json"
-        keep = [a for a in argv if not a.startswith(("--cases", "--out"))]
-        cmd = [sys.executable, "-m", "hybridgen.benchmarks.moe_bench", "--in-process",
-               *keep, f"--cases={name}", f"--out={out}"]  # fmt: skip
+        cmd = [sys.executable, "-m", "hybridgen.benchmarks.moe_bench", *child_argv(argv, name, out)]
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
         if not out.exists():
             return {"error": f"the case's process exited with code {proc.returncode}"}
