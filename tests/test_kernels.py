@@ -20,7 +20,9 @@ from hybridgen.kernels import ops, reference
 from hybridgen.kernels import triton_activation as t_act
 from hybridgen.kernels import triton_gemv as t_gemv
 from hybridgen.kernels import triton_norm as t_norm
+from hybridgen.kernels import triton_quant_gemv as t_qgemv
 from hybridgen.kernels import triton_rope_cache as t_rope
+from hybridgen.models.expert_format import GROUP, PackedMatrices
 from tests.kernel_helpers import DEVICE, FP32_TOL, randn, rel_err, tol
 
 # ----------------------------------------------------------------------------------------------
@@ -199,3 +201,35 @@ def test_linear_matches_reference() -> None:
         x = randn(gen, rows, 128)
         ref = x.double() @ w.double().T + b.double()
         assert rel_err(ops.linear(x, w, b), ref) < FP32_TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 / int4 expert GEMV (cold_weights.expert_format on the device)
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (1, 37, 512),  # N not a multiple of BLOCK_N, K of whole tiles
+        (3, 48, 320),  # several rows of x, K not a multiple of BLOCK_K
+        (t_qgemv.MAX_ROWS, 16, 256),  # the most rows the kernels take
+    ],
+)
+def test_quant_gemv(fmt: str, dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    """The fused kernels against the float64 product with the dequantized weights, on fresh
+    random weights with outlier channels, and against expert_format's own dequantize path."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = randn(gen, 1, n, k, dtype=torch.float64)
+    w[0, :, 5] *= 20  # an outlier input channel
+    x = randn(gen, rows, k, dtype=dtype)
+    packed = PackedMatrices.pack(w, fmt)  # type: ignore[arg-type]
+    q, s = packed.parts["q"][0], packed.parts["s"][0]
+    ref = x.double() @ packed.matrix(0).T  # the codes dequantized in float64
+    out = t_qgemv.int8_linear(x, q, s) if fmt == "int8" else t_qgemv.int4_linear(x, q, s, GROUP)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert rel_err(out, ref) < tol(dtype)
+    as_model = PackedMatrices(packed.fmt, packed.parts, dtype)
+    assert rel_err(out, as_model.linear(x, 0).double()) < tol(dtype)

@@ -23,6 +23,7 @@ try:
         triton_gemv,
         triton_norm,
         triton_paged_decode,
+        triton_quant_gemv,
         triton_rope_cache,
     )
 
@@ -40,6 +41,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",
+    "quant_linear",
     "rope_and_cache",
     "silu_and_mul",
     "write_kv",
@@ -63,6 +65,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if USE_GEMV and x.shape[0] == 1 and _use_triton(x):
         return triton_gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def quant_linear(x: Tensor, fmt: str, q: Tensor, s: Tensor, group: int) -> Tensor | None:
+    """x [T, K] @ dequant(q, s).T for int8 / int4 weights as stored (models/expert_format.py)
+    by the fused Triton kernel, on CUDA for up to triton_quant_gemv.MAX_ROWS rows; else None,
+    and the caller dequantizes and multiplies."""
+    if not (_use_triton(x) and x.shape[0] <= triton_quant_gemv.MAX_ROWS):
+        return None
+    if fmt == "int8":
+        return triton_quant_gemv.int8_linear(x, q, s)
+    return triton_quant_gemv.int4_linear(x, q, s, group)
 
 
 def add_rms_norm(

@@ -9,9 +9,10 @@ memory and in the device expert cache:
 
 A PackedMatrices holds one stack [E, out, in] (every expert's gate_up, or every down) in one
 format; the cache holds N slots of the same layout and copies experts in as stored, so a
-fetch moves the compressed bytes. Both devices compute from the same codes: the device
-dequantizes to the model dtype and multiplies; the CPU does the same for int4 and uses the
-int8 kernel for int8.
+fetch moves the compressed bytes. Both devices compute from the same codes: for a few tokens
+the device runs fused kernels that read the codes once (kernels/triton_quant_gemv.py), for
+more it dequantizes to the model dtype and multiplies; the CPU does the same for int4 and
+uses torch's int8 kernel for int8.
 """
 
 from __future__ import annotations
@@ -118,10 +119,13 @@ class PackedMatrices:
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         """x [N, in] @ matrix i^T -> [N, out], on x's device, which holds this stack."""
+        if self.fmt == "native":
+            return ops.linear(x, self.parts["w"][i])
+        q, s = self.parts["q"][i], self.parts["s"][i]
         if self.fmt == "int8" and x.device.type == "cpu":
-            q, s = self.parts["q"][i], self.parts["s"][i]
             return torch._weight_int8pack_mm(x, q, s.to(x.dtype))
-        return ops.linear(x, self.matrix(i))
+        fused = ops.quant_linear(x, self.fmt, q, s, GROUP)
+        return fused if fused is not None else ops.linear(x, self.matrix(i))
 
 
 def host_alloc(pin: bool) -> Alloc:
