@@ -57,3 +57,15 @@ def test_each_case_process_gets_its_own_cases_and_out(tmp_path: Path) -> None:
         "--in-process", "--model", "tiny-mixtral", "--budget-mb", "64",
         "--cases=skewed", f"--out={out}",
     ]  # fmt: skip
+
+
+def test_a_case_whose_engine_fails_leaves_no_arena(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget too small for one expert: the case reports the error and the expert arena,
+    made before the engine gave up, is unlinked."""
+    monkeypatch.setattr(moe_bench.hlog, "configure", lambda: None)
+    argv = ["--model=tiny-mixtral", "--device=cpu", "--budget-mb=64", "--cases=uniform"]
+    result = moe_bench.main([*argv, "--in-process", f"--out={tmp_path / 'moe.json'}"])
+    assert result["cases"]["uniform"]["error"].startswith("BudgetTooSmall: ")
+    assert not list(Path("/dev/shm").glob("*hybridgen-moe*"))

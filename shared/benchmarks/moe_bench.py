@@ -128,15 +128,15 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
     cuda = config.torch_device().type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(config)
-    assert engine.experts is not None
     instance = config.shm_instance
-    worker = client = None
-    if instance is not None:
-        worker, client = ExpertLinkWorker(instance), ExpertLinkClient(instance)
-        worker.start()
-        engine.experts[0].remote = client
-    try:
+    engine = worker = client = None
+    try:  # an engine that fails to start may have made the arena already
+        engine = Engine(config)
+        assert engine.experts is not None
+        if instance is not None:
+            worker, client = ExpertLinkWorker(instance), ExpertLinkClient(instance)
+            worker.start()
+            engine.experts[0].remote = client
         result = _decode(engine, args, skewed, cuda)
         result["cpu_experts_by"] = (
             "an expert worker over the shared arena" if linked
@@ -147,7 +147,8 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
         if worker is not None and client is not None:
             worker.stop()
             client.close()
-        engine.release()
+        if engine is not None:
+            engine.release()
         if instance is not None:
             shm.unlink_all(instance)
 
@@ -205,6 +206,22 @@ def _delta_rate(before: dict[str, float], after: dict[str, float]) -> float:
     return hits / (hits + misses) if hits + misses else 0.0
 
 
+def _draw_baseline_weights(model: torch.nn.Module, draw_on: torch.device) -> None:
+    """Random weights into the host copy, drawn on `draw_on` one slice of a tensor at a time:
+    a CPU generator takes about 10 s per Mixtral expert stack, a CUDA one milliseconds."""
+    gen = torch.Generator(device=draw_on).manual_seed(0)
+    params = list(model.parameters())
+    progress = hlog.Progress("baseline_weights", len(params), unit="tensors")
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            for part in p.split(1) if p.dim() > 2 else [p] if p.dim() > 1 else []:
+                drawn = torch.empty(part.shape, dtype=part.dtype, device=draw_on)
+                part.copy_(drawn.normal_(0.0, 0.02, generator=gen))
+            progress.update(i + 1)
+
+
 def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
     """HF's Mixtral dispatched by accelerate in the same budget; random bf16 weights."""
     from accelerate import dispatch_model, infer_auto_device_map
@@ -219,12 +236,7 @@ def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
             hf_config(replace(spec, num_layers=layers)), dtype=dtype
         )
     model = model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    progress = hlog.Progress("baseline_weights", len(list(model.parameters())), unit="tensors")
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
-            progress.update(i + 1)
+    _draw_baseline_weights(model, torch.device("cuda" if cuda else "cpu"))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         budget = {0: f"{args.budget_mb}MiB", "cpu": "1000GiB"}
