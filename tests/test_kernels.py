@@ -213,23 +213,25 @@ def test_linear_matches_reference() -> None:
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
     [
-        (1, 37, 512),  # N not a multiple of BLOCK_N, K of whole tiles
-        (3, 48, 320),  # several rows of x, K not a multiple of BLOCK_K
-        (t_qgemv.MAX_ROWS, 16, 256),  # the most rows the kernels take
+        (1, 64, 512),  # one int4 row block (int8: N a multiple of BLOCK_N), K of whole tiles
+        (3, 192, 320),  # several rows of x, K not a multiple of either kernel's K tile
+        (t_qgemv.MAX_ROWS, 128, 2048),  # the most rows the kernels take; int4 splits K in 4
     ],
 )
 def test_quant_gemv(fmt: str, dtype: torch.dtype, rows: int, n: int, k: int) -> None:
     """The fused kernels against the float64 product with the dequantized weights, on fresh
-    random weights with outlier channels, and against expert_format's own dequantize path."""
+    random weights with an outlier input channel, and against expert_format's own path."""
     gen = torch.Generator().manual_seed(rows * n + k)
     w = randn(gen, 1, n, k, dtype=torch.float64)
     w[0, :, 5] *= 20  # an outlier input channel
     x = randn(gen, rows, k, dtype=dtype)
-    packed = PackedMatrices.pack(w, fmt)  # type: ignore[arg-type]
-    q, s = packed.parts["q"][0], packed.parts["s"][0]
-    ref = x.double() @ packed.matrix(0).T  # the codes dequantized in float64
-    out = t_qgemv.int8_linear(x, q, s) if fmt == "int8" else t_qgemv.int4_linear(x, q, s, GROUP)
+    packed = PackedMatrices.pack(w.to(dtype), fmt)  # type: ignore[arg-type]
+    ref = x.double() @ packed.matrix(0).double().T  # the codes, dequantized
+    if fmt == "int8":
+        out = t_qgemv.int8_linear(x, packed.parts["q"][0], packed.parts["s"][0])
+    else:
+        assert fmt != "int4" or t_qgemv.int4_splits(n, k) == (4 if k == 2048 else 1)
+        out = t_qgemv.int4_linear(x, packed.parts["q"][0], packed.parts["sz"][0], GROUP)
     assert out.shape == (rows, n) and out.dtype == dtype
     assert rel_err(out, ref) < tol(dtype)
-    as_model = PackedMatrices(packed.fmt, packed.parts, dtype)
-    assert rel_err(out, as_model.linear(x, 0).double()) < tol(dtype)
+    assert rel_err(out, packed.linear(x, 0).double()) < tol(dtype)  # the CPU's kernels

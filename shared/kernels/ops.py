@@ -41,7 +41,8 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",
-    "quant_linear",
+    "quant_int4_linear",
+    "quant_int8_linear",
     "rope_and_cache",
     "silu_and_mul",
     "write_kv",
@@ -67,15 +68,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def quant_linear(x: Tensor, fmt: str, q: Tensor, s: Tensor, group: int) -> Tensor | None:
-    """x [T, K] @ dequant(q, s).T for int8 / int4 weights as stored (models/expert_format.py)
-    by the fused Triton kernel, on CUDA for up to triton_quant_gemv.MAX_ROWS rows; else None,
-    and the caller dequantizes and multiplies."""
-    if not (_use_triton(x) and x.shape[0] <= triton_quant_gemv.MAX_ROWS):
-        return None
-    if fmt == "int8":
-        return triton_quant_gemv.int8_linear(x, q, s)
-    return triton_quant_gemv.int4_linear(x, q, s, group)
+def _quant_fused(x: Tensor) -> bool:
+    return _use_triton(x) and x.shape[0] <= triton_quant_gemv.MAX_ROWS
+
+
+def quant_int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor | None:
+    """x [T, K] @ (q * s).T for int8 experts as stored (models/expert_format.py) by the fused
+    Triton kernel, on CUDA for up to triton_quant_gemv.MAX_ROWS rows; else None, and the
+    caller dequantizes and multiplies."""
+    return triton_quant_gemv.int8_linear(x, q, s) if _quant_fused(x) else None
+
+
+def quant_int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor | None:
+    """The same for int4 experts in expert_format's layout (codes q, scales and zeros sz)."""
+    return triton_quant_gemv.int4_linear(x, q, sz, group) if _quant_fused(x) else None
 
 
 def add_rms_norm(

@@ -4,17 +4,23 @@ MoE experts in cold_weights.expert_format int8 / int4 (models/expert_format.py).
 An expert at decode sees one or a few tokens, so its time is the weight's bytes over the
 memory bandwidth. Dequantizing the whole matrix to the model dtype first (torch ops) writes
 and re-reads it several times over, about 40x the stored bytes for int4; these kernels read
-the codes and scales once and dequantize in registers.
+the codes, scales and zeros once and dequantize in registers.
 
 Layouts (expert_format.PackedMatrices):
     int8  q int8 [N, K], s fp32 [N]: w[n, k] = q[n, k] * s[n]
-    int4  q uint8 [N, K / 2], s fp16 [N, K / GROUP]: byte b of row n holds code k = 2b in its
-          low nibble and k = 2b + 1 in its high nibble, w[n, k] = (code - 8) * s[n, k // GROUP]
+    int4  q uint8 [N, K / 2] in torch's CPU int4 layout: rows in blocks of 64, block b a
+          contiguous [K, 32] bytes, byte (k, j) = row 64b + j's code (low nibble) and row
+          64b + 32 + j's (high nibble); sz [K / GROUP, N, 2] (scale, zero) in the model
+          dtype: w[n, k] = (code - 8) * scale + zero
 
-Grid (cdiv(N, BLOCK_N), T): each program owns BLOCK_N output rows of one row of x, streams
-their codes along K once and reduces in fp32 registers; the order of the additions depends
-only on the tiles, so results are deterministic. Rows of x past MAX_ROWS re-read the weight
-once per row; the caller dequantizes instead (expert_format.PackedMatrices.linear).
+int8: grid (cdiv(N, BLOCK_N), T), each program BLOCK_N rows of one row of x, streamed along K.
+int4: grid (N / 64, T, SPLIT), each program one block of 64 rows over a 1 / SPLIT share of K,
+a contiguous run of bytes; narrow outputs (down_proj: 64 blocks for N = 4096) split K so that
+every SM has work, and the SPLIT fp32 partials are summed after. Scales and zeros are loaded
+once per group and broadcast in registers (a per-weight gather would issue GROUP times the
+loads). The order of the fp32 additions depends only on the tiles, so results are
+deterministic. Rows of x past MAX_ROWS would re-read the weight once per row; the caller
+dequantizes instead (expert_format.PackedMatrices.linear).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ MAX_ROWS = 16
 """Rows of x up to which the fused kernels beat dequantize-then-matmul."""
 BLOCK_N = 16
 BLOCK_K = 256
-"""Weights (not bytes) per K tile."""
+"""int8: inputs per K tile ([BLOCK_N, BLOCK_K] codes, as triton_gemv's tuned tiles)."""
+INT4_BLOCK_K = 128
+"""int4: inputs per K tile, a [128, 32]-byte run; two [128, 32] fp32 accumulators over 8
+warps hold as many values per thread as triton_gemv's tuned [16, 256] over 4."""
 
 
 @triton.jit
@@ -59,38 +68,47 @@ def _int8_kernel(
 
 @triton.jit
 def _int4_kernel(
-    x_ptr, q_ptr, s_ptr, y_ptr, N, K, stride_x, stride_q, stride_s, stride_y,
-    GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    x_ptr, q_ptr, sz_ptr, part_ptr, N, K, K_SPLIT, stride_x,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # BLOCK_B bytes (2 * BLOCK_B weights) per K tile; K is a multiple of GROUP.
+    # part: [SPLIT, T, N] fp32. K_SPLIT (a multiple of BLOCK_K) inputs per split.
+    NG: tl.constexpr = BLOCK_K // GROUP
+    nb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_B)
-    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
-    x_row = x_ptr + t * stride_x
-    for b0 in range(0, K // 2, BLOCK_B):
-        b = b0 + cols
-        q_ptrs = q_ptr + rows_safe[:, None] * stride_q + b[None, :]
-        s_ptrs = s_ptr + rows_safe[:, None] * stride_s + (b // (GROUP // 2))[None, :]
-        if EVEN_K:
-            packed = tl.load(q_ptrs, eviction_policy="evict_first")
-            scale = tl.load(s_ptrs)
-            x_lo = tl.load(x_row + 2 * b)
-            x_hi = tl.load(x_row + 2 * b + 1)
-        else:
-            b_ok = b < K // 2
-            packed = tl.load(q_ptrs, mask=b_ok[None, :], other=0, eviction_policy="evict_first")
-            scale = tl.load(s_ptrs, mask=b_ok[None, :], other=0.0)
-            x_lo = tl.load(x_row + 2 * b, mask=b_ok, other=0.0)
-            x_hi = tl.load(x_row + 2 * b + 1, mask=b_ok, other=0.0)
-        lo = (packed & 15).to(tl.float32) - 8.0
-        hi = (packed >> 4).to(tl.float32) - 8.0
-        part = lo * x_lo.to(tl.float32)[None, :] + hi * x_hi.to(tl.float32)[None, :]
-        acc += part * scale.to(tl.float32)
-    y = tl.sum(acc, axis=1)
-    tl.store(y_ptr + t * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    split = tl.program_id(2).to(tl.int64)
+    j = tl.arange(0, 32)
+    kk = tl.arange(0, BLOCK_K)
+    gg = tl.arange(0, NG)
+    block = q_ptr + nb * K * 32  # this block's [K, 32] bytes
+    row_lo = nb * 64 + j
+    acc_lo = tl.zeros((BLOCK_K, 32), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_K, 32), dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        packed = tl.load(block + k[:, None] * 32 + j[None, :], mask=k_ok[:, None], other=136,
+                         eviction_policy="evict_first")  # fmt: skip
+        x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        g = k0 // GROUP + gg
+        g_ok = g < K // GROUP
+        sz = sz_ptr + (g[:, None] * N + row_lo[None, :]) * 2  # [NG, 32], the low rows
+        s_lo = tl.load(sz, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        z_lo = tl.load(sz + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        s_hi = tl.load(sz + 64, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        z_hi = tl.load(sz + 65, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        w_lo = ((packed & 15).to(tl.float32) - 8.0) * _per_group(s_lo, NG, GROUP)
+        w_hi = ((packed >> 4).to(tl.float32) - 8.0) * _per_group(s_hi, NG, GROUP)
+        acc_lo += (w_lo + _per_group(z_lo, NG, GROUP)) * x[:, None]
+        acc_hi += (w_hi + _per_group(z_hi, NG, GROUP)) * x[:, None]
+    out = part_ptr + (split * tl.num_programs(1) + t) * N + row_lo
+    tl.store(out, tl.sum(acc_lo, axis=0))
+    tl.store(out + 32, tl.sum(acc_hi, axis=0))
+
+
+@triton.jit
+def _per_group(m, NG: tl.constexpr, GROUP: tl.constexpr):
+    # [NG, 32] -> [NG * GROUP, 32]: each group's row repeated over its GROUP inputs.
+    return tl.reshape(tl.broadcast_to(m[:, None, :], (NG, GROUP, 32)), (NG * GROUP, 32))
 
 
 def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
@@ -107,17 +125,27 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return y
 
 
-def int4_linear(x: Tensor, q: Tensor, s: Tensor, group: int) -> Tensor:
-    """x [T, K] (T <= MAX_ROWS), q uint8 [N, K / 2], s [N, K / group] -> [T, N] in x.dtype."""
+def int4_splits(n: int, k: int) -> int:
+    """K splits for an [n, k] int4 matrix: enough programs for the H200's 132 SMs twice over
+    (down_proj, n = 4096: 64 blocks, 4 splits), never a split shorter than 4 tiles."""
+    blocks = n // 64
+    return max(1, min(-(-264 // blocks), k // (4 * INT4_BLOCK_K)))
+
+
+def int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor:
+    """x [T, K] (T <= MAX_ROWS), q uint8 [N, K / 2] and sz [K / group, N, 2] in the int4 layout
+    -> [T, N] in x.dtype, fp32 sums."""
     n, half = q.shape
     t, k = x.shape
-    assert k == 2 * half and k % group == 0 and s.shape == (n, k // group)
-    assert t <= MAX_ROWS and q.stride(-1) == 1 and s.stride(-1) == 1
+    assert k == 2 * half and k % group == 0 and n % 64 == 0 and INT4_BLOCK_K % group == 0
+    assert sz.shape == (k // group, n, 2) and t <= MAX_ROWS and q.is_contiguous()
+    assert sz.is_contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    block_b = BLOCK_K // 2
-    _int4_kernel[(triton.cdiv(n, BLOCK_N), t)](
-        x, q, s, y, n, k, x.stride(0), q.stride(0), s.stride(0), y.stride(0),
-        GROUP=group, EVEN_K=half % block_b == 0, BLOCK_N=BLOCK_N, BLOCK_B=block_b, num_warps=4,
+    splits = int4_splits(n, k)
+    k_split = triton.cdiv(triton.cdiv(k, splits), INT4_BLOCK_K) * INT4_BLOCK_K
+    parts = torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
+    _int4_kernel[(n // 64, t, splits)](
+        x, q, sz, parts, n, k, k_split, x.stride(0),
+        GROUP=group, BLOCK_K=INT4_BLOCK_K, num_warps=8, num_stages=3,
     )  # fmt: skip
-    return y
+    return parts.sum(0).to(x.dtype)

@@ -4,15 +4,23 @@ memory and in the device expert cache:
     native  the checkpoint's dtype, as is (exact mode)
     int8    symmetric per output channel: w ~ q * s, q int8 [out, in], s fp32 [out];
             about 2:1 against bf16; the CPU multiplies with torch's int8 weight-only kernel
-    int4    symmetric per group of GROUP input values: q in [-7, 7] packed two per byte
-            [out, in / 2], s fp16 [out, in / GROUP]; about 3.6:1 against bf16
+    int4    asymmetric per group of GROUP input values: w ~ (code - 8) * scale + zero, codes
+            in 0..15 packed two per byte in the layout of torch's CPU int4 kernel (below),
+            scale and zero as sz [in / GROUP, out, 2] in the model dtype (fp16 for fp32
+            models); 4.5 bits a weight, about 3.6:1 against bf16; the CPU multiplies with
+            that kernel
+
+The int4 layout (torch._convert_weight_to_int4pack_for_cpu's, so the CPU reads the stored
+bytes as they are): output rows in blocks of 64; block b is [in, 32] bytes, byte (k, j)
+holding row 64b + j's code for input k in its low nibble and row 64b + 32 + j's in its high
+nibble; stored as [out, in / 2] uint8.
 
 A PackedMatrices holds one stack [E, out, in] (every expert's gate_up, or every down) in one
 format; the cache holds N slots of the same layout and copies experts in as stored, so a
 fetch moves the compressed bytes. Both devices compute from the same codes: for a few tokens
 the device runs fused kernels that read the codes once (kernels/triton_quant_gemv.py), for
-more it dequantizes to the model dtype and multiplies; the CPU does the same for int4 and
-uses torch's int8 kernel for int8.
+more it dequantizes to the model dtype and multiplies; the CPU uses torch's int8 and int4
+weight-only kernels.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from hybridgen.kernels import ops
 Format = Literal["native", "int8", "int4"]
 Alloc = Callable[[tuple[int, ...], torch.dtype], Tensor]
 """Where stored tensors come from: (shape, dtype) -> an uninitialized host tensor."""
-GROUP = 32
-"""Input values per int4 scale."""
+GROUP = 64
+"""Input values per int4 scale and zero."""
+ROW_BLOCK = 64
+"""Output rows per block of the int4 layout."""
 
 
 class PackedMatrices:
@@ -49,15 +59,21 @@ class PackedMatrices:
             s = x.abs().amax(-1).clamp_min(1e-12) / 127  # [E, out]
             q = torch.round(x / s[..., None]).clamp(-127, 127).to(torch.int8)
             return cls(fmt, {"q": q, "s": s}, w.dtype)
-        if w.shape[-1] % GROUP:
-            raise ValueError(f"int4 experts need in_features divisible by {GROUP}, got {w.shape}")
+        if w.shape[-1] % GROUP or w.shape[-2] % ROW_BLOCK:
+            raise ValueError(
+                f"int4 experts need in_features divisible by {GROUP} and out_features by "
+                f"{ROW_BLOCK}, got [out, in] = {list(w.shape[-2:])}"
+            )
         g = x.unflatten(-1, (-1, GROUP))  # [E, out, in / G, G]
-        # fp16 scales: 4.5 bits per weight; the codes are taken against the rounded scale.
-        s = (g.abs().amax(-1) / 7).to(torch.float16).clamp_min(2**-24)  # [E, out, in / G]
-        q = torch.round(g / s[..., None].float()).clamp(-7, 7) + 8
-        q = q.to(torch.uint8).flatten(-2)
-        packed = q[..., 0::2] | (q[..., 1::2] << 4)  # [E, out, in / 2]
-        return cls(fmt, {"q": packed, "s": s}, w.dtype)
+        lo, hi = g.amin(-1), g.amax(-1)
+        # scale and zero as stored; the codes are taken against the rounded values.
+        sz_dtype = _scale_dtype(w.dtype)
+        scale = ((hi - lo) / 15).clamp_min(1e-6).to(sz_dtype).float()
+        zero = (lo + 8 * scale).to(sz_dtype).float()
+        codes = torch.round((g - zero[..., None]) / scale[..., None]) + 8
+        codes = codes.clamp(0, 15).to(torch.uint8).flatten(-2)  # [E, out, in]
+        sz = torch.stack([scale, zero], dim=-1).transpose(1, 2).to(sz_dtype)  # [E, in/G, out, 2]
+        return cls(fmt, {"q": _int4_pack(codes), "sz": sz.contiguous()}, w.dtype)
 
     @staticmethod
     def layout(
@@ -69,7 +85,7 @@ class PackedMatrices:
             "int8": {"q": ((n, out, in_), torch.int8), "s": ((n, out), torch.float32)},
             "int4": {
                 "q": ((n, out, in_ // 2), torch.uint8),
-                "s": ((n, out, in_ // GROUP), torch.float16),
+                "sz": ((n, in_ // GROUP, out, 2), _scale_dtype(dtype)),
             },
         }
         return layouts[fmt]
@@ -110,22 +126,51 @@ class PackedMatrices:
         """Matrix i as [out, in] in the model dtype (a view in native format)."""
         if self.fmt == "native":
             return self.parts["w"][i]
-        q, s = self.parts["q"][i], self.parts["s"][i]
         if self.fmt == "int8":
+            q, s = self.parts["q"][i], self.parts["s"][i]
             return (q.float() * s[:, None]).to(self.dtype)
-        codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).float() - 8  # [out, in]
-        groups = codes.unflatten(-1, (-1, GROUP)) * s[..., None].float()
+        codes = _int4_unpack(self.parts["q"][i]).float() - 8  # [out, in]
+        scale, zero = self.parts["sz"][i].float().transpose(0, 1).unbind(-1)  # [out, in / G]
+        groups = codes.unflatten(-1, (-1, GROUP)) * scale[..., None] + zero[..., None]
         return groups.flatten(-2).to(self.dtype)
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         """x [N, in] @ matrix i^T -> [N, out], on x's device, which holds this stack."""
         if self.fmt == "native":
             return ops.linear(x, self.parts["w"][i])
-        q, s = self.parts["q"][i], self.parts["s"][i]
-        if self.fmt == "int8" and x.device.type == "cpu":
-            return torch._weight_int8pack_mm(x, q, s.to(x.dtype))
-        fused = ops.quant_linear(x, self.fmt, q, s, GROUP)
+        if self.fmt == "int8":
+            q, s = self.parts["q"][i], self.parts["s"][i]
+            if x.device.type == "cpu":
+                return torch._weight_int8pack_mm(x, q, s.to(x.dtype))
+            fused = ops.quant_int8_linear(x, q, s)
+        else:
+            q, sz = self.parts["q"][i], self.parts["sz"][i]
+            if x.device.type == "cpu":
+                x = x.contiguous()
+                return torch._weight_int4pack_mm_for_cpu(x, q, GROUP, sz.to(x.dtype))
+            fused = ops.quant_int4_linear(x, q, sz, GROUP)
         return fused if fused is not None else ops.linear(x, self.matrix(i))
+
+
+def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """int4 scales and zeros: the model dtype when it is 16-bit (what torch's CPU kernel
+    takes beside activations of that dtype), fp16 for fp32 models (converted per call)."""
+    return dtype if dtype.itemsize == 2 else torch.float16
+
+
+def _int4_pack(codes: Tensor) -> Tensor:
+    """codes uint8 [E, out, in] in 0..15 -> [E, out, in / 2] bytes in the int4 layout."""
+    e, out, in_ = codes.shape
+    rows = codes.view(e, out // ROW_BLOCK, 2, ROW_BLOCK // 2, in_)  # row 64b + 32h + j
+    packed = rows[:, :, 0] | (rows[:, :, 1] << 4)  # [E, out / 64, 32, in]
+    return packed.transpose(-1, -2).reshape(e, out, in_ // 2)
+
+
+def _int4_unpack(q: Tensor) -> Tensor:
+    """One matrix's bytes [out, in / 2] in the int4 layout -> codes uint8 [out, in]."""
+    out, half = q.shape
+    blocks = q.reshape(out // ROW_BLOCK, 2 * half, ROW_BLOCK // 2).transpose(-1, -2)
+    return torch.stack([blocks & 15, blocks >> 4], dim=1).reshape(out, 2 * half)
 
 
 def host_alloc(pin: bool) -> Alloc:
