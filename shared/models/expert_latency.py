@@ -6,12 +6,17 @@ computing it there.
                                                           then each token adds its FLOPs)
     device_s   = expert_bytes / pcie_bytes_per_s + gpu_s   (fetch, then one call)
 
-An uncached expert with t tokens runs on the CPU while cpu_s(t) < device_s; a cached one
-always runs on the device. Calibrated at start (`calibrate`): the CPU at 1 and 16 tokens, the
-copy and one device call on CUDA. device_topology.cpu.bandwidth_gbps / gpu.bandwidth_gbps,
-when set, replace the measured weight-read time of the CPU (expert_bytes / bandwidth) and
-of the device (its dequantized bytes / bandwidth); cold_weights.cpu_max_tokens pins the
-crossover outright.
+A cached expert always runs on the device. An uncached one with t tokens, taken on its own,
+runs on the CPU while cpu_s(t) < device_s (Fiddler's rule). When the CPU's experts run beside
+the device's (the CPU daemon computes them while the device fetches and runs the rest), a
+layer takes the longer of the two sides, so `cpu_experts` places a layer's uncached experts
+one by one on the side that ends the layer sooner: with two misses and a CPU a little slower
+than a fetch, one of them goes to the CPU.
+
+Calibrated at start (`calibrate`): the CPU at 1 and 16 tokens, the copy and one device call
+on CUDA. device_topology.cpu.bandwidth_gbps / gpu.bandwidth_gbps, when set, replace the
+measured weight-read times (expert_bytes / bandwidth on either side: both read the stored
+codes once); cold_weights.cpu_max_tokens pins the crossover outright.
 """
 
 from __future__ import annotations
@@ -70,6 +75,25 @@ class LatencyModel:
             return 2**31 - 1
         return max(math.ceil(spare / self.cpu_s_per_token) - 1, 0)  # the largest t below
 
+    def cpu_experts(self, cached: int, uncached: list[tuple[int, int]], overlap: bool) -> set[int]:
+        """Which of a layer's uncached experts, (id, routed tokens), the CPU computes, beside
+        `cached` experts the device runs. Without `overlap` (the CPU's experts run in the
+        engine's own thread) or with cpu_max_tokens pinned, each on its own; with it, the
+        fewest-token experts first, each where the layer's later side ends sooner."""
+        if not overlap or self.max_cpu_tokens_override is not None:
+            return {e for e, tokens in uncached if tokens <= self.cpu_max_tokens}
+        device_s, cpu_s = cached * self.gpu_s, 0.0
+        chosen: set[int] = set()
+        for expert, tokens in sorted(uncached, key=lambda job: job[1]):
+            on_cpu = max(cpu_s + self.cpu_s(tokens), device_s)
+            on_device = max(cpu_s, device_s + self.fetch_s + self.gpu_s)
+            if on_cpu < on_device:
+                chosen.add(expert)
+                cpu_s += self.cpu_s(tokens)
+            else:
+                device_s += self.fetch_s + self.gpu_s
+        return chosen
+
     def figures(self) -> dict[str, float]:
         return {
             "cpu_fixed_us": self.cpu_fixed_s * 1e6,
@@ -106,9 +130,8 @@ def calibrate(
             cache.down.copy_(0, store.down, 0, non_blocking=True)
 
         bandwidth = store.expert_bytes / max(best_of(RUNS, fetch, device), 1e-9)
-    if gpu_bandwidth_gbps is not None:  # the dequantized weights, read once
-        dense = (store.gate_up.matrix(0).numel() + store.down.matrix(0).numel()) * x.element_size()
-        gpu_s = dense / (gpu_bandwidth_gbps * 1e9)
+    if gpu_bandwidth_gbps is not None:  # the stored weights, read once (fused kernels)
+        gpu_s = store.expert_bytes / (gpu_bandwidth_gbps * 1e9)
     else:
         cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=False)
         cache.down.copy_(0, store.down, 0, non_blocking=False)

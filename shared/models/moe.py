@@ -5,7 +5,8 @@ ordinary SwiGLU MLP that sees only the tokens routed to it, so a step costs one 
 per *active* expert. The router (`route`) and the per-expert call (`run_expert`) stay separate
 methods: expert offloading hooks in at `run_expert`, without touching the routing. With
 Cold-Weights on (`to_cold_weights`), the experts live in host memory (expert_store.py) and each
-one runs on the CPU or from the shared device cache, as the latency model says.
+one runs on the CPU or from the shared device cache, as the latency model places the layer's
+uncached experts (expert_latency.LatencyModel.cpu_experts).
 
 Order of operations and dtypes follow transformers' MixtralSparseMoeBlock, so fp32 results are
 HF's to the last bit up to matmul blocking:
@@ -28,6 +29,8 @@ from hybridgen.models.expert_store import ExpertCache, ExpertStore, MoeStats, Re
 from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
+Routed = tuple[int, torch.Tensor, torch.Tensor]
+"""One expert of a step: (id, its tokens' rows [N], their top-k positions [N])."""
 
 
 class SparseMoeBlock(nn.Module):
@@ -74,28 +77,30 @@ class SparseMoeBlock(nn.Module):
             return ids.to(x.device, non_blocking=True), weights.to(x.device, non_blocking=True)
         return route_top_k(logits, self.top_k)
 
-    def run_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]."""
+    def run_expert(self, expert: int, x: torch.Tensor, on_cpu: bool = False) -> torch.Tensor:
+        """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]; with Cold-Weights
+        on the CPU when `on_cpu`, else from the device cache."""
         if self.store is None:
             return self.experts[expert](x)
         if self.cold is None:  # host experts without a device cache: all on the CPU
             return self.store.run_cpu(expert, x)
-        layer, cache, latency = self.cold
-        if (layer, expert) not in cache and x.shape[0] <= latency.cpu_max_tokens:
+        _, cache, _ = self.cold
+        if on_cpu:
             cache.stats.cpu_experts += 1
             return self.store.run_cpu(expert, x)
-        slot = cache.fetch(layer, expert, self.store)
+        slot = cache.fetch(self.cold[0], expert, self.store)
         cache.stats.gpu_experts += 1
         return cache.run(slot, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         routed = [(e, *torch.where(ids == e)) for e in torch.unique(ids).tolist()]
+        on_cpu = self._cpu_experts(routed)
         # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
         # launched while it computes them, and only then is its answer awaited.
-        remote = self._send_cpu_experts(x, routed)
+        remote = self._send_cpu_experts(x, routed, on_cpu)
         sent = remote[1] if remote is not None else {}
-        ys = {e: self.run_expert(e, x[t]) for e, t, _ in routed if e not in sent}
+        ys = {e: self.run_expert(e, x[t], e in on_cpu) for e, t, _ in routed if e not in sent}
         if remote is not None:
             ys.update(self._collect_cpu_experts(x, *remote))
         out = torch.zeros_like(x)  # [T, H]
@@ -105,18 +110,28 @@ class SparseMoeBlock(nn.Module):
             out.index_add_(0, tokens, y.to(x.dtype))
         return out
 
-    def _send_cpu_experts(
-        self, x: torch.Tensor, routed: list[tuple[int, torch.Tensor, torch.Tensor]]
-    ) -> tuple[int, dict[int, torch.Tensor]] | None:
-        """EXPERT_RUN for the experts the latency model puts on the CPU, when the CPU daemon
-        computes them: (request number, {expert: its rows}); None to compute them here."""
-        if self.cold is None or self.cold[1].remote is None:
-            return None
+    def _cpu_experts(self, routed: list[Routed]) -> set[int]:
+        """The experts of this step the CPU computes: under Cold-Weights, the latency model's
+        pick among those not in the device cache."""
+        if self.cold is None:
+            return set()
         layer, cache, latency = self.cold
-        jobs = {e: x[t] for e, t, _ in routed
-                if (layer, e) not in cache and len(t) <= latency.cpu_max_tokens}  # fmt: skip
-        if not jobs:
+        uncached = [(e, len(t)) for e, t, _ in routed if (layer, e) not in cache]
+        cached = len(routed) - len(uncached)
+        return latency.cpu_experts(cached, uncached, overlap=cache.remote is not None)
+
+    def _send_cpu_experts(
+        self,
+        x: torch.Tensor,
+        routed: list[tuple[int, torch.Tensor, torch.Tensor]],
+        on_cpu: set[int],
+    ) -> tuple[int, dict[int, torch.Tensor]] | None:
+        """EXPERT_RUN for the experts in `on_cpu`, when the CPU daemon computes them:
+        (request number, {expert: its rows}); None to compute them here."""
+        if self.cold is None or self.cold[1].remote is None or not on_cpu:
             return None
+        layer, cache, _ = self.cold
+        jobs = {e: x[t] for e, t, _ in routed if e in on_cpu}
         try:
             return cache.remote.submit(layer, list(jobs.items())), jobs  # type: ignore[union-attr]
         except RemoteDown as exc:
