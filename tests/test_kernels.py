@@ -235,3 +235,23 @@ def test_quant_gemv(fmt: str, dtype: torch.dtype, rows: int, n: int, k: int) -> 
     assert out.shape == (rows, n) and out.dtype == dtype
     assert rel_err(out, ref) < tol(dtype)
     assert rel_err(out, packed.linear(x, 0).double()) < tol(dtype)  # the CPU's kernels
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        t_qgemv.Int4Config(64, 4, 2, splits=3),  # uneven splits
+        t_qgemv.Int4Config(64, 4, 2, splits=11),  # 11 x 64 > 640: the last split is empty
+        t_qgemv.Int4Config(256, 8, 4, splits=1),
+    ],
+)
+def test_int4_gemv_tiles(cfg: t_qgemv.Int4Config) -> None:
+    """Other tiles and K splits than the default, as bench/quant_gemv_bench.py sweeps them:
+    the same product."""
+    gen = torch.Generator().manual_seed(11)
+    x = randn(gen, 2, 640)
+    packed = PackedMatrices.pack(randn(gen, 1, 128, 640), "int4")
+    ref = x.double() @ packed.matrix(0).double().T
+    out = t_qgemv.int4_linear(x, packed.parts["q"][0], packed.parts["sz"][0], GROUP, cfg)
+    assert rel_err(out, ref) < FP32_TOL

@@ -25,6 +25,8 @@ dequantizes instead (expert_format.PackedMatrices.linear).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -35,9 +37,19 @@ MAX_ROWS = 16
 BLOCK_N = 16
 BLOCK_K = 256
 """int8: inputs per K tile ([BLOCK_N, BLOCK_K] codes, as triton_gemv's tuned tiles)."""
-INT4_BLOCK_K = 128
-"""int4: inputs per K tile, a [128, 32]-byte run; two [128, 32] fp32 accumulators over 8
-warps hold as many values per thread as triton_gemv's tuned [16, 256] over 4."""
+
+
+@dataclass(frozen=True)
+class Int4Config:
+    """Tiles and launch shape of one int4 launch. The default is unmeasured on a GPU so far:
+    a [128, 32]-byte run per K tile, whose two [128, 32] fp32 accumulators over 8 warps hold
+    as many values per thread as triton_gemv's tuned [16, 256] over 4; `splits` None picks
+    by `int4_splits`. bench/quant_gemv_bench.py sweeps them on the device."""
+
+    block_k: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    splits: int | None = None
 
 
 @triton.jit
@@ -125,27 +137,30 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return y
 
 
-def int4_splits(n: int, k: int) -> int:
+def int4_splits(n: int, k: int, block_k: int = Int4Config.block_k) -> int:
     """K splits for an [n, k] int4 matrix: enough programs for the H200's 132 SMs twice over
     (down_proj, n = 4096: 64 blocks, 4 splits), never a split shorter than 4 tiles."""
     blocks = n // 64
-    return max(1, min(-(-264 // blocks), k // (4 * INT4_BLOCK_K)))
+    return max(1, min(-(-264 // blocks), k // (4 * block_k)))
 
 
-def int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor:
+def int4_linear(
+    x: Tensor, q: Tensor, sz: Tensor, group: int, config: Int4Config | None = None
+) -> Tensor:
     """x [T, K] (T <= MAX_ROWS), q uint8 [N, K / 2] and sz [K / group, N, 2] in the int4 layout
-    -> [T, N] in x.dtype, fp32 sums."""
+    -> [T, N] in x.dtype, fp32 sums. `config` overrides the default tiles."""
+    cfg = config or Int4Config()
     n, half = q.shape
     t, k = x.shape
-    assert k == 2 * half and k % group == 0 and n % 64 == 0 and INT4_BLOCK_K % group == 0
+    assert k == 2 * half and k % group == 0 and n % 64 == 0 and cfg.block_k % group == 0
     assert sz.shape == (k // group, n, 2) and t <= MAX_ROWS and q.is_contiguous()
     assert sz.is_contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    splits = int4_splits(n, k)
-    k_split = triton.cdiv(triton.cdiv(k, splits), INT4_BLOCK_K) * INT4_BLOCK_K
+    splits = cfg.splits or int4_splits(n, k, cfg.block_k)
+    k_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
     parts = torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
     _int4_kernel[(n // 64, t, splits)](
-        x, q, sz, parts, n, k, k_split, x.stride(0),
-        GROUP=group, BLOCK_K=INT4_BLOCK_K, num_warps=8, num_stages=3,
+        x, q, sz, parts, n, k, k_split, x.stride(0), GROUP=group, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return parts.sum(0).to(x.dtype)

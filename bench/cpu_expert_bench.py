@@ -1,0 +1,63 @@
+"""CPU time of one mixtral-8x7b expert (gate_up 28672 x 4096, down 4096 x 14336, bf16
+activations) in each stored format at 1 and 16 tokens: what the Cold-Weights latency model's
+CPU side costs on this host. Best of 3 calls after one warm-up; prints a table and writes
+$OUT/cpu_expert.json when OUT is set.
+
+    python bench/cpu_expert_bench.py [--formats int8,int4,native]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+from hybridgen.models.expert_format import PackedMatrices, swiglu_packed
+
+HIDDEN, INTER = 4096, 14336
+
+
+def best_ms(fn, runs: int = 3) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--formats", default="int8,int4")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(1, 2 * INTER, HIDDEN, generator=gen) * 0.02).bfloat16()
+    down = (torch.randn(1, HIDDEN, INTER, generator=gen) * 0.02).bfloat16()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()  # fmt: skip
+    result = {"commit": commit, "cpu": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "ms": {}}  # fmt: skip
+    print(f"one mixtral-8x7b expert on the CPU, {torch.get_num_threads()} threads, commit {commit}")
+    for fmt in args.formats.split(","):
+        gu = PackedMatrices.pack(gate_up, fmt)  # type: ignore[arg-type]
+        dn = PackedMatrices.pack(down, fmt)  # type: ignore[arg-type]
+        for tokens in (1, 16):
+            x = torch.randn(tokens, HIDDEN, generator=gen).bfloat16()
+            ms = best_ms(lambda x=x, gu=gu, dn=dn: swiglu_packed(x, gu, dn, 0))
+            result["ms"][f"{fmt} tokens={tokens}"] = ms
+            mb = (gu.matrix_bytes + dn.matrix_bytes) / 2**20
+            print(f"  {fmt:6} {tokens:2} tokens {ms:8.1f} ms  ({mb:.1f} MiB stored)", flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "cpu_expert.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
