@@ -212,8 +212,9 @@ def plan_engine_memory(
             model, c.max_num_batched_tokens, c.max_num_seqs, c.block_size, device
         )
         graphs = graph_batch_size(c, spec)
-    while True:
-        work = workspace_bytes(
+
+    def work(length: int, warm: bool) -> int:
+        return workspace_bytes(
             spec,
             spec.dtype,
             c.max_num_batched_tokens,
@@ -222,15 +223,28 @@ def plan_engine_memory(
             graphs,
             measured,
             c.hot_codec != "native",
-            bool(c.warm_pool_mb),
+            warm,
         )
+
+    while True:
         # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
         # for each running sequence (the rest of their KV can move to Warm).
         hot_tokens = length
         if c.warm_pool_mb:
             hot_tokens = min(length, c.max_num_batched_tokens + c.max_num_seqs * c.block_size)
         try:
-            plan = plan_memory(weights, work, budget, c.block_size, kv_block, hot_tokens, blocks)
+            plan = plan_memory(
+                weights, work(length, bool(c.warm_pool_mb)), budget, c.block_size, kv_block,
+                hot_tokens, blocks,
+            )  # fmt: skip
+            if c.warm_pool_mb:
+                # A prefill reads a Warm prefix in place only for a sequence too long for Hot
+                # alone (any other loads its prefix back first: scheduler.py). If Hot holds
+                # max_model_len without the room for that read, no sequence is: keep the blocks.
+                lean = plan_memory(weights, work(length, False), budget, c.block_size,
+                                   kv_block, hot_tokens, blocks)  # fmt: skip
+                if lean.num_blocks * c.block_size >= length:
+                    plan = lean
             return plan, length
         except BudgetTooSmall:
             if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:

@@ -153,3 +153,22 @@ def test_decode_steps_do_not_change_outputs() -> None:
     )[0]
     assert stopped.token_ids == runs[0][2][0][: runs[0][2][0].index(stop_at) + 1]
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() -> None:
+    """A Warm tier reserves device room for a prefill that reads a Warm prefix in place, which
+    happens only to a sequence too long for Hot alone. At 318 MiB Hot holds a 65536-token
+    sequence anyway, so the plan is the one without Warm (B6 lost 318 blocks to this room);
+    at 315 MiB it does not, and the room is reserved."""
+
+    def plan(budget_mb: int, warm_mb: int) -> tuple[int, int]:
+        config = EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=budget_mb,
+                              max_model_len=65536, warm_pool_mb=warm_mb,
+                              max_num_batched_tokens=256, max_num_seqs=4)  # fmt: skip
+        engine = Engine(config)
+        engine.release()
+        return engine.plan.num_blocks, engine.plan.workspace
+
+    assert plan(318, 64) == plan(318, 0)
+    blocks, workspace = plan(315, 64)
+    assert blocks * 16 < 65536 and workspace > plan(318, 0)[1]
