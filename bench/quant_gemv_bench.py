@@ -2,10 +2,10 @@
 kernels (kernels/triton_quant_gemv.py) over a sweep of int4 tiles, against dequantize-then-
 cuBLAS and against cuBLAS on the bf16 weights (device only).
 
-As bench/gemv_bench.py: every timing replays a CUDA graph over enough weight copies (>= 512 MB)
-that L2 cannot hold them, as when each layer reads its own experts. Prints microseconds and
-GB/s of the stored bytes per shape and method, then the int4 tiles with the least time over
-an expert (gate_up + down); writes $OUT/quant_gemv.json.
+Timed as bench/gemv_bench.py times (its `time_us`): a CUDA graph replayed over enough weight
+copies (>= 512 MB) that L2 cannot hold them, as when each layer reads its own experts.
+Prints microseconds and GB/s of the stored bytes per shape and method, then the int4 tiles
+with the least time over an expert (gate_up + down); writes $OUT/quant_gemv.json.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from gemv_bench import time_us  # bench/, beside this script
 
 from hybridgen.kernels.triton_quant_gemv import Int4Config, int4_linear, int8_linear
 from hybridgen.models.expert_format import GROUP, PackedMatrices
@@ -26,26 +27,6 @@ INT4_CONFIGS = [
     Int4Config(bk, w, s, sp)
     for bk, w, s, sp in itertools.product((64, 128, 256), (4, 8), (2, 3, 4), (None, 1, 2, 8))
 ]
-
-
-def time_us(fn, stacks: list[PackedMatrices], x: torch.Tensor, reps: int = 5) -> float:
-    """Per-call microseconds of fn(x, stack) over every copy, replayed in a CUDA graph."""
-    for st in stacks[:2]:
-        fn(x, st)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for st in stacks:
-                fn(x, st)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(stacks))
 
 
 def key(cfg: Int4Config) -> str:
