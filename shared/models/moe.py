@@ -84,11 +84,11 @@ class SparseMoeBlock(nn.Module):
             return self.experts[expert](x)
         if self.cold is None:  # host experts without a device cache: all on the CPU
             return self.store.run_cpu(expert, x)
-        _, cache, _ = self.cold
+        layer, cache, _ = self.cold
         if on_cpu:
             cache.stats.cpu_experts += 1
             return self.store.run_cpu(expert, x)
-        slot = cache.fetch(self.cold[0], expert, self.store)
+        slot = cache.fetch(layer, expert, self.store)
         cache.stats.gpu_experts += 1
         return cache.run(slot, x)
 
