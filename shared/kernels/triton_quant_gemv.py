@@ -87,7 +87,7 @@ def _int4_kernel(
     NG: tl.constexpr = BLOCK_K // GROUP
     nb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
+    split = tl.program_id(2)  # int32 loop bounds; the pointers use int64 nb and t
     j = tl.arange(0, 32)
     kk = tl.arange(0, BLOCK_K)
     gg = tl.arange(0, NG)
