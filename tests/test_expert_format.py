@@ -119,6 +119,21 @@ def test_quantized_experts_keep_greedy_agreement(checkpoint, fmt: str) -> None: 
     assert hits / len(positions) >= AGREEMENT[fmt], hits / len(positions)
 
 
+def test_int4_refuses_expert_sizes_it_cannot_group(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A Mixtral whose down_proj has 96 inputs (not groups of 64): a load error that names
+    the key and the matrix, before anything is allocated."""
+    from hybridgen.models.errors import ModelLoadError
+
+    path = checkpoint("mixtral", intermediate_size=96)
+    config = EngineConfig(model=str(path), device="cpu", expert_cache_slots=4, expert_format="int4")
+    with pytest.raises(
+        ModelLoadError,
+        match=r"^cold_weights\.expert_format='int4': .* down is \[64, 96\]; use int8$",
+    ):
+        Engine(config)
+    Engine(EngineConfig(model=str(path), device="cpu", expert_cache_slots=4, expert_format="int8"))
+
+
 def test_quantized_experts_need_the_cache() -> None:
     with pytest.raises(ConfigError, match=r"^cold_weights\.expert_format='int4'"):
         parse_config({"cold_weights": {"expert_format": "int4"}})

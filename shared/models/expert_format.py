@@ -152,6 +152,19 @@ class PackedMatrices:
         return fused if fused is not None else ops.linear(x, self.matrix(i))
 
 
+def unsupported(fmt: Format, hidden: int, intermediate: int) -> str | None:
+    """Why experts of this size cannot be stored in `fmt` (None when they can)."""
+    if fmt != "int4":
+        return None
+    for name, out, in_ in (("gate_up", 2 * intermediate, hidden), ("down", hidden, intermediate)):
+        if in_ % GROUP or out % ROW_BLOCK:
+            return (
+                f"int4 needs each expert matrix's inputs in groups of {GROUP} and outputs in "
+                f"blocks of {ROW_BLOCK}; {name} is [{out}, {in_}]"
+            )
+    return None
+
+
 def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
     """int4 scales and zeros: the model dtype when it is 16-bit (what torch's CPU kernel
     takes beside activations of that dtype), fp16 for fp32 models (converted per call)."""

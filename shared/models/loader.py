@@ -18,7 +18,7 @@ from safetensors import safe_open
 from hybridgen.log import Progress
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.expert_arena import ExpertArena, arena_bytes
-from hybridgen.models.expert_format import Format, host_alloc
+from hybridgen.models.expert_format import Format, host_alloc, unsupported
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import moe_blocks
@@ -240,6 +240,10 @@ def load_model(
     `device`."""
     path = Path(model)
     spec = model_spec(model)
+    if host_experts is not None and spec.num_local_experts:
+        why = unsupported(host_experts, spec.hidden_size, spec.intermediate_size)
+        if why is not None:
+            raise ModelLoadError(f"cold_weights.expert_format={host_experts!r}: {why}; use int8")
     arena = None
     alloc = host_alloc(device.type == "cuda")
     if host_experts is not None and shm_instance is not None and spec.num_local_experts:
