@@ -184,6 +184,18 @@ def block_bytes(config: EngineConfig, spec: ModelSpec) -> int:
     return per_layer * spec.num_layers * config.block_size
 
 
+def weights_bytes(model: CausalLM) -> int:
+    """The model's device weights: its parameters, plus Cold-Weights' expert cache (the
+    experts themselves are host memory, no parameters)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    caches = {
+        id(m.cold[1]): m.cold[1].nbytes
+        for m in model.modules()
+        if isinstance(m, SparseMoeBlock) and m.cold is not None
+    }
+    return weights + sum(caches.values())
+
+
 def plan_engine_memory(
     config: EngineConfig, model: CausalLM, device: torch.device
 ) -> tuple[MemoryPlan, int]:
@@ -197,14 +209,7 @@ def plan_engine_memory(
         blocks = max(1, int(c.kv_pool_mb * MIB) // kv_block)
     if blocks is not None and c.max_model_len is None and not c.warm_pool_mb:
         length = min(length, blocks * c.block_size)
-    # With Cold-Weights the experts are no parameters (host memory); their cache is counted.
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    caches = {
-        id(m.cold[1]): m.cold[1].nbytes
-        for m in model.modules()
-        if isinstance(m, SparseMoeBlock) and m.cold is not None
-    }
-    weights += sum(caches.values())
+    weights = weights_bytes(model)
     budget = budget_bytes(c, device)
     measured, graphs = None, 0
     if device.type == "cuda":
@@ -214,17 +219,8 @@ def plan_engine_memory(
         graphs = graph_batch_size(c, spec)
 
     def work(length: int, warm: bool) -> int:
-        return workspace_bytes(
-            spec,
-            spec.dtype,
-            c.max_num_batched_tokens,
-            c.max_num_seqs,
-            length,
-            graphs,
-            measured,
-            c.hot_codec != "native",
-            warm,
-        )
+        return workspace_bytes(spec, spec.dtype, c.max_num_batched_tokens, c.max_num_seqs,
+                               length, graphs, measured, c.hot_codec != "native", warm)  # fmt: skip
 
     while True:
         # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
