@@ -135,5 +135,8 @@ def _moe_experts_row(engine: Engine) -> Region:
     figures: dict[str, float] = dict(latency.figures())
     figures["cache_slots"] = cache.capacity
     figures["cache_hit_rate"] = engine.moe_stats()["cache_hit_rate"]
+    # 1: the CPU daemon computes beside the device, and a layer's misses are balanced between
+    # the two; 0: each miss goes where it alone is faster (expert_latency.py).
+    figures["overlapped"] = float(cache.remote is not None)
     how = "pinned" if engine.config.expert_cpu_max_tokens is not None else "measured"
     return Region("moe_experts", "layer", "hybrid-aware", "cpu+cache", how, figures)

@@ -72,6 +72,7 @@ def test_cold_weights_greedy_matches_hf_on_both_paths(checkpoint) -> None:  # ty
         "cpu+cache",
         1,
     )
+    assert row.measured["overlapped"] == 0.0  # in-process: no CPU daemon beside the device
 
 
 def test_without_cold_weights_nothing_changes(checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -41,3 +41,5 @@ def test_served_moe_matches_hf_with_the_cpu_daemon_computing_experts(
     assert info.cpu_daemon_experts > 0 and info.cpu_daemon_experts == info.cpu_experts
     assert info.gpu_experts > 0 and info.expert_bytes_h2d > 0
     assert 0 < info.expert_cache_hit_rate < 1
+    row = next(r for r in info.op_regions if r.name == "moe_experts")
+    assert row.measured["overlapped"] == 1.0  # the CPU daemon computes beside the device
