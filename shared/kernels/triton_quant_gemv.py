@@ -83,7 +83,8 @@ def _int4_kernel(
     x_ptr, q_ptr, sz_ptr, part_ptr, N, K, K_SPLIT, stride_x,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # part: [SPLIT, T, N] fp32. K_SPLIT (a multiple of BLOCK_K) inputs per split.
+    # part: [SPLIT, T, N], fp32 partials (or, with one split, y itself). K_SPLIT (a multiple
+    # of BLOCK_K) inputs per split.
     NG: tl.constexpr = BLOCK_K // GROUP
     nb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
@@ -113,8 +114,8 @@ def _int4_kernel(
         acc_lo += (w_lo + _per_group(z_lo, NG, GROUP)) * x[:, None]
         acc_hi += (w_hi + _per_group(z_hi, NG, GROUP)) * x[:, None]
     out = part_ptr + (split * tl.num_programs(1) + t) * N + row_lo
-    tl.store(out, tl.sum(acc_lo, axis=0))
-    tl.store(out + 32, tl.sum(acc_hi, axis=0))
+    tl.store(out, tl.sum(acc_lo, axis=0).to(part_ptr.dtype.element_ty))
+    tl.store(out + 32, tl.sum(acc_hi, axis=0).to(part_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -158,9 +159,11 @@ def int4_linear(
     x = x if x.stride(-1) == 1 else x.contiguous()
     splits = cfg.splits or int4_splits(n, k, cfg.block_k)
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
-    parts = torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
+    # One split writes y directly; more leave fp32 partials to sum (two more launches).
+    parts = torch.empty(splits, t, n, dtype=x.dtype if splits == 1 else torch.float32,
+                        device=x.device)  # fmt: skip
     _int4_kernel[(n // 64, t, splits)](
         x, q, sz, parts, n, k, k_split, x.stride(0), GROUP=group, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return parts.sum(0).to(x.dtype)
+    return parts[0] if splits == 1 else parts.sum(0).to(x.dtype)
