@@ -17,6 +17,7 @@ HF's to the last bit up to matmul blocking:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -29,8 +30,18 @@ from hybridgen.models.expert_store import ExpertCache, ExpertStore, MoeStats, Re
 from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
-Routed = tuple[int, torch.Tensor, torch.Tensor]
-"""One expert of a step: (id, its tokens' rows [N], their top-k positions [N])."""
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One expert of a step and the tokens routed to it."""
+
+    expert: int
+    rows: torch.Tensor | slice
+    """Their rows of x [N], or every row (a step of one token: a view, no gather)."""
+    slot: torch.Tensor | int
+    """Their positions in the top k [N], or the one position of a one-token step."""
+    tokens: int
 
 
 class SparseMoeBlock(nn.Module):
@@ -94,21 +105,44 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        routed = [(e, *torch.where(ids == e)) for e in torch.unique(ids).tolist()]
+        routed = self._group(ids)
         on_cpu = self._cpu_experts(routed)
         # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
         # launched while it computes them, and only then is its answer awaited.
         remote = self._send_cpu_experts(x, routed, on_cpu)
         sent = remote[1] if remote is not None else {}
-        ys = {e: self.run_expert(e, x[t], e in on_cpu) for e, t, _ in routed if e not in sent}
+        ys = {r.expert: self.run_expert(r.expert, x[r.rows], r.expert in on_cpu)
+              for r in routed if r.expert not in sent}  # fmt: skip
         if remote is not None:
             ys.update(self._collect_cpu_experts(x, *remote))
-        out = torch.zeros_like(x)  # [T, H]
-        # Ascending expert order fixes each token's summation order (HF's, too).
-        for expert, tokens, slot in routed:  # tokens [N] and their top-k positions [N]
-            y = ys[expert] * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
+        # Ascending expert order fixes each token's summation order (HF's, too); one token
+        # adds its experts' outputs up directly, which is the same sum from zero.
+        out = torch.zeros_like(x) if x.shape[0] > 1 else None  # [T, H]
+        for r in routed:
+            y = (ys[r.expert] * weights[r.rows, r.slot, None]).to(x.dtype)
+            if out is None:
+                out = y
+            elif isinstance(r.rows, slice):
+                out = out + y
+            else:
+                out.index_add_(0, r.rows, y)
+        assert out is not None
         return out
+
+    @staticmethod
+    def _group(ids: torch.Tensor) -> list[Routed]:
+        """The step's experts in ascending order, each with its tokens. One token (decode at
+        batch 1) reads its k ids back once and gathers nothing; more find each expert's rows
+        on the device."""
+        if ids.shape[0] == 1:
+            experts = ids[0].tolist()
+            order = sorted(range(len(experts)), key=experts.__getitem__)
+            return [Routed(experts[k], slice(None), k, 1) for k in order]
+        routed = []
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            routed.append(Routed(e, rows, slot, len(rows)))
+        return routed
 
     def _cpu_experts(self, routed: list[Routed]) -> set[int]:
         """The experts of this step the CPU computes: under Cold-Weights, the latency model's
@@ -116,14 +150,14 @@ class SparseMoeBlock(nn.Module):
         if self.cold is None:
             return set()
         layer, cache, latency = self.cold
-        uncached = [(e, len(t)) for e, t, _ in routed if (layer, e) not in cache]
+        uncached = [(r.expert, r.tokens) for r in routed if (layer, r.expert) not in cache]
         cached = len(routed) - len(uncached)
         return latency.cpu_experts(cached, uncached, overlap=cache.remote is not None)
 
     def _send_cpu_experts(
         self,
         x: torch.Tensor,
-        routed: list[tuple[int, torch.Tensor, torch.Tensor]],
+        routed: list[Routed],
         on_cpu: set[int],
     ) -> tuple[int, dict[int, torch.Tensor]] | None:
         """EXPERT_RUN for the experts in `on_cpu`, when the CPU daemon computes them:
@@ -131,7 +165,7 @@ class SparseMoeBlock(nn.Module):
         if self.cold is None or self.cold[1].remote is None or not on_cpu:
             return None
         layer, cache, _ = self.cold
-        jobs = {e: x[t] for e, t, _ in routed if e in on_cpu}
+        jobs = {r.expert: x[r.rows] for r in routed if r.expert in on_cpu}
         try:
             return cache.remote.submit(layer, list(jobs.items())), jobs  # type: ignore[union-attr]
         except RemoteDown as exc:
