@@ -88,13 +88,15 @@ class RoutingCount:
     """How often each expert of each layer is routed to (the skew figure)."""
 
     def __init__(self, blocks: list[SparseMoeBlock]) -> None:
+        # Counted where the router leaves its ids, so that counting adds no device sync.
         self.counts = [torch.zeros(b.num_experts, dtype=torch.long) for b in blocks]
-        for block, count in zip(blocks, self.counts, strict=True):
+        for i, block in enumerate(blocks):
             route = block.route
 
-            def counted(x: torch.Tensor, route=route, count=count):  # type: ignore[no-untyped-def]
+            def counted(x: torch.Tensor, route=route, i=i):  # type: ignore[no-untyped-def]
                 ids, weights = route(x)
-                count += torch.bincount(ids.flatten().cpu(), minlength=count.numel())
+                count = self.counts[i].to(ids.device)  # moved once, then in place
+                self.counts[i] = count.add_(torch.bincount(ids.flatten(), minlength=count.numel()))
                 return ids, weights
 
             block.route = counted  # type: ignore[method-assign]
@@ -102,7 +104,7 @@ class RoutingCount:
     def top2_share(self) -> float:
         """Share of routed tokens that went to each layer's two busiest experts (averaged)."""
         shares = [float(c.sort(descending=True).values[:2].sum() / max(int(c.sum()), 1))
-                  for c in self.counts]  # fmt: skip
+                  for c in (count.cpu() for count in self.counts)]  # fmt: skip
         return sum(shares) / len(shares)
 
 

@@ -81,11 +81,13 @@ class SparseMoeBlock(nn.Module):
         self.cold = (layer, cache, latency)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token)."""
+        """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token,
+        on x's device). With the gate on the CPU the same math runs on the host, and the ids
+        stay there: the host groups the tokens by expert from them."""
         logits = ops.linear(x, self.gate.weight)  # [T, E] in model dtype, as HF
-        if self.gate_on == "cpu":  # the same math on the host; the ids go back for indexing
+        if self.gate_on == "cpu":
             ids, weights = route_top_k(logits.cpu(), self.top_k)
-            return ids.to(x.device, non_blocking=True), weights.to(x.device, non_blocking=True)
+            return ids, weights.to(x.device, non_blocking=True)
         return route_top_k(logits, self.top_k)
 
     def run_expert(self, expert: int, x: torch.Tensor, on_cpu: bool = False) -> torch.Tensor:
@@ -105,7 +107,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        routed = self._group(ids)
+        routed = self._group(ids, x.device)
         on_cpu = self._cpu_experts(routed)
         # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
         # launched while it computes them, and only then is its answer awaited.
@@ -130,17 +132,17 @@ class SparseMoeBlock(nn.Module):
         return out
 
     @staticmethod
-    def _group(ids: torch.Tensor) -> list[Routed]:
-        """The step's experts in ascending order, each with its tokens. One token (decode at
-        batch 1) reads its k ids back once and gathers nothing; more find each expert's rows
-        on the device."""
+    def _group(ids: torch.Tensor, device: torch.device) -> list[Routed]:
+        """The step's experts in ascending order, each with its tokens (rows on `device`).
+        One token (decode at batch 1) reads its k ids back once and gathers nothing; more
+        find each expert's rows where the ids are."""
         if ids.shape[0] == 1:
             experts = ids[0].tolist()
             order = sorted(range(len(experts)), key=experts.__getitem__)
             return [Routed(experts[k], slice(None), k, 1) for k in order]
         routed = []
         for e in torch.unique(ids).tolist():
-            rows, slot = torch.where(ids == e)
+            rows, slot = (t.to(device) for t in torch.where(ids == e))
             routed.append(Routed(e, rows, slot, len(rows)))
         return routed
 
