@@ -9,14 +9,11 @@ $OUT/cpu_expert.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import time
 
 import torch
 
+from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.models.expert_format import PackedMatrices, swiglu_packed
 
 HIDDEN, INTER = 4096, 14336
@@ -39,11 +36,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(1, 2 * INTER, HIDDEN, generator=gen) * 0.02).bfloat16()
     down = (torch.randn(1, HIDDEN, INTER, generator=gen) * 0.02).bfloat16()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()  # fmt: skip
-    result = {"commit": commit, "cpu": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "ms": {}}  # fmt: skip
-    print(f"one mixtral-8x7b expert on the CPU, {torch.get_num_threads()} threads, commit {commit}")
+    machine = machine_info()
+    result = {"machine": machine, "threads": torch.get_num_threads(), "ms": {}}
+    threads, commit = torch.get_num_threads(), machine["commit"][:10]
+    print(f"one mixtral-8x7b expert on the CPU, {threads} threads, commit {commit}")
     for fmt in args.formats.split(","):
         gu = PackedMatrices.pack(gate_up, fmt)  # type: ignore[arg-type]
         dn = PackedMatrices.pack(down, fmt)  # type: ignore[arg-type]
@@ -53,10 +49,7 @@ def main() -> None:
             result["ms"][f"{fmt} tokens={tokens}"] = ms
             mb = (gu.matrix_bytes + dn.matrix_bytes) / 2**20
             print(f"  {fmt:6} {tokens:2} tokens {ms:8.1f} ms  ({mb:.1f} MiB stored)", flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "cpu_expert.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_out("cpu_expert.json", result)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ single config over all shapes; writes $OUT/gemv.json.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 
+from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.kernels.triton_gemv import GemvConfig, gemv
 
 SHAPES = {
@@ -91,10 +90,9 @@ def main() -> None:
     for s in SHAPES:
         r = results[s]
         print(f"  {s:8} cublas {r['cublas']:6.0f} GB/s  {best_all} {r[best_all]:6.0f} GB/s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "gemv.json"), "w") as f:
-            json.dump({"gb_per_s": results, "best_single": best_all}, f, indent=1)
+    write_out(
+        "gemv.json", {"gb_per_s": results, "best_single": best_all, "machine": machine_info()}
+    )
 
 
 if __name__ == "__main__":

@@ -10,14 +10,12 @@ ops dispatched per MoE layer; writes $OUT/moe_decode_cpu.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.models.moe import moe_blocks
@@ -47,17 +45,14 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         block(x)
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()  # fmt: skip
-    result = {"commit": commit, "format": args.format, "ms_per_token": min(runs),
+    machine = machine_info()
+    commit = machine["commit"][:10]
+    result = {"machine": machine, "format": args.format, "ms_per_token": min(runs),
               "runs_ms_per_token": runs, "top_level_ops_per_moe_layer": ops}  # fmt: skip
     listed = ", ".join(f"{r:.3f}" for r in runs)
     print(f"tiny-mixtral {args.format}, commit {commit}: {min(runs):.3f} ms per token "
           f"(runs {listed}), {ops} torch ops per MoE layer")  # fmt: skip
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "moe_decode_cpu.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_out("moe_decode_cpu.json", result)
 
 
 if __name__ == "__main__":

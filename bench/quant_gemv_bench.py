@@ -11,13 +11,12 @@ with the least time over an expert (gate_up + down); writes $OUT/quant_gemv.json
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 from gemv_bench import time_us  # bench/, beside this script
 
+from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.kernels.triton_quant_gemv import Int4Config, int4_linear, int8_linear
 from hybridgen.models.expert_format import GROUP, PackedMatrices
 
@@ -91,10 +90,7 @@ def main() -> None:
         best = min(expert, key=expert.__getitem__)
         print(f"one int4 expert at T={t}: best {best} {expert[best]:.1f} us, "
               f"default {expert[key(Int4Config())]:.1f} us")  # fmt: skip
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "quant_gemv.json"), "w") as f:
-            json.dump({"us": us, "gb_per_s": gbs}, f, indent=1)
+    write_out("quant_gemv.json", {"us": us, "gb_per_s": gbs, "machine": machine_info()})
 
 
 if __name__ == "__main__":

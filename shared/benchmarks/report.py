@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -44,6 +45,14 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def write_out(name: str, result: dict[str, Any]) -> None:
+    """result as JSON in $OUT/name, when OUT is set (the device tool's folder of results)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def print_table(result: dict[str, Any]) -> None:
