@@ -229,18 +229,14 @@ def plan_engine_memory(
         if c.warm_pool_mb:
             hot_tokens = min(length, c.max_num_batched_tokens + c.max_num_seqs * c.block_size)
         try:
-            plan = plan_memory(
-                weights, work(length, bool(c.warm_pool_mb)), budget, c.block_size, kv_block,
-                hot_tokens, blocks,
-            )  # fmt: skip
-            if c.warm_pool_mb:
-                # A prefill reads a Warm prefix in place only for a sequence too long for Hot
-                # alone (any other loads its prefix back first: scheduler.py). If Hot holds
-                # max_model_len without the room for that read, no sequence is: keep the blocks.
-                lean = plan_memory(weights, work(length, False), budget, c.block_size,
+            # A prefill reads a Warm prefix in place only for a sequence too long for Hot
+            # alone (any other loads its prefix back first: scheduler.py). The room for that
+            # read is planned only when Hot without it cannot hold max_model_len.
+            plan = plan_memory(weights, work(length, False), budget, c.block_size, kv_block,
+                               hot_tokens, blocks)  # fmt: skip
+            if c.warm_pool_mb and plan.num_blocks * c.block_size < length:
+                plan = plan_memory(weights, work(length, True), budget, c.block_size,
                                    kv_block, hot_tokens, blocks)  # fmt: skip
-                if lean.num_blocks * c.block_size >= length:
-                    plan = lean
             return plan, length
         except BudgetTooSmall:
             if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:

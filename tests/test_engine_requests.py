@@ -172,3 +172,9 @@ def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() 
     assert plan(318, 64) == plan(318, 0)
     blocks, workspace = plan(315, 64)
     assert blocks * 16 < 65536 and workspace > plan(318, 0)[1]
+    # A budget whose pure Hot holds max_model_len is enough with a Warm tier too, even when
+    # the read room would not fit in it (a 4-layer model, where that room costs the most).
+    lean = Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=94,
+                               max_model_len=1024, warm_pool_mb=4))  # fmt: skip
+    lean.release()
+    assert lean.plan.num_blocks * 16 >= 1024
