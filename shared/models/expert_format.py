@@ -40,6 +40,11 @@ GROUP = 64
 """Input values per int4 scale and zero."""
 ROW_BLOCK = 64
 """Output rows per block of the int4 layout."""
+INT4_SHAPES = (
+    f"int4 needs each expert matrix's inputs in groups of {GROUP} and outputs in blocks of "
+    f"{ROW_BLOCK}"
+)
+"""What an expert matrix's shape must allow for int4 (the error's first half)."""
 
 
 class PackedMatrices:
@@ -59,11 +64,8 @@ class PackedMatrices:
             s = x.abs().amax(-1).clamp_min(1e-12) / 127  # [E, out]
             q = torch.round(x / s[..., None]).clamp(-127, 127).to(torch.int8)
             return cls(fmt, {"q": q, "s": s}, w.dtype)
-        if w.shape[-1] % GROUP or w.shape[-2] % ROW_BLOCK:
-            raise ValueError(
-                f"int4 experts need in_features divisible by {GROUP} and out_features by "
-                f"{ROW_BLOCK}, got [out, in] = {list(w.shape[-2:])}"
-            )
+        if not _int4_fits(*w.shape[-2:]):
+            raise ValueError(f"{INT4_SHAPES}; got [out, in] = {list(w.shape[-2:])}")
         g = x.unflatten(-1, (-1, GROUP))  # [E, out, in / G, G]
         lo, hi = g.amin(-1), g.amax(-1)
         # scale and zero as stored; the codes are taken against the rounded values.
@@ -157,12 +159,13 @@ def unsupported(fmt: Format, hidden: int, intermediate: int) -> str | None:
     if fmt != "int4":
         return None
     for name, out, in_ in (("gate_up", 2 * intermediate, hidden), ("down", hidden, intermediate)):
-        if in_ % GROUP or out % ROW_BLOCK:
-            return (
-                f"int4 needs each expert matrix's inputs in groups of {GROUP} and outputs in "
-                f"blocks of {ROW_BLOCK}; {name} is [{out}, {in_}]"
-            )
+        if not _int4_fits(out, in_):
+            return f"{INT4_SHAPES}; {name} is [{out}, {in_}]"
     return None
+
+
+def _int4_fits(out: int, in_: int) -> bool:
+    return in_ % GROUP == 0 and out % ROW_BLOCK == 0
 
 
 def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
