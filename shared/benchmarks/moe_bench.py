@@ -216,11 +216,12 @@ def _draw_baseline_weights(model: torch.nn.Module, draw_on: torch.device) -> Non
     progress = hlog.Progress("baseline_weights", len(params), unit="tensors")
     with torch.no_grad():
         for i, p in enumerate(params):
-            if p.dim() == 1:
+            if p.dim() == 1:  # norms
                 p.fill_(1.0)
-            for part in p.split(1) if p.dim() > 2 else [p] if p.dim() > 1 else []:
-                drawn = torch.empty(part.shape, dtype=part.dtype, device=draw_on)
-                part.copy_(drawn.normal_(0.0, 0.02, generator=gen))
+            else:  # an expert stack [E, out, in] one expert at a time
+                for part in p.split(1) if p.dim() > 2 else [p]:
+                    drawn = torch.empty(part.shape, dtype=part.dtype, device=draw_on)
+                    part.copy_(drawn.normal_(0.0, 0.02, generator=gen))
             progress.update(i + 1)
 
 
