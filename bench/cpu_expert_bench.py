@@ -9,24 +9,15 @@ $OUT/cpu_expert.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
 import torch
 
 from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.models.expert_format import PackedMatrices, swiglu_packed
+from hybridgen.timing import best_of
 
 HIDDEN, INTER = 4096, 14336
-
-
-def best_ms(fn, runs: int = 3) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def main() -> None:
@@ -45,7 +36,8 @@ def main() -> None:
         dn = PackedMatrices.pack(down, fmt)  # type: ignore[arg-type]
         for tokens in (1, 16):
             x = torch.randn(tokens, HIDDEN, generator=gen).bfloat16()
-            ms = best_ms(lambda x=x, gu=gu, dn=dn: swiglu_packed(x, gu, dn, 0))
+            run = functools.partial(swiglu_packed, x, gu, dn, 0)
+            ms = best_of(3, run, torch.device("cpu")) * 1e3
             result["ms"][f"{fmt} tokens={tokens}"] = ms
             mb = (gu.matrix_bytes + dn.matrix_bytes) / 2**20
             print(f"  {fmt:6} {tokens:2} tokens {ms:8.1f} ms  ({mb:.1f} MiB stored)", flush=True)

@@ -1,5 +1,6 @@
 """The one timer of the start-up measurements: the op-region timings (gpu_daemon/region_timing.py)
-and the Cold-Weights latency model's calibration (models/expert_latency.py)."""
+and the Cold-Weights latency model's calibration (models/expert_latency.py); the CPU expert
+benchmark (bench/cpu_expert_bench.py) times with it too, so it times what the model sees."""
 
 from __future__ import annotations
 
