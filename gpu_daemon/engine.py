@@ -87,6 +87,17 @@ class Engine:
             host_experts,
             config.shm_instance,
         )
+        self.warm: WarmTier | None = None
+        try:
+            self._start()
+        except BaseException:  # the engine never existed: its host memory goes with it
+            self._free_host_memory()
+            raise
+
+    def _start(self) -> None:
+        """Everything after loading: the expert cache, the memory plan, the Warm tier, the
+        runner, the scheduler and the start-up measurements."""
+        config = self.config
         spec = self.spec = self.loaded.model.spec
         self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(
             config, self.loaded.model, self.device
@@ -156,28 +167,22 @@ class Engine:
 
     def _runner(self) -> ModelRunner:
         """attn_warm placed (its timing must come before the KV pool), then the model runner
-        with the KV pool and the CUDA graphs; on failure the Warm pool is unpinned and
-        unmapped: the engine never existed."""
+        with the KV pool and the CUDA graphs."""
         config = self.config
-        try:
-            if self.warm is not None:
-                self.measured.update(place_attn_warm(self.warm, config, self.device))
-            self._check_reach()
-            return ModelRunner(
-                self.loaded.model,
-                self.spec,
-                self.plan.num_blocks,
-                config.block_size,
-                self.max_model_len,
-                self.device,
-                graph_batch_size(config, self.spec),
-                config.hot_codec,
-                self.warm,
-            )
-        except BaseException:
-            if self.warm is not None:
-                self.warm.close()
-            raise
+        if self.warm is not None:
+            self.measured.update(place_attn_warm(self.warm, config, self.device))
+        self._check_reach()
+        return ModelRunner(
+            self.loaded.model,
+            self.spec,
+            self.plan.num_blocks,
+            config.block_size,
+            self.max_model_len,
+            self.device,
+            graph_batch_size(config, self.spec),
+            config.hot_codec,
+            self.warm,
+        )
 
     def tier_stats(self) -> dict[str, float | int]:
         """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and
@@ -374,16 +379,21 @@ class Engine:
     def release(self) -> None:
         """Free the weights, the KV pool and the graphs, and lift the memory cap; the engine
         cannot be used afterwards."""
-        arena = self.loaded.expert_arena if self._owns_loaded else None
-        del self.runner, self.loaded
-        if self.warm is not None:
-            self.warm.close()
-        if arena is not None:
-            arena.close()
+        del self.runner
+        self._free_host_memory()
+        del self.loaded
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def _free_host_memory(self) -> None:
+        """Unpin and unlink the Warm pool and, when this engine loaded the model, the shared
+        expert arena."""
+        if self.warm is not None:
+            self.warm.close()
+        if self._owns_loaded and self.loaded.expert_arena is not None:
+            self.loaded.expert_arena.close()
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """fp32 logits [V] after the whole prompt, in one pass outside the scheduler (for

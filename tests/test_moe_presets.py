@@ -111,3 +111,16 @@ def test_shared_memory_must_hold_the_pool_and_the_arena(monkeypatch: pytest.Monk
     config = EngineConfig(model="tiny-mixtral", device="cpu", warm_pool_mb=16)
     with pytest.raises(BudgetTooSmall, match=r"/dev/shm has 8 MiB free.*Warm pool \(16 MiB"):
         Engine(config)
+
+
+def test_an_engine_that_fails_to_start_unlinks_its_expert_arena(instance: str) -> None:
+    """The expert arena is made while loading; a budget too small for one expert then stops
+    the engine, which must not leave the arena in /dev/shm."""
+    from pathlib import Path
+
+    config = EngineConfig(model="tiny-mixtral", device="cpu", gpu_memory_mb=64,
+                          expert_cache_slots="auto", expert_format="int4",
+                          shm_instance=instance)  # fmt: skip
+    with pytest.raises(BudgetTooSmall, match="not even one expert fits"):
+        Engine(config)
+    assert not list(Path("/dev/shm").glob(f"hybridgen-{instance}-*"))
