@@ -132,7 +132,7 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     instance = config.shm_instance
     engine = worker = client = None
-    try:  # an engine that fails to start may have made the arena already
+    try:
         engine = Engine(config)
         assert engine.experts is not None
         if instance is not None:
