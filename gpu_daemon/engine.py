@@ -109,7 +109,8 @@ class Engine:
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, self.plan.budget / total), self.device
             )
-        self.warm = self._warm_tier()
+        if config.warm_pool_mb > 0:
+            self.warm = WarmTier.from_config(config, spec, self.device)
         self.runner = self._runner()
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         offload = None
@@ -145,24 +146,6 @@ class Engine:
             dtype=str(spec.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             **self.plan.summary(),
-        )
-
-    def _warm_tier(self) -> WarmTier | None:
-        """The Warm tier (kv_cache.warm_region_mb), attn_warm placed; None without one."""
-        config, spec = self.config, self.spec
-        if config.warm_pool_mb <= 0:
-            return None
-        return WarmTier(
-            spec,
-            config.block_size,
-            config.warm_codec,
-            config.warm_pool_mb,
-            config.attn_warm,
-            config.warm_split,
-            self.device,
-            config.shm_instance,
-            config.cold_threshold_ms,
-            config.kv_codec_placement,
         )
 
     def _runner(self) -> ModelRunner:

@@ -46,6 +46,7 @@ from hybridgen.cpu_daemon.warm_attention import (
     warm_decode_attention,
 )
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
+from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.cold_store import ColdStore
 from hybridgen.gpu_daemon.tuner import Tuner
 from hybridgen.gpu_daemon.warm_context import WarmContext
@@ -67,6 +68,23 @@ cost seconds, more than recomputing them)."""
 
 class WarmTier:
     """The Warm pool of one engine and the Hot <-> Warm moves."""
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, device: torch.device) -> WarmTier:
+        """The tier `config` asks for (kv_cache.warm_region_mb > 0; attn_warm, its codec and
+        kv_codec placement, the cold threshold, the shared-memory instance)."""
+        return cls(
+            spec,
+            config.block_size,
+            config.warm_codec,
+            config.warm_pool_mb,
+            config.attn_warm,
+            config.warm_split,
+            device,
+            config.shm_instance,
+            config.cold_threshold_ms,
+            config.kv_codec_placement,
+        )
 
     def __init__(
         self,
