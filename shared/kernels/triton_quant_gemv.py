@@ -41,14 +41,14 @@ BLOCK_K = 256
 
 @dataclass(frozen=True)
 class Int4Config:
-    """Tiles and launch shape of one int4 launch. The default is unmeasured on a GPU so far:
-    a [128, 32]-byte run per K tile, whose two [128, 32] fp32 accumulators over 8 warps hold
-    as many values per thread as triton_gemv's tuned [16, 256] over 4; `splits` None picks
-    by `int4_splits`. bench/quant_gemv_bench.py sweeps them on the device."""
+    """Tiles and launch shape of one int4 launch; `splits` None picks by `int4_splits`. The
+    default is bench/quant_gemv_bench.py's best on the H200 for one mixtral-8x7b expert at
+    one token (a [256, 32]-byte run per K tile, 4 warps, 2 stages): 134 us against 182 for
+    the [128, 32] over 8 warps first chosen (bench/results/quant_gemv_h200.json, 32228df)."""
 
-    block_k: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
     splits: int | None = None
 
 
@@ -139,10 +139,14 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
 
 
 def int4_splits(n: int, k: int, block_k: int = Int4Config.block_k) -> int:
-    """K splits for an [n, k] int4 matrix: enough programs for the H200's 132 SMs twice over
-    (down_proj, n = 4096: 64 blocks, 4 splits), never a split shorter than 4 tiles."""
+    """K splits for an [n, k] int4 matrix. One with fewer blocks of 64 rows than two per SM of
+    the H200's 132 is split so that some 512 programs run: down_proj (n = 4096, 64 blocks)
+    in 8, 44 us against 54 in 5 and 119 unsplit at one token (bench/quant_gemv_bench.py);
+    gate_up's 448 blocks stay whole (81 us, 86 in 2). Never a split shorter than 4 tiles."""
     blocks = n // 64
-    return max(1, min(-(-264 // blocks), k // (4 * block_k)))
+    if blocks >= 264:
+        return 1
+    return max(1, min(-(-512 // blocks), k // (4 * block_k)))
 
 
 def int4_linear(
