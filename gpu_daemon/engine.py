@@ -32,7 +32,12 @@ from hybridgen.gpu_daemon.model_runner import (
 from hybridgen.gpu_daemon.request_output import Completion, RequestOutput
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
-from hybridgen.gpu_daemon.startup import measure_regions, place_attn_warm, setup_moe
+from hybridgen.gpu_daemon.startup import (
+    measure_regions,
+    place_attn_warm,
+    place_moe_gate_measured,
+    setup_moe,
+)
 from hybridgen.gpu_daemon.tuner import Tuner
 
 # InvalidRequest lives with the checks; importers keep finding it here.
@@ -154,6 +159,9 @@ class Engine:
         config = self.config
         if self.warm is not None:
             self.measured.update(place_attn_warm(self.warm, config, self.device))
+        graph_batch = graph_batch_size(config, self.spec)
+        graphed = bool(graph_batch) and self.device.type == "cuda"
+        self.measured.update(place_moe_gate_measured(self, graphed))
         self._check_reach()
         return ModelRunner(
             self.loaded.model,
@@ -162,7 +170,7 @@ class Engine:
             config.block_size,
             self.max_model_len,
             self.device,
-            graph_batch_size(config, self.spec),
+            graph_batch,
             config.hot_codec,
             self.warm,
         )

@@ -110,10 +110,15 @@ def workspace_bytes(
     rope = 2 * max_model_len * spec.head_dim * 4
     graphs = 0
     if graph_batch:
-        # Every captured size keeps its logits output; the pool also holds one set of decode
-        # activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3) streams used.
+        # Every captured size keeps its logits output, and a MoE model's every layer's MLP
+        # input, residual and router weights (moe_graphs.py); the pool also holds one set of
+        # decode activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3)
+        # streams used.
+        kept = v * 4
+        if spec.num_local_experts:
+            kept += spec.num_layers * (2 * h * e + 4 * spec.num_experts_per_tok)
         sizes = graph_sizes(graph_batch)
-        graphs = sum(sizes) * v * 4 + graph_batch * per_token * 2 + 3 * 32 * MIB
+        graphs = sum(sizes) * kept + graph_batch * per_token * 2 + 3 * 32 * MIB
     return int((step + gather + rope) * 1.25 + graphs) + 64 * MIB
 
 
@@ -169,9 +174,9 @@ def budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 def graph_batch_size(config: EngineConfig, spec: ModelSpec) -> int:
-    """Largest decode batch captured in a CUDA graph; 0: none. MoE layers pick their experts
-    on the host (a sync per layer), which a graph cannot capture, so they run eagerly."""
-    if not config.cuda_graphs or spec.num_local_experts:
+    """Largest decode batch captured in CUDA graphs (a MoE model's piecewise, between the
+    layers' expert picks: moe_graphs.py); 0: none."""
+    if not config.cuda_graphs:
         return 0
     return min(config.max_graph_batch, config.max_num_seqs)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hybridgen.gpu_daemon.cuda_graphs import DecodeGraphs
+from hybridgen.gpu_daemon.moe_graphs import MoeDecodeGraphs
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch
 from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.gpu_daemon.warm_tier import WarmTier
@@ -70,8 +71,12 @@ class ModelRunner:
         )
         self.rope = (cos.to(device), sin.to(device))
         self.sampler = Sampler()
-        self.graphs: DecodeGraphs | None = None
-        if graph_batch and device.type == "cuda":
+        self.graphs: DecodeGraphs | MoeDecodeGraphs | None = None
+        if graph_batch and device.type == "cuda" and spec.num_local_experts:
+            self.graphs = MoeDecodeGraphs(
+                model, self.kv_caches, self.rope, graph_batch, self.max_blocks, device
+            )
+        elif graph_batch and device.type == "cuda":
             self.graphs = DecodeGraphs(self._decode_logits, graph_batch, self.max_blocks, device)
 
     def kv_bytes(self) -> int:

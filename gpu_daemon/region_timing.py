@@ -1,7 +1,8 @@
 """Timing the switchable op-regions both ways at given shapes (DESIGN.md "Op-Regions"): what
 hybridgen-profiler records offline (tools/profiler.py) and what the engine measures at start
-for the regions nothing else places (gpu_daemon/startup.py: measure_regions, and
-place_attn_warm over 512 blocks of one layer, before the KV pool is allocated).
+for the regions nothing else places (gpu_daemon/startup.py: measure_regions,
+place_moe_gate_measured before the decode graphs are captured, and place_attn_warm over 512
+blocks of one layer, before the KV pool is allocated).
 
     attn_warm  CPU partial over the Warm blocks vs the device's (WarmTier.device_partial), all
                layers; placed by choose_placement (cpu, gpu, or split with a share)
@@ -19,9 +20,12 @@ Each figure is the best of `runs` after a warm-up, host time with the device syn
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
+from hybridgen.gpu_daemon.moe_graphs import HostPick, Piece
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.sampling.candidates import Candidates, sample_candidates
@@ -172,18 +176,37 @@ def profile_kv_codec(warm: WarmTier, runs: int) -> RegionProfile:
     return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)
 
 
-def profile_moe_gate(block: SparseMoeBlock, tokens: int, runs: int) -> RegionProfile:
+def profile_moe_gate(
+    block: SparseMoeBlock, tokens: int, runs: int, graphed: bool = False
+) -> RegionProfile:
     """One router's pick for `tokens` tokens, both ways, up to the expert ids on the host
-    (SparseMoeBlock.forward needs them there to loop over the experts)."""
+    (SparseMoeBlock.combine needs them there to loop over the experts). `graphed`: the decode
+    runs from CUDA graphs (moe_graphs.py), so the device part is timed as a replayed graph."""
     weight = block.gate.weight
     x = _randn(max(1, tokens), weight.shape[1], dtype=weight.dtype, device=weight.device, seed=6)
     saved, figures = block.gate_on, {}
     try:
         for side in ("cpu", "gpu"):
             block.gate_on = side
-            figures[f"{side}_ms"] = best_of(runs, lambda: block.route(x)[0].tolist(), x.device)
+            pick = _graphed_pick(block, x) if graphed else lambda: block.route(x)[0].tolist()
+            figures[f"{side}_ms"] = best_of(runs, pick, x.device)
     finally:
         block.gate_on = saved
     cpu_ms, gpu_ms = figures["cpu_ms"] * 1e3, figures["gpu_ms"] * 1e3
     measured = {"cpu_ms": cpu_ms, "gpu_ms": gpu_ms, "tokens": max(1, tokens)}
+    measured["graphed"] = float(graphed)
     return RegionProfile("cpu" if cpu_ms < gpu_ms else "gpu", None, measured)
+
+
+def _graphed_pick(block: SparseMoeBlock, x: torch.Tensor) -> Callable[[], list[list[int]]]:
+    """The router's pick on x as a graphed decode makes it at block.gate_on: a replayed
+    graph up to HostPick.send, a sync, HostPick.read."""
+    pick = HostPick(block, x.shape[0], x.device)
+    piece = Piece(lambda: (pick.send(block.router_logits(x)),), torch.cuda.graph_pool_handle())
+
+    def run() -> list[list[int]]:
+        (weights,) = piece.run()
+        torch.cuda.current_stream(x.device).synchronize()
+        return pick.read(x.shape[0], weights)[0].tolist()
+
+    return run

@@ -4,8 +4,10 @@
                       cache, sized from the budget with expert_cache_slots: auto
     place_attn_warm   attn_warm unpinned: both sides timed over synthetic Warm blocks, before
                       the KV pool is allocated
-    measure_regions   sample, kv_codec and moe_gate unpinned and unprofiled: both sides timed
-                      at the live shapes, each placed on the faster one
+    place_moe_gate_measured   moe_gate unpinned and unprofiled: both sides timed, before the
+                      decode graphs capture where the routers pick
+    measure_regions   sample and kv_codec unpinned and unprofiled: both sides timed at the
+                      live shapes, each placed on the faster one
 
 The timers are gpu_daemon/region_timing.py's, the ones hybridgen-profiler uses offline. On a
 CPU-only engine both sides are the CPU, so nothing is timed unless a test asks
@@ -123,16 +125,34 @@ def place_attn_warm(
     return {"attn_warm": r}
 
 
-def measure_regions(engine: Engine) -> dict[str, RegionProfile]:
-    """Time sample, kv_codec and moe_gate both ways and place each on the faster side,
-    unless the config pinned it or a profile placed it (config.measure_regions says
-    where)."""
-    config, measured = engine.config, {}
+def unplaced_regions(engine: Engine) -> set[str]:
+    """Of sample, kv_codec and moe_gate, those the engine times at start: neither pinned nor
+    placed by a profile, when config.measure_regions (default: on CUDA) asks for it."""
+    config = engine.config
     on = config.measure_regions
     if config.mode == "pure_gpu" or not (on or (on is None and engine.device.type == "cuda")):
-        return {}
-    free = {"sample", "kv_codec", "moe_gate"} - set(config.pinned_regions + config.profiled_regions)
+        return set()
+    return {"sample", "kv_codec", "moe_gate"} - set(config.pinned_regions + config.profiled_regions)
+
+
+def place_moe_gate_measured(engine: Engine, graphed: bool) -> dict[str, RegionProfile]:
+    """moe_gate timed both ways and placed, when unplaced; before the decode graphs are
+    captured (`graphed`: they will be, so the router is timed as a graph replays it)."""
     blocks = moe_blocks(engine.loaded.model)
+    if "moe_gate" not in unplaced_regions(engine) or not blocks:
+        return {}
+    with torch.inference_mode():
+        r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS, graphed)
+    place_moe_gate(engine.loaded.model, r.placement)
+    log.info("region_measured", region="moe_gate", placement=r.placement, **r.measured)
+    return {"moe_gate": r}
+
+
+def measure_regions(engine: Engine) -> dict[str, RegionProfile]:
+    """Time sample and kv_codec both ways and place each on the faster side, unless the
+    config pinned it or a profile placed it (config.measure_regions says where)."""
+    config, measured = engine.config, {}
+    free = unplaced_regions(engine)
     with torch.inference_mode():
         if "sample" in free:
             batch = min(config.max_num_seqs, START_SAMPLE_BATCH)
@@ -144,10 +164,6 @@ def measure_regions(engine: Engine) -> dict[str, RegionProfile]:
             r = profile_kv_codec(engine.warm, START_RUNS)
             engine.warm.codec_on = r.placement
             measured["kv_codec"] = r
-        if "moe_gate" in free and blocks:
-            r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS)
-            place_moe_gate(engine.loaded.model, r.placement)
-            measured["moe_gate"] = r
     for name, r in measured.items():
         log.info("region_measured", region=name, placement=r.placement, **r.measured)
     return measured

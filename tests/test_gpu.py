@@ -13,6 +13,7 @@ import torch
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import memory_info
+from hybridgen.gpu_daemon.moe_graphs import MoeDecodeGraphs
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, sample_prompts
 
@@ -137,9 +138,10 @@ def test_warm_tier_on_cuda_matches_hf(checkpoint, mode: str) -> None:  # type: i
 
 
 def test_cold_weights_on_cuda_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """fp32 Mixtral on the GPU with its experts in host memory and a 4-slot device cache:
-    HF's greedy tokens, with experts both computed on the CPU and fetched into the cache.
-    test_cold_weights.py covers the same paths with the engine on the CPU."""
+    """fp32 Mixtral on the GPU with its experts in host memory and a 4-slot device cache,
+    decoded from piecewise CUDA graphs: HF's greedy tokens, with experts both computed on the
+    CPU and fetched into the cache. test_cold_weights.py covers the same paths with the engine
+    on the CPU, test_moe_graphs.py the pieces run eagerly."""
     path = checkpoint("mixtral")
     prompts = sample_prompts(path, 3, [7, 29, 83])
     expected = hf_greedy(path, prompts, 24)
@@ -151,6 +153,7 @@ def test_cold_weights_on_cuda_matches_hf(checkpoint) -> None:  # type: ignore[no
         expert_cpu_max_tokens=1,
     )
     engine = Engine(config)
+    assert isinstance(engine.runner.graphs, MoeDecodeGraphs)  # decode from piecewise graphs
     got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     stats = engine.moe_stats()
     engine.release()

@@ -3,6 +3,7 @@ through the engine, and the router and sparse MoE block alone on random hidden s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.cuda_graphs import graph_sizes
 from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.memory import graph_batch_size
+from hybridgen.gpu_daemon.memory import graph_batch_size, workspace_bytes
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.loader import copy_weights, load_model
 from hybridgen.models.moe import SparseMoeBlock
@@ -124,8 +126,22 @@ def test_bad_expert_config_names_the_key(checkpoint, tmp_path: Path) -> None:  #
         parse_config(bad)
 
 
-def test_moe_models_decode_without_cuda_graphs(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """The MoE block picks its experts on the host, which a CUDA graph cannot capture."""
+def test_moe_models_decode_from_piecewise_graphs_counted_in_the_plan(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """MoE decode is captured too, piecewise (moe_graphs.py), and the memory plan counts what
+    its pieces keep: each layer's MLP input, residual and router weights per captured size."""
     config = EngineConfig(max_num_seqs=8)
-    assert graph_batch_size(config, parse_config(checkpoint("mixtral") / "config.json")) == 0
-    assert graph_batch_size(config, parse_config(checkpoint("llama3") / "config.json")) == 8
+    spec = parse_config(checkpoint("mixtral") / "config.json")
+    assert graph_batch_size(config, spec) == 8
+    assert graph_batch_size(EngineConfig(max_num_seqs=8, cuda_graphs=False), spec) == 0
+
+    def workspace(graph_batch: int) -> int:
+        return workspace_bytes(spec, spec.dtype, 64, 8, 512, graph_batch)
+
+    dense = dataclasses.replace(spec, num_local_experts=0)
+    kept = spec.num_layers * (2 * spec.hidden_size * spec.dtype.itemsize + 4 * 2)
+    sizes = sum(graph_sizes(8))  # 1 + 2 + 4 + 8
+    moe_graphs = workspace(8) - workspace(0)
+    dense_graphs = workspace_bytes(dense, spec.dtype, 64, 8, 512, 8) - workspace_bytes(
+        dense, spec.dtype, 64, 8, 512, 0
+    )
+    assert moe_graphs - dense_graphs == sizes * kept

@@ -156,11 +156,22 @@ class DecoderLayer(nn.Module):
         kv: ops.KvCache,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attend(x, residual, batch, kv, rope)
+        return self.mlp(x), residual
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: AttentionBatch,
+        kv: ops.KvCache,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP: (the MLP's normed input [T, H], the residual stream)."""
         # HF order: residual add in model dtype, then RMSNorm; fused into one op here.
         x, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
         x = self.self_attn(x, batch, kv, rope)
-        x, residual = ops.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
+        return ops.add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
 
 
 class CausalLM(nn.Module):
@@ -188,8 +199,11 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, batch, kv, rope)
-        x, _ = ops.add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)
-        return x
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's output and the residual stream -> final hidden states [T, H]."""
+        return ops.add_rms_norm(x, residual, self.norm, self.spec.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in float32 (the LM head runs in model dtype, as HF)."""

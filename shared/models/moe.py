@@ -84,11 +84,15 @@ class SparseMoeBlock(nn.Module):
         """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token,
         on x's device). With the gate on the CPU the same math runs on the host, and the ids
         stay there: the host groups the tokens by expert from them."""
-        logits = ops.linear(x, self.gate.weight)  # [T, E] in model dtype, as HF
+        logits = self.router_logits(x)
         if self.gate_on == "cpu":
             ids, weights = route_top_k(logits.cpu(), self.top_k)
             return ids, weights.to(x.device, non_blocking=True)
         return route_top_k(logits, self.top_k)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> every expert's score [T, E], in the model dtype as HF."""
+        return ops.linear(x, self.gate.weight)
 
     def run_expert(self, expert: int, x: torch.Tensor, on_cpu: bool = False) -> torch.Tensor:
         """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]; with Cold-Weights
@@ -106,7 +110,11 @@ class SparseMoeBlock(nn.Module):
         return cache.run(slot, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
+        return self.combine(x, *self.route(x))
+
+    def combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' outputs on x [T, H], weighted and summed -> [T, H]. ids [T, k]
+        on the host or x's device (route()'s), weights [T, k] on x's device."""
         routed = self._group(ids, x.device)
         on_cpu = self._cpu_experts(routed)
         # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
