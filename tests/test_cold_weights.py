@@ -183,6 +183,55 @@ def test_overlapped_cpu_takes_the_experts_that_end_the_layer_sooner() -> None:
     assert pinned.cpu_experts(0, [(1, 1), (2, 2)], overlap=True) == {1}
 
 
+def test_observed_cpu_times_move_the_placement() -> None:
+    """The B4 case on the H200 (bench/results/moe_step_profile.json): timed idle at start a
+    CPU expert (1.5 ms) beats a fetch plus a call (2.0 ms), but served beside the engine it
+    took 2.35 ms. Observations pull cpu_scale toward what the CPU really takes (one outlier
+    counts at most CPU_SCALE_LIMIT), and a lone miss beside a cached expert is then fetched;
+    of two misses one still goes to the CPU, which runs beside the device."""
+    from hybridgen.models.expert_latency import CPU_SCALE_LIMIT
+
+    model = LatencyModel(0.9e-3, 0.6e-3, 1e9, 1_830_000, gpu_s=0.17e-3)
+    assert model.cpu_experts(1, [(4, 1)], overlap=True) == {4}
+    assert model.cpu_max_tokens == 1
+    for _ in range(40):
+        model.observe_cpu(2, 2, 2 * 2.35e-3)  # two experts of one token each, 2.35 ms apiece
+    assert model.cpu_scale == pytest.approx(2.35 / 1.5, rel=0.02)
+    assert model.cpu_s(1) == pytest.approx(2.35e-3, rel=0.02)
+    assert model.cpu_experts(1, [(4, 1)], overlap=True) == set()
+    assert len(model.cpu_experts(0, [(4, 1), (6, 1)], overlap=True)) == 1
+    assert model.cpu_max_tokens == 0 and model.figures()["cpu_scale"] == model.cpu_scale
+    model.observe_cpu(1, 1, 10.0)  # a stall
+    assert model.cpu_scale < 2.35 / 1.5 + 0.1 * CPU_SCALE_LIMIT
+
+
+def test_served_cpu_experts_are_observed(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The engine's own CPU experts feed the latency model, and each step's routing is
+    counted per (layer, expert)."""
+    path = checkpoint("mixtral")
+    config = EngineConfig(
+        model=str(path), device="cpu", expert_cache_slots=SLOTS, expert_cpu_max_tokens=1
+    )
+    engine = Engine(config)
+    assert engine.experts is not None
+    latency = engine.experts[1]
+    calls = []
+    observe = latency.observe_cpu
+    latency.observe_cpu = lambda *a: (calls.append(a), observe(*a))[1]  # type: ignore[method-assign]
+    engine.generate(_prompts(path), GREEDY)
+    stats = engine.moe_stats()
+    cache = engine.experts[0]
+    engine.release()
+    assert len(calls) == stats["cpu_experts"] and all(c[2] > 0 for c in calls)
+    routed = cache.stats.routed
+    spec = engine.spec
+    assert {layer for layer, _ in routed} == set(range(spec.num_layers))
+    assert 2 / spec.num_local_experts <= stats["top2_share"] <= 1.0
+    prompt_tokens = sum(len(p) for p in _prompts(path))
+    per_layer = (prompt_tokens + 3 * (NEW_TOKENS - 1)) * spec.num_experts_per_tok
+    assert sum(t for (layer, _), t in routed.items() if layer == 0) == per_layer
+
+
 def test_calibration_is_affine_and_takes_configured_bandwidths() -> None:
     """The CPU is timed at 1 and 16 tokens (a fixed read plus a cost per token); a configured
     host or device bandwidth replaces the measured weight-read time."""

@@ -37,9 +37,13 @@ CALIBRATION_TOKENS = (1, 16)
 """The two token counts the CPU is timed at."""
 RUNS = 3
 """Timed calls per figure (the shortest counts)."""
+CPU_SCALE_WEIGHT = 0.1
+"""Weight of each observation in LatencyModel.cpu_scale's moving average."""
+CPU_SCALE_LIMIT = 8.0
+"""One observation counts as at most this factor either way (a page fault, a stall)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class LatencyModel:
     """CPU compute time against transfer time of one expert, as a function of its tokens."""
 
@@ -55,25 +59,38 @@ class LatencyModel:
     """One call of a fetched expert on the device."""
     max_cpu_tokens_override: int | None = None
     """config cold_weights.cpu_max_tokens: a fixed crossover instead of the timings."""
+    cpu_scale: float = 1.0
+    """What the CPU's experts have really taken against cpu_fixed_s + t * cpu_s_per_token,
+    a moving average (observe_cpu): the start-up timing runs on an idle host, while serving
+    the CPU computes beside the engine's own thread and, under the daemons, behind a ring."""
+
+    def observe_cpu(self, calls: int, tokens: int, seconds: float) -> None:
+        """One layer's CPU experts, `calls` of them with `tokens` routed tokens in all, took
+        `seconds` from their hand-over to their answer."""
+        predicted = calls * self.cpu_fixed_s + tokens * self.cpu_s_per_token
+        if predicted > 0:
+            ratio = min(max(seconds / predicted, 1 / CPU_SCALE_LIMIT), CPU_SCALE_LIMIT)
+            self.cpu_scale += CPU_SCALE_WEIGHT * (ratio - self.cpu_scale)
 
     @property
     def fetch_s(self) -> float:
         return self.expert_bytes / self.pcie_bytes_per_s
 
     def cpu_s(self, tokens: int) -> float:
-        return self.cpu_fixed_s + tokens * self.cpu_s_per_token
+        return (self.cpu_fixed_s + tokens * self.cpu_s_per_token) * self.cpu_scale
 
     @property
     def cpu_max_tokens(self) -> int:
         """Most tokens an uncached expert may have and still run on the CPU."""
         if self.max_cpu_tokens_override is not None:
             return self.max_cpu_tokens_override
-        spare = self.fetch_s + self.gpu_s - self.cpu_fixed_s  # what the tokens may cost
+        spare = self.fetch_s + self.gpu_s - self.cpu_s(0)  # what the tokens may cost
         if spare <= 0:
             return 0
         if self.cpu_s_per_token <= 0:
             return 2**31 - 1
-        return max(math.ceil(spare / self.cpu_s_per_token) - 1, 0)  # the largest t below
+        per_token = self.cpu_s_per_token * self.cpu_scale
+        return max(math.ceil(spare / per_token) - 1, 0)  # the largest t below
 
     def cpu_experts(self, cached: int, uncached: list[tuple[int, int]], overlap: bool) -> set[int]:
         """Which of a layer's uncached experts, (id, routed tokens), the CPU computes, beside
@@ -100,6 +117,7 @@ class LatencyModel:
             "cpu_us_per_token": self.cpu_s_per_token * 1e6,
             "fetch_us": self.fetch_s * 1e6,
             "gpu_us": self.gpu_s * 1e6,
+            "cpu_scale": self.cpu_scale,
             "cpu_max_tokens": self.cpu_max_tokens,
         }
 

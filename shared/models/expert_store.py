@@ -21,7 +21,7 @@ Both paths compute the same SwiGLU in the model dtype from the same stored weigh
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -58,10 +58,29 @@ class MoeStats:
     """(layer, expert) computations on the device from the cache (hits + misses)."""
     bytes_h2d: int = 0
     """Expert bytes copied host -> device."""
+    routed: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Tokens routed to each (layer, expert)."""
+
+    def count_routed(self, layer: int, experts: list[tuple[int, int]]) -> None:
+        """One step of one layer: (expert, tokens routed to it)."""
+        for expert, tokens in experts:
+            key = (layer, expert)
+            self.routed[key] = self.routed.get(key, 0) + tokens
+
+    def top2_share(self) -> float:
+        """Share of the routed tokens that went to each layer's two busiest experts, averaged
+        over the layers (2 / num_experts when routing is even; 1.0 when two take all)."""
+        layers: dict[int, list[int]] = {}
+        for (layer, _), tokens in self.routed.items():
+            layers.setdefault(layer, []).append(tokens)
+        shares = [sum(sorted(c)[-2:]) / sum(c) for c in layers.values()]
+        return sum(shares) / len(shares) if shares else 0.0
 
     def figures(self, steps: int) -> dict[str, float]:
-        """The counters, the cache hit rate, and experts per engine step on each device."""
-        out: dict[str, float] = dict(vars(self))
+        """The counters, the cache hit rate, experts per engine step on each device, and the
+        busiest two experts' share of the routed tokens."""
+        out: dict[str, float] = {k: v for k, v in vars(self).items() if k != "routed"}
+        out["top2_share"] = self.top2_share()
         fetches = self.cache_hits + self.cache_misses
         out["cache_hit_rate"] = self.cache_hits / fetches if fetches else 0.0
         out["cpu_experts_per_step"] = self.cpu_experts / max(steps, 1)

@@ -16,6 +16,7 @@ HF's to the last bit up to matmul blocking:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,10 +102,14 @@ class SparseMoeBlock(nn.Module):
             return self.experts[expert](x)
         if self.cold is None:  # host experts without a device cache: all on the CPU
             return self.store.run_cpu(expert, x)
-        layer, cache, _ = self.cold
+        layer, cache, latency = self.cold
         if on_cpu:
             cache.stats.cpu_experts += 1
-            return self.store.run_cpu(expert, x)
+            rows = x.to("cpu")
+            start = time.perf_counter()
+            y = self.store.run_cpu(expert, rows)
+            latency.observe_cpu(1, rows.shape[0], time.perf_counter() - start)
+            return y.to(x.device)
         slot = cache.fetch(layer, expert, self.store)
         cache.stats.gpu_experts += 1
         return cache.run(slot, x)
@@ -116,6 +121,8 @@ class SparseMoeBlock(nn.Module):
         """The routed experts' outputs on x [T, H], weighted and summed -> [T, H]. ids [T, k]
         on the host or x's device (route()'s), weights [T, k] on x's device."""
         routed = self._group(ids, x.device)
+        if self.cold is not None:
+            self.cold[1].stats.count_routed(self.cold[0], [(r.expert, r.tokens) for r in routed])
         on_cpu = self._cpu_experts(routed)
         # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
         # launched while it computes them, and only then is its answer awaited.
@@ -169,28 +176,33 @@ class SparseMoeBlock(nn.Module):
         x: torch.Tensor,
         routed: list[Routed],
         on_cpu: set[int],
-    ) -> tuple[int, dict[int, torch.Tensor]] | None:
+    ) -> tuple[int, dict[int, torch.Tensor], float] | None:
         """EXPERT_RUN for the experts in `on_cpu`, when the CPU daemon computes them:
-        (request number, {expert: its rows}); None to compute them here."""
+        (request number, {expert: its rows}, when they were handed over); None to compute
+        them here."""
         if self.cold is None or self.cold[1].remote is None or not on_cpu:
             return None
         layer, cache, _ = self.cold
         jobs = {r.expert: x[r.rows] for r in routed if r.expert in on_cpu}
+        start = time.perf_counter()
         try:
-            return cache.remote.submit(layer, list(jobs.items())), jobs  # type: ignore[union-attr]
+            return cache.remote.submit(layer, list(jobs.items())), jobs, start  # type: ignore[union-attr]
         except RemoteDown as exc:
             self._drop_remote(exc)
             return None
 
     def _collect_cpu_experts(
-        self, x: torch.Tensor, seq: int, jobs: dict[int, torch.Tensor]
+        self, x: torch.Tensor, seq: int, jobs: dict[int, torch.Tensor], start: float
     ) -> dict[int, torch.Tensor]:
-        """The CPU daemon's answer to `seq` on x's device (computed here if it fails)."""
+        """The CPU daemon's answer to `seq` on x's device (computed here if it fails); the
+        time since `start` goes to the latency model."""
         assert self.cold is not None and self.store is not None
-        cache = self.cold[1]
+        _, cache, latency = self.cold
         try:
             assert cache.remote is not None
             ys = cache.remote.wait(seq, list(jobs.items()))
+            tokens = sum(rows.shape[0] for rows in jobs.values())
+            latency.observe_cpu(len(jobs), tokens, time.perf_counter() - start)
             cache.stats.cpu_daemon_experts += len(jobs)
         except RemoteDown as exc:
             self._drop_remote(exc)
