@@ -33,7 +33,7 @@ from hybridgen.timing import best_of
 RESULT: dict[str, Any] = {}
 
 
-def profile(engine: Engine, args: argparse.Namespace, skewed: bool, cuda: bool) -> dict[str, Any]:
+def profile(engine: Engine, args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     assert engine.experts is not None
     cache, latency = engine.experts
     stats = cache.stats

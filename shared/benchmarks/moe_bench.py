@@ -24,7 +24,6 @@ table printed last.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import subprocess
@@ -49,9 +48,9 @@ from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.host_memory import SHM_DIR, shm_free_bytes
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.ipc import shm
-from hybridgen.kernels import ops
 from hybridgen.models.expert_arena import arena_bytes
-from hybridgen.models.moe import SparseMoeBlock, moe_blocks, route_top_k
+from hybridgen.models.loader import load_model
+from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
 
@@ -68,44 +67,16 @@ experts of each layer in case `skewed`."""
 def skew_routing(blocks: list[SparseMoeBlock], hidden_size: int) -> None:
     """Bias each block's router toward experts layer % E and (layer + 1) % E: their logits
     gain SKEW times the router logits' standard deviation (the router weights' std times
-    |x| ~ sqrt(hidden_size): the router's input is RMS-normed)."""
+    |x| ~ sqrt(hidden_size): the router's input is RMS-normed). Before the engine starts:
+    its decode graphs capture the routers as they are then (moe_graphs.py)."""
     for layer, block in enumerate(blocks):
         n = block.num_experts
-        bias = torch.zeros(n, device=block.gate.weight.device)
-        spread = float(block.gate.weight.detach().float().std()) * hidden_size**0.5
+        weight = block.gate.weight
+        bias = torch.zeros(n, dtype=weight.dtype, device=weight.device)
+        spread = float(weight.detach().float().std()) * hidden_size**0.5
         bias[[layer % n, (layer + 1) % n]] = SKEW * spread
-        block.route = functools.partial(_biased_route, block, bias)  # type: ignore[method-assign]
-
-
-def _biased_route(
-    block: SparseMoeBlock, bias: torch.Tensor, x: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SparseMoeBlock.route with `bias` added to the router's logits."""
-    return route_top_k(ops.linear(x, block.gate.weight).float() + bias, block.top_k)
-
-
-class RoutingCount:
-    """How often each expert of each layer is routed to (the skew figure)."""
-
-    def __init__(self, blocks: list[SparseMoeBlock]) -> None:
-        # Counted where the router leaves its ids, so that counting adds no device sync.
-        self.counts = [torch.zeros(b.num_experts, dtype=torch.long) for b in blocks]
-        for i, block in enumerate(blocks):
-            route = block.route
-
-            def counted(x: torch.Tensor, route=route, i=i):  # type: ignore[no-untyped-def]
-                ids, weights = route(x)
-                count = self.counts[i].to(ids.device)  # moved once, then in place
-                self.counts[i] = count.add_(torch.bincount(ids.flatten(), minlength=count.numel()))
-                return ids, weights
-
-            block.route = counted  # type: ignore[method-assign]
-
-    def top2_share(self) -> float:
-        """Share of routed tokens that went to each layer's two busiest experts (averaged)."""
-        shares = [float(c.sort(descending=True).values[:2].sum() / max(int(c.sum()), 1))
-                  for c in (count.cpu() for count in self.counts)]  # fmt: skip
-        return sum(shares) / len(shares)
+        logits = block.router_logits
+        block.router_logits = lambda x, f=logits, b=bias: f(x) + b  # type: ignore[method-assign]
 
 
 def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
@@ -131,15 +102,20 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     instance = config.shm_instance
-    engine = worker = client = None
+    engine = worker = client = loaded = None
     try:
-        engine = Engine(config)
+        device = config.torch_device()
+        loaded = load_model(config.model, device, config.torch_dtype(), config.seed,
+                            config.expert_format, instance)  # fmt: skip
+        if skewed:
+            skew_routing(moe_blocks(loaded.model), spec.hidden_size)
+        engine = Engine(config, loaded)
         assert engine.experts is not None
         if instance is not None:
             worker, client = ExpertLinkWorker(instance), ExpertLinkClient(instance)
             worker.start()
             engine.experts[0].remote = client
-        result = _decode(engine, args, skewed, cuda)
+        result = _decode(engine, args, cuda)
         result["cpu_experts_by"] = (
             "an expert worker over the shared arena" if linked
             else f"the engine's thread ({SHM_DIR} has {room} bytes free, the arena needs {arena})"
@@ -151,16 +127,15 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
             client.close()
         if engine is not None:
             engine.release()
+        if loaded is not None and loaded.expert_arena is not None:
+            loaded.expert_arena.close()
         if instance is not None:
             shm.unlink_all(instance)
 
 
-def _decode(engine: Engine, args: argparse.Namespace, skewed: bool, cuda: bool) -> dict[str, Any]:
+def _decode(engine: Engine, args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     """Batch-1 greedy decode of one random prompt, timed, with the Cold-Weights figures."""
     blocks = moe_blocks(engine.loaded.model)
-    if skewed:
-        skew_routing(blocks, engine.spec.hidden_size)
-    routing = RoutingCount(blocks)
     prompt, other = random_prompts(2, args.prompt_len, engine.spec.vocab_size, seed=1)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     engine.generate([other], warm)  # compiles; shares no prefix with the timed prompt
@@ -193,7 +168,7 @@ def _decode(engine: Engine, args: argparse.Namespace, skewed: bool, cuda: bool) 
         "cpu_worker_experts": stats["cpu_daemon_experts"] - before["cpu_daemon_experts"],
         "gpu_experts_per_token": (stats["gpu_experts"] - before["gpu_experts"]) / steps,
         "mb_h2d_per_token": (stats["bytes_h2d"] - before["bytes_h2d"]) / steps / 2**20,
-        "top2_share": routing.top2_share(),
+        "top2_share": stats["top2_share"],
         "latency_model": engine.experts[1].figures(),
     }
     if cuda:
