@@ -141,6 +141,8 @@ class Engine:
         self.degrade = Degrade(config, self.warm, spec.vocab_size)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self.measured.update(measure_regions(self))
+        if self.experts is not None:  # counted from the first served step: the start-up's
+            self.experts[0].stats = MoeStats()  # profiling prefill repeats one token
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
         log.info(

@@ -184,11 +184,11 @@ def test_overlapped_cpu_takes_the_experts_that_end_the_layer_sooner() -> None:
 
 
 def test_observed_cpu_times_move_the_placement() -> None:
-    """The B4 case on the H200 (bench/results/moe_step_profile.json): timed idle at start a
-    CPU expert (1.5 ms) beats a fetch plus a call (2.0 ms), but served beside the engine it
-    took 2.35 ms. Observations pull cpu_scale toward what the CPU really takes (one outlier
-    counts at most CPU_SCALE_LIMIT), and a lone miss beside a cached expert is then fetched;
-    of two misses one still goes to the CPU, which runs beside the device."""
+    """The B4 case on the H200 at 3af1b80 (bench/results/moe_step_profile_h200.json): timed
+    idle at start a CPU expert (1.5 ms) beats a fetch plus a call (2.0 ms), but served beside
+    the engine it took 2.35 ms. Observations pull cpu_scale toward what the CPU really takes
+    (one outlier counts at most CPU_SCALE_LIMIT), and a lone miss beside a cached expert is
+    then fetched; of two misses one still goes to the CPU, which runs beside the device."""
     from hybridgen.models.expert_latency import CPU_SCALE_LIMIT
 
     model = LatencyModel(0.9e-3, 0.6e-3, 1e9, 1_830_000, gpu_s=0.17e-3)
@@ -230,6 +230,32 @@ def test_served_cpu_experts_are_observed(checkpoint) -> None:  # type: ignore[no
     prompt_tokens = sum(len(p) for p in _prompts(path))
     per_layer = (prompt_tokens + 3 * (NEW_TOKENS - 1)) * spec.num_experts_per_tok
     assert sum(t for (layer, _), t in routed.items() if layer == 0) == per_layer
+
+
+def test_moe_counters_start_with_the_first_served_step(
+    checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """What the start-up runs through the model (on CUDA a profiling prefill of one token
+    repeated, which routes everything to two experts) is not counted as served."""
+    import hybridgen.gpu_daemon.engine as engine_module
+
+    path = checkpoint("mixtral")
+    measure = engine_module.measure_regions
+
+    def start_up_prefill(engine: Engine):  # type: ignore[no-untyped-def]
+        engine.prompt_logits([0] * 40)
+        assert engine.moe_stats()["gpu_experts"] > 0  # it was counted until start-up ended
+        return measure(engine)
+
+    monkeypatch.setattr(engine_module, "measure_regions", start_up_prefill)
+    config = EngineConfig(model=str(path), device="cpu", expert_cache_slots=SLOTS)
+    engine = Engine(config)
+    stats = engine.moe_stats()
+    assert engine.experts is not None and not engine.experts[0].stats.routed
+    assert stats["gpu_experts"] == stats["cpu_experts"] == stats["bytes_h2d"] == 0
+    engine.generate(_prompts(path)[:1], GREEDY)
+    assert engine.moe_stats()["gpu_experts"] > 0
+    engine.release()
 
 
 def test_calibration_is_affine_and_takes_configured_bandwidths() -> None:
