@@ -83,7 +83,10 @@ class Engine:
         cold = config.expert_cache_slots
         host_experts = config.expert_format if cold is not None else None
         self._owns_loaded = loaded is None
-        check_host_budget(config, loaded.spec if loaded is not None else model_spec(config.model))
+        if loaded is None:
+            check_host_budget(config, model_spec(config.model))
+        else:
+            check_host_budget(config, loaded.spec, experts_made=True)
         self.loaded = loaded or load_model(
             config.model,
             self.device,

@@ -54,9 +54,13 @@ def host_need(config: EngineConfig, spec: ModelSpec) -> dict[str, int]:
     return {"warm": warm, "cold": warm, "experts": experts}
 
 
-def check_host_budget(config: EngineConfig, spec: ModelSpec) -> None:
-    """BudgetTooSmall, naming the keys, when the host tiers cannot fit."""
+def check_host_budget(config: EngineConfig, spec: ModelSpec, experts_made: bool = False) -> None:
+    """BudgetTooSmall, naming the keys, when the host tiers cannot fit. `experts_made`: the
+    model was loaded before, its experts already in host memory (and counted out of what is
+    free)."""
     need = host_need(config, spec)
+    if experts_made:
+        need["experts"] = 0
     total = sum(need.values())
     if total == 0:
         return
