@@ -113,6 +113,29 @@ def test_shared_memory_must_hold_the_pool_and_the_arena(monkeypatch: pytest.Monk
         Engine(config)
 
 
+def test_a_loaded_models_arena_is_not_counted_twice(
+    instance: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine given a loaded model (moe_bench skews its routers first) finds the arena
+    already in /dev/shm: what is free there no longer includes it, so only the rest is
+    checked (mixtral-8x22b's 72.5 GB arena was refused against the 55 GB left beside it)."""
+    from hybridgen.gpu_daemon import host_memory
+    from hybridgen.models.loader import load_model
+
+    config = EngineConfig(model="tiny-mixtral", device="cpu", expert_cache_slots=4,
+                          expert_format="int4", shm_instance=instance)  # fmt: skip
+    loaded = load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed,
+                        config.expert_format, instance)  # fmt: skip
+    assert loaded.expert_arena is not None
+    monkeypatch.setattr(host_memory, "shm_free_bytes", lambda: 2**20)  # less than the arena
+    with pytest.raises(BudgetTooSmall, match="expert arena"):
+        host_memory.check_host_budget(config, loaded.spec)
+    engine = Engine(config, loaded)
+    assert engine.experts is not None
+    engine.release()
+    loaded.expert_arena.close()
+
+
 def test_an_engine_that_fails_to_start_unlinks_its_expert_arena(instance: str) -> None:
     """The expert arena is made while loading; a budget too small for one expert then stops
     the engine, which must not leave the arena in /dev/shm."""
