@@ -1,4 +1,4 @@
-"""Cold-Weights: MoE expert weights in host memory and an LRU cache of them on the device;
+"""Cold-Weights: MoE expert weights in host memory and a cache of them on the device;
 the latency model that decides, per step and routed expert, where that expert runs is
 expert_latency.py.
 
@@ -8,7 +8,7 @@ embeddings and the router stay on the device; only the experts move:
     host  ExpertStore (one per layer)   gate_up [E, 2I, H], down [E, H, I]   (pinned on CUDA),
                                         native, int8 or int4 (expert_format.py)
             |                    \\
-            | fetch (H2D, LRU)     \\ x -> CPU, SwiGLU on the host, result -> device
+            | fetch (H2D, LFU)     \\ x -> CPU, SwiGLU on the host, result -> device
             v                      v
     device ExpertCache (shared)      slots: gate_up [N, 2I, H], down [N, H, I], as stored
 
@@ -128,11 +128,17 @@ class ExpertStore:
 
 
 class ExpertCache:
-    """`slots` device slots shared by all layers, least recently used evicted first; each
-    slot holds one expert in the store's format.
+    """`slots` device slots shared by all layers, each holding one expert in the store's
+    format. The experts routed to most often stay: a miss evicts the least often routed
+    cached expert (the least recently used among equals) only when it is itself routed to
+    more often; otherwise it is copied into a scratch slot, used once and displaces nothing.
+    LRU alone keeps nothing useful once a token's experts outnumber the slots: the layers come
+    round in a cycle, so each layer's experts are evicted before the next token returns to
+    them (B4 mixtral-8x22b, 64 slots and 112 experts a token: hit rate 0.2 %).
 
     Invariant: `_slots` maps (layer, expert) -> slot index, in use order (oldest first), and
-    slot s holds exactly that expert's weights.
+    slot s holds exactly that expert's weights; with 2 slots or more the last is the scratch
+    slot and in no entry.
     """
 
     def __init__(
@@ -144,6 +150,7 @@ class ExpertCache:
         self.down = store.down.empty(slots, device)
         self.device = device
         self.capacity, self.stats = slots, stats
+        self.scratch: int | None = slots - 1 if slots >= 2 else None
         self.expert_bytes = store.expert_bytes
         self._slots: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.remote: RemoteExperts | None = None
@@ -162,29 +169,38 @@ class ExpertCache:
         self.down = self.down.empty(0, device)
         self.gate_up, self.down = self.gate_up.empty(slots, device), self.down.empty(slots, device)
         self.capacity = slots
+        self.scratch = slots - 1 if slots >= 2 else None
         self._slots.clear()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._slots
 
     def fetch(self, layer: int, expert: int, store: ExpertStore) -> int:
-        """The slot holding `expert` of `layer`, copied in from `store` on a miss."""
+        """The slot holding `expert` of `layer`, copied in from `store` on a miss (into the
+        scratch slot when it is routed to no more often than every cached expert)."""
         key = (layer, expert)
         slot = self._slots.get(key)
         if slot is not None:
             self._slots.move_to_end(key)
             self.stats.cache_hits += 1
             return slot
-        if len(self._slots) < self.capacity:
+        admit = True
+        if len(self._slots) < self.capacity - (self.scratch is not None):
             slot = len(self._slots)
         else:
-            _, slot = self._slots.popitem(last=False)
+            uses = self.stats.routed.get
+            victim = min(self._slots, key=lambda k: uses(k, 0))  # the oldest of the least used
+            if self.scratch is None or uses(key, 0) > uses(victim, 0):
+                slot = self._slots.pop(victim)
+            else:
+                slot, admit = self.scratch, False
         # Same stream as the computations: a slot is overwritten only after the work that
         # read it was queued, so the copy may be asynchronous.
         non_blocking = self.device.type == "cuda"
         self.gate_up.copy_(slot, store.gate_up, expert, non_blocking)
         self.down.copy_(slot, store.down, expert, non_blocking)
-        self._slots[key] = slot
+        if admit:
+            self._slots[key] = slot
         self.stats.cache_misses += 1
         self.stats.bytes_h2d += self.expert_bytes
         return slot
