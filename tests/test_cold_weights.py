@@ -300,6 +300,24 @@ def test_moe_counters_start_with_the_first_served_step(
     engine.release()
 
 
+def test_a_stalled_cpu_timing_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token timed slower than sixteen is a stall, not the CPU's speed: both are timed
+    again (up to CALIBRATION_ATTEMPTS), so the model does not keep the CPU out for good."""
+    from hybridgen.models import expert_latency
+
+    timings = iter([12e-3, 10.9e-3, 1.5e-3, 10.9e-3])  # 1 token, 16 tokens, then again
+    monkeypatch.setattr(expert_latency, "best_of", lambda runs, fn, device: next(timings))
+    store = _store()
+    cache = ExpertCache(2, store, torch.device("cpu"), MoeStats())
+    model = expert_latency.calibrate(store, cache, torch.device("cpu"), None, None, 1.0)
+    assert model.cpu_s_per_token == pytest.approx(9.4e-3 / 15)
+    assert model.cpu_s(1) == pytest.approx(1.5e-3)
+    stalled = iter([12e-3, 10.9e-3] * expert_latency.CALIBRATION_ATTEMPTS)
+    monkeypatch.setattr(expert_latency, "best_of", lambda runs, fn, device: next(stalled))
+    kept = expert_latency.calibrate(store, cache, torch.device("cpu"), None, None, 1.0)
+    assert kept.cpu_s_per_token == 0 and kept.cpu_s(1) == pytest.approx(12e-3)  # the last
+
+
 def test_calibration_is_affine_and_takes_configured_bandwidths() -> None:
     """The CPU is timed at 1 and 16 tokens (a fixed read plus a cost per token); a configured
     host or device bandwidth replaces the measured weight-read time."""
