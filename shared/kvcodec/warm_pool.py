@@ -2,8 +2,9 @@
 in prefix_index.py).
 
 One slot holds one token block of KV across all layers, each layer encoded by the warm codec
-into one `record_bytes` record. The CPU daemon owns the pool (creates it, allocates, writes);
-the GPU daemon attaches and reads. Segment ``/hybridgen-<instance>-warm``::
+into one `record_bytes` record. The GPU daemon owns the pool (creates it, allocates, writes),
+as it creates all shared memory (DESIGN.md); the CPU daemon attaches and reads, for its Warm
+attention (cpu_daemon/warm_link.py). Segment ``/hybridgen-<instance>-warm``::
 
     offset  size                   field
     ------  ---------------------  ------------------------------------------------------
@@ -105,7 +106,7 @@ def capacity_for(warm_region_mb: float, codec: Codec, num_layers: int) -> int:
 
 
 class WarmPool:
-    """The Warm-KV shm pool. `create` on the owner (CPU daemon), `attach` on readers.
+    """The Warm-KV shm pool. `create` on the owner (the GPU daemon), `attach` on readers.
 
     Data calls (`load`, `record_view`) work on both sides; `alloc`, `free`, `share` and
     `store` only on the owner.
