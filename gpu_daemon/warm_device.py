@@ -7,6 +7,10 @@ a paged KV cache with a long stride between blocks::
     layer l of slot s:     record at HEADER + s * slot_bytes + l * record_bytes
     lossless record:       k [S, Hkv, D] (model dtype), v [S, Hkv, D]       -> (k, v) cache
     int8 record:           k_codes, v_codes [S, Hkv, D], k_scale, v_scale  -> QuantKvCache
+    int4 record (KIVI):    k_codes, v_codes [S, Hkv, D/2], v_scale, v_zero [S, Hkv, D/g],
+                           k_scale, k_zero [Hkv, D] (one per block and channel)
+                                                   -> QuantKvCache, key scales [S, Hkv, D]
+                                                      with stride 0 along S: a key group of 1
 
 so layer l of the whole pool is an [capacity, S, Hkv, D] strided view, and a block table of
 Warm slots addresses it exactly as one of Hot blocks. On CUDA the slot area is registered
@@ -15,8 +19,9 @@ kernel reads the compressed bytes over PCIe as it attends them: no staging copy,
 copy, and the host thread is free for the CPU share meanwhile. The prefill reads the same way:
 `gather` copies a sequence's Warm prefix of one layer in one pass into the dense K, V its
 attention takes, int8 dequantized on the fly (triton_block_gather; the torch reference on a
-CPU engine). lz4 and int4 (per-channel key scales) records have no paged layout; they are
-copied to the device and decoded there instead (WarmTier.dense).
+CPU engine). int4 records are read in place by the decode only: the prefill copies and
+decodes them (WarmTier.dense), as it does lz4's, whose records vary in size and have no paged
+layout at all.
 """
 
 from __future__ import annotations
@@ -36,7 +41,13 @@ if ops.HAS_TRITON:
 
 log = structlog.get_logger()
 
-_FIELDS = {"lossless": ("k", "v"), "int8": ("k_codes", "v_codes", "k_scale", "v_scale")}
+_FIELDS = {
+    "lossless": ("k", "v"),
+    "int8": ("k_codes", "v_codes", "k_scale", "v_scale"),
+    "int4": ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero"),
+}
+_GATHERS = ("lossless", "int8")
+"""Codecs the prefill reads in place (`gather`); the decode reads every codec of _FIELDS."""
 
 
 class WarmDeviceView:
@@ -53,6 +64,8 @@ class WarmDeviceView:
         if device.type == "cuda" and self._area.numel():
             self._register()
         names = _FIELDS[pool.codec.name]
+        self.gathers = pool.codec.name in _GATHERS
+        """Whether the prefill reads the records in place (`gather`)."""
         self.layers: list[ops.KvCache] = [
             _layer_cache(pool, self._area[:, layer], names) for layer in range(pool.num_layers)
         ]
@@ -101,6 +114,7 @@ class WarmDeviceView:
     ) -> tuple[Tensor, Tensor]:
         """Warm `slots` (token order) at `layer`, decoded on the device -> k, v [n * S, Hkv, D]
         in `dtype`: exactly the codec's decode_blocks of their records, read in place."""
+        assert self.gathers, "int4 records are copied and decoded for the prefill"
         index = slots if isinstance(slots, Tensor) else self.slot_index(slots)
         cache = self.layers[layer]
         if self.device.type == "cuda" and ops.HAS_TRITON:
@@ -116,7 +130,7 @@ class WarmDeviceView:
 
 
 def device_view(pool: WarmPool, device: torch.device) -> WarmDeviceView | None:
-    """The in-place view of `pool`, or None for codecs without a paged layout (lz4, int4)."""
+    """The in-place view of `pool`, or None for lz4, which has no paged layout."""
     return WarmDeviceView(pool, device) if pool.codec.name in _FIELDS else None
 
 
@@ -150,4 +164,9 @@ def _layer_cache(pool: WarmPool, records: Tensor, names: tuple[str, ...]) -> ops
         views.append(records[:, at : at + f.nbytes].view(f.dtype).unflatten(1, f.shape))
     if len(views) == 2:
         return views[0], views[1]
-    return QuantKvCache(k=views[0], v=views[1], k_scale=views[2], v_scale=views[3])
+    if len(views) == 4:
+        return QuantKvCache(k=views[0], v=views[1], k_scale=views[2], v_scale=views[3])
+    k, v, k_scale, v_scale, k_zero, v_zero = views
+    block = (-1, k.shape[1], -1, -1)  # one key scale per block and channel, for every token
+    return QuantKvCache(k, v, k_scale.unsqueeze(1).expand(block), v_scale,
+                        k_zero.unsqueeze(1).expand(block), v_zero)  # fmt: skip

@@ -54,8 +54,10 @@ def _exact(pool: WarmPool, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("codec", ["lossless", "int8"])
+@pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
 def test_in_place_attention_matches_decoded_blocks(instance: str, codec: str) -> None:
+    """int4 records (KIVI: a key scale and zero per block and channel, values per token and
+    group) are read as a cache whose key scales repeat over the block's tokens (stride 0)."""
     pool = _pool(instance, codec)
     view = device_view(pool, DEVICE)  # on CUDA: the pool registered, read over PCIe
     assert isinstance(view, WarmDeviceView)
@@ -89,10 +91,9 @@ def test_in_place_attention_matches_decoded_blocks(instance: str, codec: str) ->
     pool.close()  # the view's tensors no longer alias the mapping
 
 
-@pytest.mark.parametrize("codec", ["lz4", "int4"])
-def test_codecs_without_a_paged_layout_have_no_view(instance: str, codec: str) -> None:
-    """lz4 records vary in size and int4 keys have per-channel scales: decoded instead."""
-    pool = _pool(instance, codec)
+def test_lz4_records_have_no_view(instance: str) -> None:
+    """lz4 records vary in size: no paged layout, decoded from copies instead."""
+    pool = _pool(instance, "lz4")
     assert device_view(pool, torch.device("cpu")) is None
     pool.close()
 
@@ -154,13 +155,14 @@ def test_prefill_gather_equals_decode_blocks(
     pool.close()
 
 
-@pytest.mark.parametrize("codec", ["lossless", "int8", "lz4"])
+@pytest.mark.parametrize("codec", ["lossless", "int8", "int4", "lz4"])
 def test_prefill_prefix_reads_the_pool_in_place(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """WarmContext.prefix in gpu mode: with a paged codec, each layer gathers the prefix from
-    the pool itself (no copy of the records; the slot list goes to the device once per step),
-    else it decodes a copy; either way the codec's decoding, with the bytes counted."""
+    """WarmContext.prefix in gpu mode: with a codec the gather reads (lossless, int8), each
+    layer gathers the prefix from the pool itself (no copy of the records; the slot list goes
+    to the device once per step), else it decodes a copy (int4, which only the decode reads
+    in place, and lz4); either way the codec's decoding, with the bytes counted."""
     spec = dataclasses.replace(PRESETS["tiny-llama"], dtype=torch.float32)
     tier = WarmTier(spec, S, codec, 1.0, "gpu", None, torch.device("cpu"))
     g = torch.Generator().manual_seed(6)
@@ -169,8 +171,9 @@ def test_prefill_prefix_reads_the_pool_in_place(
     for slot in slots:
         tier.pool.store(slot, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
     prefix = [slots[3], slots[0], slots[4]]
-    in_place = tier.view is not None
-    assert in_place == (codec != "lz4")
+    assert (tier.view is not None) == (codec != "lz4")
+    in_place = tier.view is not None and tier.view.gathers
+    assert in_place == (codec in ("lossless", "int8"))
     uploads: list[list[int]] = []
     if in_place:
         assert tier.view is not None

@@ -300,4 +300,6 @@ def test_kv_codec_placements_give_the_same_tokens(checkpoint, codec: str) -> Non
         assert tokens["gpu"] == hf_greedy(path, prompts, NEW_TOKENS)
     else:  # int4 records are a quarter of the raw bytes
         assert crossed["cpu"][0] > 3 * crossed["gpu"][0]
-        assert crossed["cpu"][1] > 3 * crossed["gpu"][1]
+        # The decode reads the records in place either way (warm_device), so only the
+        # prefill's Warm prefix crosses raw.
+        assert crossed["cpu"][1] > crossed["gpu"][1]

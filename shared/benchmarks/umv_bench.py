@@ -9,8 +9,9 @@ the engine's allocator cap:
 - b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split
   and auto (measured at start);
 - b3c: four sequences at once, native Hot and int4 Warm (the Warm tier moves native Hot
-  blocks, so an int4 Hot cache cannot spill yet); b3c_int8: int8 Warm, which the device
-  reads in place (gpu_daemon.warm_device) where int4 records are decoded from a copy;
+  blocks, so an int4 Hot cache cannot spill yet); b3c_int8: int8 Warm. The decode reads
+  both in place (gpu_daemon.warm_device); a prefill gathers int8 in place and decodes int4
+  from a copy;
 - pure_gpu: native Hot and no Warm, in the budget: it fits or fails with the engine's error;
 - unbudgeted: native Hot, no budget: the ceiling;
 - hf: HF transformers (offloaded cache on CUDA), one sequence, --hf-new-tokens tokens.

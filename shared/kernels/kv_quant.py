@@ -60,10 +60,13 @@ DEFAULT_GROUP = 32
 
 @dataclass(frozen=True)
 class QuantKvCache:
-    """One layer's quantized Hot-KV (layout in the module docstring).
+    """One layer's quantized Hot-KV (layout in the module docstring), or a view of the Warm
+    pool's records (gpu_daemon/warm_device.py), whose int4 keys have one scale and zero per
+    block and channel: k_scale [N, S, Hkv, D] with stride 0 along S, a key group of 1.
 
-    Invariants (checked): scales and zeros share one shape, dtype and strides; codes and
-    metadata have unit stride along their last dim; all tensors share [N, S, Hkv].
+    Invariants (checked): K's scale and zero share one shape and strides, so do V's; all
+    scales and zeros share one dtype; codes and metadata have unit stride along their last
+    dim; all tensors share [N, S, Hkv].
     """
 
     k: Tensor
@@ -83,32 +86,35 @@ class QuantKvCache:
         if self.k.dtype not in (torch.int8, torch.uint8):
             raise ValueError(f"QuantKvCache: codes dtype {self.k.dtype} is not int8 or uint8")
         check_scale_dtype(self.codec, self.scale_dtype)
-        check_group(self.codec, self.group_size, self.head_dim)
-        if self.group_size & (self.group_size - 1):
-            raise ValueError(
-                f"QuantKvCache: group_size={self.group_size} (head_dim={self.head_dim}) is not a "
-                "power of two, which the decode kernel needs; use hot_codec: native"
-            )
-        metas = [self.k_scale, self.v_scale]
+        for group in (self.k_group, self.v_group):
+            if group != 1:  # 1: per-channel keys
+                check_group(self.codec, group, self.head_dim)
+            if group & (group - 1):
+                raise ValueError(
+                    f"QuantKvCache: group_size={group} (head_dim={self.head_dim}) is not a "
+                    "power of two, which the decode kernel needs; use hot_codec: native"
+                )
         if self.bits == 4:
             if self.k_zero is None or self.v_zero is None:
                 raise ValueError("QuantKvCache: int4 (uint8 codes) needs k_zero and v_zero")
-            metas += [self.k_zero, self.v_zero]
         elif self.k_zero is not None or self.v_zero is not None:
             raise ValueError("QuantKvCache: int8 is symmetric; pass no zero points")
         lead = self.k.shape[:3]
-        for t in metas:
-            if t.shape != self.k_scale.shape or t.dtype != self.scale_dtype:
-                raise ValueError(f"QuantKvCache: scale/zero {tuple(t.shape)} {t.dtype} differ")
-            if t.stride() != self.k_scale.stride() or t.stride(-1) != 1:
-                raise ValueError("QuantKvCache: scales and zeros need equal, unit-last strides")
+        for scale, zero in ((self.k_scale, self.k_zero), (self.v_scale, self.v_zero)):
+            for t in (scale,) if zero is None else (scale, zero):
+                if t.shape != scale.shape or t.dtype != self.scale_dtype:
+                    raise ValueError(f"QuantKvCache: scale/zero {tuple(t.shape)} {t.dtype} differ")
+                if t.stride() != scale.stride() or t.stride(-1) != 1:
+                    raise ValueError(
+                        "QuantKvCache: a scale and its zero need equal, unit-last strides"
+                    )
+            if scale.shape[:3] != lead:
+                raise ValueError(f"QuantKvCache: scales {tuple(scale.shape)} vs codes {lead}")
         v = self.v
         if v.shape != self.k.shape or v.dtype != self.k.dtype or v.stride() != self.k.stride():
             raise ValueError("QuantKvCache: k and v codes need one shape, dtype and strides")
         if self.k.stride(-1) != 1:
             raise ValueError("QuantKvCache: codes need unit stride along their last dim")
-        if self.k_scale.shape[:3] != lead:
-            raise ValueError(f"QuantKvCache: scales {tuple(self.k_scale.shape)} vs codes {lead}")
 
     @classmethod
     def empty(
@@ -157,8 +163,21 @@ class QuantKvCache:
         return self.k.shape[-1] * (8 // self.bits)
 
     @property
-    def group_size(self) -> int:
+    def k_group(self) -> int:
+        """Channels per key scale (1: per channel)."""
         return self.head_dim // self.k_scale.shape[-1]
+
+    @property
+    def v_group(self) -> int:
+        return self.head_dim // self.v_scale.shape[-1]
+
+    @property
+    def group_size(self) -> int:
+        """Channels per scale of a Hot cache, whose keys and values are grouped alike (the
+        writers quantize both per token)."""
+        if self.k_group != self.v_group:
+            raise ValueError("QuantKvCache: per-channel keys (a Warm view) have no one group")
+        return self.k_group
 
     @property
     def block_size(self) -> int:

@@ -13,7 +13,9 @@ same kernel: each K/V tile is loaded as codes plus per-group scales (and zeros),
 registers and rounded to q's dtype, so the kernel computes the same attention as the torch
 reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). Every
 byte is loaded once: scales as [BLOCK_N, D / g] and broadcast over their g channels, int4 codes
-as [BLOCK_N, D / 2] bytes split into nibbles, so the group size must be a power of two.
+as [BLOCK_N, D / 2] bytes split into nibbles, so the group size must be a power of two. Keys
+and values have a group each: the Warm pool's int4 records (KIVI) keep one key scale and zero
+per block and channel, a group of 1 with no stride along the block's tokens (warm_device.py).
 
 Everything is launch-shape static (grid, scratch sizes) given B, Hq, M and num_splits, so the
 wrapper is safe inside CUDA graph capture: no host syncs, no data-dependent Python branches.
@@ -130,14 +132,15 @@ def _decode_split_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
     qk_scale, sliding_window, num_splits, n_q_heads, group, head_dim,
     sq_b, sq_h, skc_n, skc_s, skc_h, svc_n, svc_s, svc_h, s_bt, so_b, so_h,
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, sm_n, sm_s, sm_h,
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, ksm_n, ksm_s, ksm_h, vsm_n, vsm_s, vsm_h,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, QUANT: tl.constexpr, QGROUP: tl.constexpr,
+    DOT_FP32: tl.constexpr, QUANT: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr,
 ):
     # fmt: on
     # q: [B, Hq, D]; caches: [N, S, Hkv, D] (or quantized codes, see _load_kv_tile) with unit
-    # stride along D; scales / zeros share strides sm_*; bt: [B, M]
+    # stride along D; K's scales and zeros share strides ksm_* (ksm_s 0: one per block and
+    # channel, KIVI keys), V's vsm_*; bt: [B, M]
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,10 +166,9 @@ def _decode_split_kernel(
         valid = (j >= start) & (j < seq_len)
         phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = j % BLOCK_SIZE
-        meta_row = phys * sm_n + off * sm_s + kvh * sm_h
         k = _load_kv_tile(kc_ptr, ks_ptr, kz_ptr, phys * skc_n + off * skc_s + kvh * skc_h,
-                          meta_row, valid, head_dim, kv_ty, BLOCK_N, BLOCK_D, QGROUP,
-                          QUANT)  # fmt: skip
+                          phys * ksm_n + off * ksm_s + kvh * ksm_h, valid, head_dim, kv_ty,
+                          BLOCK_N, BLOCK_D, KGROUP, QUANT)  # fmt: skip
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
@@ -177,8 +179,8 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(vc_ptr, vs_ptr, vz_ptr, phys * svc_n + off * svc_s + kvh * svc_h,
-                          meta_row, valid, head_dim, kv_ty, BLOCK_N, BLOCK_D, QGROUP,
-                          QUANT)  # fmt: skip
+                          phys * vsm_n + off * vsm_s + kvh * vsm_h, valid, head_dim, kv_ty,
+                          BLOCK_N, BLOCK_D, VGROUP, QUANT)  # fmt: skip
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -280,8 +282,10 @@ class _Kv(NamedTuple):
     v_zero: Tensor
     quant: int
     """0 native, 8 int8, 4 int4 (the kernel's QUANT)."""
-    group: int
-    """Channels per scale; 1 for native."""
+    k_group: int
+    """Channels per key scale; 1 for native, and for per-channel keys."""
+    v_group: int
+    """Channels per value scale; 1 for native."""
 
 
 def paged_decode_attention(
@@ -303,7 +307,7 @@ def paged_decode_attention(
     """
     # q: [B, Hq, D]; caches: [N, S, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    kv = _Kv(k_cache, v_cache, k_cache, k_cache, v_cache, v_cache, 0, 1)
+    kv = _Kv(k_cache, v_cache, k_cache, k_cache, v_cache, v_cache, 0, 1, 1)
     return _decode(
         q, kv, block_tables, seq_lens, scale, sliding_window, out, return_lse, num_splits
     )
@@ -325,7 +329,8 @@ def paged_decode_attention_quant(
     assert q.shape[-1] == cache.head_dim, f"head_dim {q.shape[-1]} != {cache.head_dim}"
     kz = cache.k_scale if cache.k_zero is None else cache.k_zero  # int8: never read
     vz = cache.v_scale if cache.v_zero is None else cache.v_zero
-    kv = _Kv(cache.k, cache.v, cache.k_scale, kz, cache.v_scale, vz, cache.bits, cache.group_size)
+    kv = _Kv(cache.k, cache.v, cache.k_scale, kz, cache.v_scale, vz, cache.bits, cache.k_group,
+             cache.v_group)  # fmt: skip
     return _decode(
         q, kv, block_tables, seq_lens, scale, sliding_window, out, return_lse, num_splits
     )
@@ -375,9 +380,10 @@ def _decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero,
         kv.k_scale.stride(0), kv.k_scale.stride(1), kv.k_scale.stride(2),
+        kv.v_scale.stride(0), kv.v_scale.stride(1), kv.v_scale.stride(2),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
         DIRECT=direct, WRITE_LSE=return_lse, DOT_FP32=dot_fp32,
-        QUANT=kv.quant, QGROUP=kv.group,
+        QUANT=kv.quant, KGROUP=kv.k_group, VGROUP=kv.v_group,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     if not direct:
