@@ -112,7 +112,7 @@ class WarmContext:
         slots, view = self.warm_slots[seq], self.tier.view
         if not slots:
             return None
-        if view is not None and view.gathers and seq not in self._index:
+        if view is not None and seq not in self._index:
             self._index[seq] = view.slot_index(slots)
         return self.tier.dense(slots, layer, dtype, self._index.get(seq))
 

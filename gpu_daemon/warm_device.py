@@ -18,10 +18,9 @@ with cudaHostRegister (page-locked, mapped into the device's address space), so 
 kernel reads the compressed bytes over PCIe as it attends them: no staging copy, no decoded
 copy, and the host thread is free for the CPU share meanwhile. The prefill reads the same way:
 `gather` copies a sequence's Warm prefix of one layer in one pass into the dense K, V its
-attention takes, int8 dequantized on the fly (triton_block_gather; the torch reference on a
-CPU engine). int4 records are read in place by the decode only: the prefill copies and
-decodes them (WarmTier.dense), as it does lz4's, whose records vary in size and have no paged
-layout at all.
+attention takes, int8 and int4 dequantized on the fly (triton_block_gather; the torch
+reference on a CPU engine). lz4 records vary in size and have no paged layout; they are
+copied to the device and decoded there instead (WarmTier.dense).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ from torch import Tensor
 
 from hybridgen.ipc.host_pin import MAPPED, PORTABLE, register_host
 from hybridgen.kernels import ops
-from hybridgen.kernels.kv_quant import QuantKvCache
-from hybridgen.kvcodec.quant import dequantize_sym_int8
+from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks
 from hybridgen.kvcodec.warm_pool import WarmPool
 
 if ops.HAS_TRITON:
@@ -46,8 +44,6 @@ _FIELDS = {
     "int8": ("k_codes", "v_codes", "k_scale", "v_scale"),
     "int4": ("k_codes", "v_codes", "k_scale", "v_scale", "k_zero", "v_zero"),
 }
-_GATHERS = ("lossless", "int8")
-"""Codecs the prefill reads in place (`gather`); the decode reads every codec of _FIELDS."""
 
 
 class WarmDeviceView:
@@ -64,8 +60,6 @@ class WarmDeviceView:
         if device.type == "cuda" and self._area.numel():
             self._register()
         names = _FIELDS[pool.codec.name]
-        self.gathers = pool.codec.name in _GATHERS
-        """Whether the prefill reads the records in place (`gather`)."""
         self.layers: list[ops.KvCache] = [
             _layer_cache(pool, self._area[:, layer], names) for layer in range(pool.num_layers)
         ]
@@ -114,7 +108,6 @@ class WarmDeviceView:
     ) -> tuple[Tensor, Tensor]:
         """Warm `slots` (token order) at `layer`, decoded on the device -> k, v [n * S, Hkv, D]
         in `dtype`: exactly the codec's decode_blocks of their records, read in place."""
-        assert self.gathers, "int4 records are copied and decoded for the prefill"
         index = slots if isinstance(slots, Tensor) else self.slot_index(slots)
         cache = self.layers[layer]
         if self.device.type == "cuda" and ops.HAS_TRITON:
@@ -137,20 +130,14 @@ def device_view(pool: WarmPool, device: torch.device) -> WarmDeviceView | None:
 def gather_reference(
     cache: ops.KvCache, slots: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """Torch twin of triton_block_gather.gather_blocks (a lossless or int8 cache): cache
-    [N, S, Hkv, D], slots [n] -> k, v [n * S, Hkv, D] in `dtype` on slots' device."""
-    fields: list[tuple[Tensor, Tensor | None]]
+    """Torch twin of triton_block_gather.gather_blocks: cache [N, S, Hkv, D], slots [n] ->
+    k, v [n * S, Hkv, D] in `dtype` on slots' device."""
     if isinstance(cache, QuantKvCache):
-        g = cache.k.shape[-1] // cache.k_scale.shape[-1]
-        fields = [(cache.k, cache.k_scale), (cache.v, cache.v_scale)]
+        k, v = dequantize_blocks(cache, slots, dtype)
     else:
-        fields = [(cache[0], None), (cache[1], None)]
-    idx = slots.to(fields[0][0].device, torch.int64)
-    out = []
-    for x, scale in fields:
-        y = x[idx] if scale is None else dequantize_sym_int8(x[idx], scale[idx], g)
-        out.append(y.flatten(0, 1).to(slots.device, dtype))
-    return out[0], out[1]
+        idx = slots.to(cache[0].device, torch.int64)
+        k, v = cache[0][idx], cache[1][idx]
+    return k.flatten(0, 1).to(slots.device, dtype), v.flatten(0, 1).to(slots.device, dtype)
 
 
 def _layer_cache(pool: WarmPool, records: Tensor, names: tuple[str, ...]) -> ops.KvCache:

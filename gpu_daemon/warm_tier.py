@@ -273,11 +273,10 @@ class WarmTier:
         self, slots: Seq[int], layer: int, dtype: torch.dtype, index: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """`slots` at `layer` decoded on the device -> k, v [len(slots) * S, Hkv, D] in `dtype`:
-        read in place from the pool where the view gathers the codec (lossless, int8:
-        warm_device; `index`: its slot_index of `slots`, if at hand), else decoded from a
-        copy of the records."""
+        read in place from the pool where the codec has a paged layout (warm_device; `index`:
+        its slot_index of `slots`, if at hand), else decoded from a copy of the records."""
         t0 = time.perf_counter()
-        if self.view is not None and self.view.gathers and self.codec_on == "gpu":
+        if self.view is not None and self.codec_on == "gpu":
             self.stats.h2d_bytes += len(slots) * self.pool.record_bytes  # read over PCIe
             k, v = self.view.gather(layer, list(slots) if index is None else index, dtype)
             if self.device.type != "cuda":  # on CUDA the decoding is the device's, not timed

@@ -9,9 +9,8 @@ the engine's allocator cap:
 - b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split
   and auto (measured at start);
 - b3c: four sequences at once, native Hot and int4 Warm (the Warm tier moves native Hot
-  blocks, so an int4 Hot cache cannot spill yet); b3c_int8: int8 Warm. The decode reads
-  both in place (gpu_daemon.warm_device); a prefill gathers int8 in place and decodes int4
-  from a copy;
+  blocks, so an int4 Hot cache cannot spill yet); b3c_int8: int8 Warm. The device reads
+  both in place (gpu_daemon.warm_device);
 - pure_gpu: native Hot and no Warm, in the budget: it fits or fails with the engine's error;
 - unbudgeted: native Hot, no budget: the ceiling;
 - hf: HF transformers (offloaded cache on CUDA), one sequence, --hf-new-tokens tokens.
@@ -148,9 +147,7 @@ def run_case(
 
 def hf_case(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
     """HF transformers on the same weights, one sequence; the offloaded cache on CUDA."""
-    from transformers import GenerationConfig
-
-    from hybridgen.benchmarks.hf_baseline import HFBaseline
+    from hybridgen.benchmarks.hf_baseline import HFBaseline, timed_generate
 
     spec, device = loaded.model.spec, loaded.model.embed_tokens.weight.device
     weights = {k: v.to("cpu") for k, v in to_hf_state_dict(loaded.model).items()}
@@ -158,27 +155,12 @@ def hf_case(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
     del weights
     cache = "offloaded" if device.type == "cuda" else None
     ids = torch.tensor(random_prompts(1, args.context_len, spec.vocab_size, seed=1), device=device)
-    timings = []
-    for n in (1, 1, args.hf_new_tokens):  # the first is a warm-up
-        cfg = GenerationConfig(
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-            cache_implementation=cache,
-        )
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            hf.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        timings.append(time.perf_counter() - t0)
+    ttft_s, tok_s = timed_generate(hf.model, ids, args.hf_new_tokens, cache)
     del hf
     return {
         "cache_implementation": cache or "default",
-        "ttft_ms": timings[1] * 1e3,
-        "decode_tok_s": (args.hf_new_tokens - 1) / (timings[2] - timings[1]),
+        "ttft_ms": ttft_s * 1e3,
+        "decode_tok_s": tok_s,
         "new_tokens": args.hf_new_tokens,
     }
 
