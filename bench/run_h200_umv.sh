@@ -5,6 +5,9 @@
 # the repo root with `.whl` carried; HYBRIDGEN_COMMIT names the commit being measured.
 source scripts/device_setup.sh
 set -o pipefail
+# The in-place Warm kernels on the registered pool first (test_warm_device.py runs them on CUDA).
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_warm_device.py tests/test_gpu.py \
+  -k "warm or place" 2>&1 | tee "$OUT/pytest_umv.log" | tail -n 3
 python3 -m hybridgen.benchmarks.umv_bench --model llama3-8b --context-len 131072 \
   --new-tokens 64 --budget-mb 24576 --out "$OUT/umv.json" "$@" \
   2>"$OUT/umv_stderr.log" | tee "$OUT/umv_table.txt"
