@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridgen.benchmarks import umv_bench
 
@@ -68,3 +69,30 @@ def test_cases_run_in_child_processes(tmp_path: Path) -> None:
     assert list(result["cases"]) == ["b3a", "pure_gpu"]
     assert all(r["decode_tok_s"] > 0 for r in result["cases"].values())
     assert json.loads(out.read_text())["cases"] == result["cases"]
+
+
+def test_hf_timing_comes_from_one_run() -> None:
+    """TTFT and decode rate of the HF baselines come from when each token of one run arrived,
+    not from two runs subtracted (on a busy host that came out at -16.9 tok/s)."""
+    import time
+
+    from hybridgen.benchmarks.hf_baseline import timed_generate
+
+    runs: list[int] = []
+
+    class Slow:
+        def generate(self, ids, attention_mask, generation_config, streamer):  # type: ignore[no-untyped-def]
+            n = generation_config.max_new_tokens
+            runs.append(n)
+            if streamer is not None:
+                streamer.put(ids)
+            time.sleep(0.3 if n == 1 else 0.02)  # prefill; the warm-up is much slower
+            for _ in range(n):
+                if streamer is not None:
+                    streamer.put(ids[:, :1])
+                time.sleep(0.01)
+
+    ttft, rate = timed_generate(Slow(), torch.zeros(1, 4, dtype=torch.long), 6)
+    assert runs == [1, 6]  # a one-token warm-up, then the timed run
+    assert 0.015 < ttft < 0.2  # the timed run's first token, not the warm-up's
+    assert 10 < rate < 105  # five tokens 10 ms apart

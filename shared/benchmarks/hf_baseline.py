@@ -116,3 +116,42 @@ class HFBaseline:
 
     def to_fp32(self) -> None:
         self.model.float()
+
+
+class _TokenTimes:
+    """A generate() streamer that notes when each put arrives: the prompt, then each token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())  # generate hands over host copies: synced
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(
+    model: Any, ids: torch.Tensor, new_tokens: int, cache_implementation: str | None = None
+) -> tuple[float, float]:
+    """HF greedy generate of `new_tokens` (>= 2) after an untimed one-token warm-up ->
+    (TTFT s, decode tok/s), both from one timed run: when the first token arrived, and the
+    rest after it (two runs of different lengths subtracted can come out negative on a busy
+    host)."""
+    from transformers import GenerationConfig
+
+    def run(n: int, streamer: _TokenTimes | None) -> None:
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                               eos_token_id=None, pad_token_id=0,
+                               cache_implementation=cache_implementation)  # fmt: skip
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
+                           streamer=streamer)  # fmt: skip
+
+    run(1, None)
+    times = _TokenTimes()
+    start = time.perf_counter()
+    run(new_tokens, times)
+    assert len(times.times) == new_tokens + 1, "one put for the prompt, one per token"
+    first, last = times.times[1], times.times[-1]
+    return first - start, (new_tokens - 1) / (last - first)

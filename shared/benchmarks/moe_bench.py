@@ -40,7 +40,7 @@ import torch
 
 from hybridgen import log as hlog
 from hybridgen.benchmarks.engine_bench import random_prompts
-from hybridgen.benchmarks.hf_baseline import hf_config
+from hybridgen.benchmarks.hf_baseline import hf_config, timed_generate
 from hybridgen.benchmarks.report import machine_info
 from hybridgen.cpu_daemon.expert_link import ExpertLinkClient, ExpertLinkWorker
 from hybridgen.engine_config import ConfigError, EngineConfig
@@ -203,7 +203,7 @@ def _draw_baseline_weights(model: torch.nn.Module, draw_on: torch.device) -> Non
 def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
     """HF's Mixtral dispatched by accelerate in the same budget; random bf16 weights."""
     from accelerate import dispatch_model, infer_auto_device_map
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     spec = preset_spec(args.model)
     layers = args.baseline_layers or spec.num_layers
@@ -227,24 +227,14 @@ def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
         placed = {"cpu"}
     ids = torch.tensor(random_prompts(1, args.prompt_len, spec.vocab_size, seed=1))
     ids = ids.to("cuda" if cuda else "cpu")
-    timings = []
-    for n in (1, 1, args.baseline_new_tokens):  # the first is a warm-up
-        gc_cfg = GenerationConfig(
-            do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0
-        )
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc_cfg)
-        if cuda:
-            torch.cuda.synchronize()
-        timings.append(time.perf_counter() - t0)
+    ttft_s, tok_s = timed_generate(model, ids, args.baseline_new_tokens)
     result: dict[str, Any] = {
         "layers": layers,
         "shape": "same" if layers == spec.num_layers else f"{layers} of {spec.num_layers} layers",
         "dtype": str(dtype).removeprefix("torch."),
         "devices": sorted(placed),
-        "ttft_ms": timings[1] * 1e3,
-        "decode_tok_s": (args.baseline_new_tokens - 1) / (timings[2] - timings[1]),
+        "ttft_ms": ttft_s * 1e3,
+        "decode_tok_s": tok_s,
         "new_tokens": args.baseline_new_tokens,
     }
     if cuda:
