@@ -47,6 +47,28 @@ def tiles_for(n: int) -> GemvConfig:
 
 
 @triton.jit
+def row_dots(x_ptr, w_ptr, rows, stride_w, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):  # fmt: skip
+    # -> [BLOCK_N] fp32: rows `rows` (int64, in range) of w [., K] (unit stride along K), each
+    # dotted with x [K], streamed in [BLOCK_N, BLOCK_K] tiles; w is read once (evict first).
+    # The int8 expert kernel (triton_quant_gemv) takes the same loop over its codes.
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        w_ptrs = w_ptr + rows[:, None] * stride_w + k[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptr + k)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = k < K
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -64,20 +86,7 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)  # out-of-range rows re-read row 0
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        w_ptrs = w_ptr + rows_safe[:, None] * stride_w + k[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptr + k)
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-        else:
-            k_ok = k < K
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+    y = row_dots(x_ptr, w_ptr, rows_safe, stride_w, K, EVEN_K, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)

@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hybridgen.kernels.triton_gemv import row_dots
+
 MAX_ROWS = 16
 """Rows of x up to which the fused kernels beat dequantize-then-matmul."""
 BLOCK_N = 16
@@ -61,20 +63,9 @@ def _int8_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)  # out-of-range rows re-read row 0
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        q_ptrs = q_ptr + rows_safe[:, None] * stride_q + k[None, :]
-        if EVEN_K:
-            x = tl.load(x_ptr + t * stride_x + k)
-            q = tl.load(q_ptrs, eviction_policy="evict_first")
-        else:
-            k_ok = k < K
-            x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
-            q = tl.load(q_ptrs, mask=k_ok[None, :], other=0, eviction_policy="evict_first")
-        acc += q.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows_safe).to(tl.float32)
+    dots = row_dots(x_ptr + t * stride_x, q_ptr, rows_safe, stride_q, K, EVEN_K, BLOCK_N,
+                    BLOCK_K)  # fmt: skip
+    y = dots * tl.load(s_ptr + rows_safe).to(tl.float32)
     tl.store(y_ptr + t * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
