@@ -24,11 +24,7 @@ from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
 from hybridgen.gpu_daemon.host_memory import check_host_budget
 from hybridgen.gpu_daemon.memory import graph_batch_size, plan_engine_memory
-from hybridgen.gpu_daemon.model_runner import (
-    ModelRunner,
-    Sampled,
-    has_penalty,
-)
+from hybridgen.gpu_daemon.model_runner import ModelRunner, Sampled, has_penalty
 from hybridgen.gpu_daemon.request_output import Completion, RequestOutput
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
@@ -69,6 +65,15 @@ class EngineStats:
     peak_blocks_used: int = 0
 
 
+def load_configured(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, on its device in its dtype; with Cold-Weights on, its
+    experts in host memory in cold_weights.expert_format (in the shared arena of
+    shm_instance, when set). What Engine loads when it is given no model."""
+    host_experts = config.expert_format if config.expert_cache_slots is not None else None
+    return load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed,
+                      host_experts, config.shm_instance)  # fmt: skip
+
+
 def _pick(seq: Sequence, cands: Candidates) -> Sampled:
     token, logprob = sample_candidates(cands, seq.params, seq.seed, seq.num_output_tokens)
     return Sampled(seq, token, logprob if seq.params.logprobs is not None else None, None)
@@ -80,21 +85,10 @@ class Engine:
         self.device = config.torch_device()
         self.measured: dict[str, RegionProfile] = {}
         """Regions timed at start (region_timing) and the placement each got."""
-        cold = config.expert_cache_slots
-        host_experts = config.expert_format if cold is not None else None
         self._owns_loaded = loaded is None
-        if loaded is None:
-            check_host_budget(config, model_spec(config.model))
-        else:
-            check_host_budget(config, loaded.spec, experts_made=True)
-        self.loaded = loaded or load_model(
-            config.model,
-            self.device,
-            config.torch_dtype(),
-            config.seed,
-            host_experts,
-            config.shm_instance,
-        )
+        spec = loaded.spec if loaded is not None else model_spec(config.model)
+        check_host_budget(config, spec, experts_made=loaded is not None)
+        self.loaded = loaded or load_configured(config)
         self.warm: WarmTier | None = None
         try:
             self._start()

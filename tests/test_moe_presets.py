@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.engine import Engine, load_configured
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import preset_spec
@@ -120,12 +120,10 @@ def test_a_loaded_models_arena_is_not_counted_twice(
     already in /dev/shm: what is free there no longer includes it, so only the rest is
     checked (mixtral-8x22b's 72.5 GB arena was refused against the 55 GB left beside it)."""
     from hybridgen.gpu_daemon import host_memory
-    from hybridgen.models.loader import load_model
 
     config = EngineConfig(model="tiny-mixtral", device="cpu", expert_cache_slots=4,
                           expert_format="int4", shm_instance=instance)  # fmt: skip
-    loaded = load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed,
-                        config.expert_format, instance)  # fmt: skip
+    loaded = load_configured(config)
     assert loaded.expert_arena is not None
     monkeypatch.setattr(host_memory, "shm_free_bytes", lambda: 2**20)  # less than the arena
     with pytest.raises(BudgetTooSmall, match="expert arena"):

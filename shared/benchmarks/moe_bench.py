@@ -44,12 +44,11 @@ from hybridgen.benchmarks.hf_baseline import hf_config, timed_generate
 from hybridgen.benchmarks.report import machine_info
 from hybridgen.cpu_daemon.expert_link import ExpertLinkClient, ExpertLinkWorker
 from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.engine import Engine, load_configured
 from hybridgen.gpu_daemon.host_memory import SHM_DIR, shm_free_bytes
 from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.ipc import shm
 from hybridgen.models.expert_arena import arena_bytes
-from hybridgen.models.loader import load_model
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
@@ -104,9 +103,7 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
     instance = config.shm_instance
     engine = worker = client = loaded = None
     try:
-        device = config.torch_device()
-        loaded = load_model(config.model, device, config.torch_dtype(), config.seed,
-                            config.expert_format, instance)  # fmt: skip
+        loaded = load_configured(config)
         if skewed:
             skew_routing(moe_blocks(loaded.model), spec.hidden_size)
         engine = Engine(config, loaded)
