@@ -12,9 +12,9 @@ import time
 from multiprocessing.synchronize import Event
 
 import torch
+from cpu_expert_bench import HIDDEN, expert_weights  # bench/, beside this script
 
 from hybridgen.models.expert_format import PackedMatrices, swiglu_packed
-from hybridgen.models.presets import PRESETS
 from hybridgen.timing import best_of
 
 
@@ -25,15 +25,12 @@ def _spin(stop: Event) -> None:
 
 
 def main() -> None:
-    spec = PRESETS["mixtral-8x7b"]
-    h, i = spec.hidden_size, spec.intermediate_size
     gen = torch.Generator().manual_seed(0)
-    gate_up = PackedMatrices.pack(torch.randn(1, 2 * i, h, generator=gen).bfloat16() * 0.02, "int4")
-    down = PackedMatrices.pack(torch.randn(1, h, i, generator=gen).bfloat16() * 0.02, "int4")
-    x = torch.randn(1, h, generator=gen).bfloat16()
+    gate_up, down = (PackedMatrices.pack(w, "int4") for w in expert_weights(gen))
+    x = torch.randn(1, HIDDEN, generator=gen).bfloat16()
     cpu = torch.device("cpu")
     cores = torch.get_num_threads()
-    print(f"one int4 {spec.name} expert at 1 token, best of 10 (ms); {cores} torch threads")
+    print(f"one int4 mixtral-8x7b expert at 1 token, best of 10 (ms); {cores} torch threads")
     for threads in sorted({cores, max(1, cores - 1)}, reverse=True):
         torch.set_num_threads(threads)
         alone = best_of(10, lambda: swiglu_packed(x, gate_up, down, 0), cpu) * 1e3

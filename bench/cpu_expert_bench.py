@@ -20,13 +20,18 @@ from hybridgen.timing import best_of
 HIDDEN, INTER = 4096, 14336
 
 
+def expert_weights(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One random mixtral-8x7b expert in bf16: gate_up [1, 2I, H], down [1, H, I]."""
+    gate_up = (torch.randn(1, 2 * INTER, HIDDEN, generator=gen) * 0.02).bfloat16()
+    return gate_up, (torch.randn(1, HIDDEN, INTER, generator=gen) * 0.02).bfloat16()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--formats", default="int8,int4")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    gate_up = (torch.randn(1, 2 * INTER, HIDDEN, generator=gen) * 0.02).bfloat16()
-    down = (torch.randn(1, HIDDEN, INTER, generator=gen) * 0.02).bfloat16()
+    gate_up, down = expert_weights(gen)
     machine = machine_info()
     result = {"machine": machine, "threads": torch.get_num_threads(), "ms": {}}
     threads, commit = torch.get_num_threads(), machine["commit"][:10]
