@@ -11,6 +11,8 @@ a paged KV cache with a long stride between blocks::
                            k_scale, k_zero [Hkv, D] (one per block and channel)
                                                    -> QuantKvCache, key scales [S, Hkv, D]
                                                       with stride 0 along S: a key group of 1
+    int4, keys per token:  k_scale, k_zero [S, Hkv, D/g] (an int4 Hot block as it was)
+                                                   -> QuantKvCache, as a Hot cache
 
 so layer l of the whole pool is an [capacity, S, Hkv, D] strided view, and a block table of
 Warm slots addresses it exactly as one of Hot blocks. On CUDA the slot area is registered
@@ -154,6 +156,8 @@ def _layer_cache(pool: WarmPool, records: Tensor, names: tuple[str, ...]) -> ops
     if len(views) == 4:
         return QuantKvCache(k=views[0], v=views[1], k_scale=views[2], v_scale=views[3])
     k, v, k_scale, v_scale, k_zero, v_zero = views
+    if k_scale.dim() == 4:  # keys grouped per token: an int4 Hot cache's blocks as they were
+        return QuantKvCache(k, v, k_scale, v_scale, k_zero, v_zero)
     block = (-1, k.shape[1], -1, -1)  # one key scale per block and channel, for every token
     return QuantKvCache(k, v, k_scale.unsqueeze(1).expand(block), v_scale,
                         k_zero.unsqueeze(1).expand(block), v_zero)  # fmt: skip

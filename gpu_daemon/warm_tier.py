@@ -53,7 +53,9 @@ from hybridgen.gpu_daemon.warm_context import WarmContext
 from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view
 from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.kernels import ops
+from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.kvcodec import get_codec
+from hybridgen.kvcodec.base import Codec, RecordLayout
 from hybridgen.kvcodec.prefix_index import PrefixIndex
 from hybridgen.kvcodec.warm_pool import WarmPool, capacity_for, slot_bytes_for
 from hybridgen.models.spec import ModelSpec
@@ -84,6 +86,7 @@ class WarmTier:
             config.shm_instance,
             config.cold_threshold_ms,
             config.kv_codec_placement,
+            config.hot_codec,
         )
 
     def __init__(
@@ -98,6 +101,7 @@ class WarmTier:
         instance: str | None = None,
         cold_threshold_ms: float = 150.0,
         codec_on: str = "gpu",
+        hot_codec: str = "native",
     ) -> None:
         if spec.sliding_window:
             raise ValueError(
@@ -111,7 +115,10 @@ class WarmTier:
         blocks cross raw and the CPU encodes them, and decodes records before they cross."""
         self.mode = mode
         self.split: float = split if split is not None else float(mode == "cpu")
-        c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        self.hot_quantized = hot_codec != "native"
+        """An int8 / int4 Hot cache: its blocks move as they are, their fields being the Warm
+        codec's records (warm_codec_for)."""
+        c = warm_codec_for(spec, codec, block_size, hot_codec)
         capacity = capacity_for(pool_mb, c, spec.num_layers)
         name = instance or f"engine{uuid.uuid4().hex[:10]}"
         self.pool = WarmPool.create(name, c, spec.num_layers, capacity)
@@ -201,10 +208,15 @@ class WarmTier:
 
     def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:
         """Copy Hot blocks (every layer) into fresh Warm slots, STORE_CHUNK blocks per encode
-        and copy; the caller frees the blocks."""
+        and copy (a quantized Hot cache's blocks as they are); the caller frees the blocks."""
         slots = self.index.alloc(len(blocks))
         for lo in range(0, len(blocks), STORE_CHUNK):
             index = torch.tensor(blocks[lo : lo + STORE_CHUNK], device=self.device)
+            if self.hot_quantized:
+                records = torch.stack([self._hot_records(kv, index) for kv in kv_caches], 1)
+                self.pool.store_records(slots[lo : lo + STORE_CHUNK], records)
+                self.stats.d2h_bytes += records.numel()
+                continue
             k = torch.stack([_native(kv)[0][index] for kv in kv_caches], 1)  # [n, L, S, H, D]
             v = torch.stack([_native(kv)[1][index] for kv in kv_caches], 1)
             crossed = self.pool.slot_bytes * len(index)
@@ -220,6 +232,12 @@ class WarmTier:
         frees the slots. Lossless codecs give back the very bytes that were stored."""
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         for layer, kv in enumerate(kv_caches):
+            if self.hot_quantized:
+                records = self._records(slots, layer).to(self.device)
+                for field, part in zip(_hot_fields(kv, self._layout), self._layout.unpack(records),
+                                       strict=True):  # fmt: skip
+                    field[index] = part
+                continue
             k_cache, v_cache = _native(kv)
             k, v = self.dense(slots, layer, k_cache.dtype)
             k_cache[index] = k.view(len(blocks), *k_cache.shape[1:])
@@ -235,6 +253,14 @@ class WarmTier:
             self.view = None
         self.pool.close()
         self.pool.unlink()
+
+    @property
+    def _layout(self) -> RecordLayout:
+        return self.pool.codec.layout  # type: ignore[attr-defined, no-any-return]
+
+    def _hot_records(self, kv: ops.KvCache, index: Tensor) -> Tensor:
+        """Blocks `index` of one layer of a quantized Hot cache -> records [n, record_bytes]."""
+        return self._layout.pack([field[index] for field in _hot_fields(kv, self._layout)])
 
     def _records(self, slots: Seq[int], layer: int) -> Tensor:
         """The compressed records of `slots` at `layer`, copied out of shm (to the device when
@@ -302,14 +328,39 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+def _hot_fields(kv: ops.KvCache, layout: RecordLayout) -> list[Tensor]:
+    """A quantized Hot cache's tensors in the order of the Warm records' fields."""
+    if not isinstance(kv, QuantKvCache):
+        raise ValueError("a native Hot cache has no record fields")
+    by_name = {"k_codes": kv.k, "v_codes": kv.v, "k_scale": kv.k_scale, "v_scale": kv.v_scale,
+               "k_zero": kv.k_zero, "v_zero": kv.v_zero}  # fmt: skip
+    return [t for t in (by_name[f.name] for f in layout.fields) if t is not None]
+
+
 def _native(kv: ops.KvCache) -> tuple[Tensor, Tensor]:
     if not isinstance(kv, tuple):
         raise ValueError("the Warm tier needs kv_cache.hot_codec: native")
     return kv
 
 
-def warm_mb_for(spec: ModelSpec, codec: str, block_size: int, tokens: int) -> float:
-    """MiB of Warm pool that holds `tokens` tokens of every layer in `codec`, plus headroom."""
-    c = get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+def warm_codec_for(spec: ModelSpec, codec: str, block_size: int, hot_codec: str) -> Codec:
+    """The Warm records' codec. Beside an int8 / int4 Hot cache it must be the Hot codec, whose
+    blocks then move as they are (int4 with its keys grouped per token, as Hot groups them)
+    instead of being quantized a second time."""
+    if hot_codec != "native" and codec != hot_codec:
+        raise ValueError(
+            f"kv_cache.warm_codec={codec!r}: an {hot_codec} Hot cache moves its blocks to "
+            f"Warm as they are; use warm_codec: {hot_codec}"
+        )
+    options = {"per_token_keys": True} if hot_codec == "int4" else {}
+    return get_codec(codec, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, **options)
+
+
+def warm_mb_for(
+    spec: ModelSpec, codec: str, block_size: int, tokens: int, hot_codec: str = "native"
+) -> float:
+    """MiB of Warm pool that holds `tokens` tokens of every layer in `codec` (beside a
+    `hot_codec` Hot cache), plus headroom."""
+    c = warm_codec_for(spec, codec, block_size, hot_codec)
     slots = -(-tokens // block_size) + 2
     return slots * slot_bytes_for(c, spec.num_layers) / 2**20 + 1.0

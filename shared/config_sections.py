@@ -70,7 +70,8 @@ class KvCacheConfig:
     hot_codec: Literal["native", "int8", "int4"] = "native"
     """Hot-KV storage: the model dtype, or int8/int4 dequantized inside the attention kernel."""
     warm_codec: Literal["lossless", "lz4", "int8", "int4"] = "int8"
-    """Warm-KV storage: lossless (as is), lz4, int8 (~2:1) or int4 group-quant (~4:1)."""
+    """Warm-KV storage: lossless (as is), lz4, int8 (~2:1) or int4 group-quant (~4:1); with
+    a quantized hot_codec, the same codec (Hot blocks move to Warm as they are)."""
     block_size: Literal[8, 16, 32, 64, 128] = 16
     """Tokens per KV block, in every tier."""
     prefix_reuse: bool = True

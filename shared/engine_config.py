@@ -212,10 +212,11 @@ class EngineConfig:
         if self.warm_split is not None:
             _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
         _check(
-            self.warm_pool_mb == 0 or self.hot_codec == "native",
-            "hot_codec",
-            self.hot_codec,
-            "native while warm_pool_mb > 0 (the Warm tier moves native Hot blocks)",
+            self.warm_pool_mb == 0 or self.hot_codec in ("native", self.warm_codec),
+            "warm_codec",
+            self.warm_codec,
+            f"{self.hot_codec} with hot_codec: {self.hot_codec} (a quantized Hot cache moves "
+            "its blocks to Warm as they are)",
         )
         _check(
             self.moe_gate_placement in ("gpu", "cpu"),

@@ -26,7 +26,7 @@ from hybridgen.kernels.kv_quant import (
     dequantize_tokens,
     hot_kv_bytes_per_token,
 )
-from hybridgen.kvcodec import BlockSpec, Int8Codec
+from hybridgen.kvcodec import BlockSpec, Int4Codec, Int8Codec
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import RopeSpec
 from tests.kernel_helpers import DEVICE, FP32_TOL, LOW_TOL, randn, rel_err, tol
@@ -345,3 +345,21 @@ def test_int8_hot_blocks_are_warm_records() -> None:
     warm = Int8Codec(BlockSpec(16, 2, 64, torch.float32))
     records = warm.layout.pack((cache.k, cache.v, cache.k_scale, cache.v_scale))
     assert torch.equal(records, warm.encode_blocks(k, v))
+
+
+def test_int4_hot_blocks_are_per_token_warm_records() -> None:
+    """An int4 Hot cache's Warm codec (int4, keys grouped per token as Hot groups them): its
+    records are the Hot blocks' fields, so Hot blocks move to Warm as a byte copy and decode
+    to what the Hot cache dequantizes."""
+    gen = torch.Generator().manual_seed(4)
+    k, v = randn(gen, 4, 16, 2, 64), randn(gen, 4, 16, 2, 64)
+    _outlier_channels(k, gen)
+    cache = _quantize("int4", k, v, 32)
+    warm = Int4Codec(BlockSpec(16, 2, 64, torch.float32), per_token_keys=True)
+    fields = (cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    records = warm.layout.pack(fields)
+    assert torch.equal(records, warm.encode_blocks(k, v))
+    hot = dequantize_blocks(cache, torch.arange(4), torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(warm.decode_blocks(records), hot, strict=True))
+    kivi = Int4Codec(BlockSpec(16, 2, 64, torch.float32))
+    assert warm.record_bytes < kivi.record_bytes  # 16-token blocks: fewer key scales per token

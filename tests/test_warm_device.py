@@ -28,9 +28,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROWS = [[5, 0, 9], [2], [7, 8, 1, 3, 4, 6]]  # slot ids per query row, in token order
 
 
+CODECS = ["lossless", "int8", "int4", "int4_token"]
+"""int4_token: int4 with keys grouped per token, an int4 Hot cache's blocks as they are."""
+
+
 def _pool(instance: str, codec: str, dtype: torch.dtype = torch.float32) -> WarmPool:
     """A pool of 10 slots, every layer of every slot filled with its own random KV."""
-    pool = WarmPool.create(instance, get_codec(codec, S, HKV, D, dtype), L, 10)
+    options = {"per_token_keys": True} if codec == "int4_token" else {}
+    c = get_codec(codec.removesuffix("_token"), S, HKV, D, dtype, **options)
+    pool = WarmPool.create(instance, c, L, 10)
     g = torch.Generator().manual_seed(3)
     for slot in pool.alloc(10):
         k, v = torch.randn(L, S, HKV, D, generator=g), torch.randn(L, S, HKV, D, generator=g)
@@ -54,10 +60,11 @@ def _exact(pool: WarmPool, layer: int, q: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_in_place_attention_matches_decoded_blocks(instance: str, codec: str) -> None:
     """int4 records (KIVI: a key scale and zero per block and channel, values per token and
-    group) are read as a cache whose key scales repeat over the block's tokens (stride 0)."""
+    group) are read as a cache whose key scales repeat over the block's tokens (stride 0);
+    int4_token records as an int4 Hot cache."""
     pool = _pool(instance, codec)
     view = device_view(pool, DEVICE)  # on CUDA: the pool registered, read over PCIe
     assert isinstance(view, WarmDeviceView)
@@ -113,7 +120,7 @@ def _decoded(pool: WarmPool, slots: list[int], layer: int, dtype: torch.dtype) -
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
      (torch.float32, torch.bfloat16)],
 )  # fmt: skip
-@pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_prefill_gather_equals_decode_blocks(
     instance: str, codec: str, stored: torch.dtype, dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,

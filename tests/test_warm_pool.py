@@ -126,6 +126,25 @@ def test_record_view_is_zero_copy_and_header_is_read_back(instance: str) -> None
         reader.close()
 
 
+def test_per_token_int4_records_are_described_by_the_header(instance: str) -> None:
+    """An int4 Hot cache's Warm codec (keys per token): a reader rebuilds it from the header
+    (flags bit 0), and store_records writes records as they are."""
+    codec = get_codec("int4", S, H, D, torch.float32, per_token_keys=True)
+    with WarmPool.create(instance, codec, L, 4) as p:
+        reader = WarmPool.attach(instance)
+        assert reader.codec == codec != get_codec("int4", S, H, D, torch.float32)
+        slots = p.alloc(2)
+        k, v = kv(5)
+        records = codec.encode_blocks(torch.stack([k, -k]).flatten(0, 1),
+                                      torch.stack([v, -v]).flatten(0, 1))  # fmt: skip
+        p.store_records(slots, records.view(2, L, -1))
+        p.store(slots[1], -k, -v)  # the same bytes by the encoding path
+        assert np.array_equal(reader.slot_area()[slots], records.view(2, L, -1).numpy())
+        with pytest.raises(ValueError, match=r"expected \[2, 3, \d+\] uint8"):
+            p.store_records(slots, records)
+        reader.close()
+
+
 def _reader(instance: str, slots: list[int], out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     """Spawned child: attach, load the slots, send back raw bytes (torch-free pickles)."""
     pool = WarmPool.attach(instance, wait=10.0)

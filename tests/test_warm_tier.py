@@ -45,6 +45,31 @@ def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> 
     engine.release()
 
 
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "split"])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_quantized_hot_cache_spills_its_blocks_as_they_are(  # type: ignore[no-untyped-def]
+    checkpoint, codec: str, mode: str
+) -> None:
+    """An int8 / int4 Hot cache of 6 blocks beside a Warm tier of its codec: its blocks move
+    to Warm byte for byte (no second quantization), so the greedy tokens are those of the
+    same Hot codec with no budget, in every attn_warm mode, with most keys read from Warm."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [150, 97])
+    unbudgeted = small_engine(path, hot_codec=codec)
+    expected = [c.token_ids for c in unbudgeted.generate(prompts, GREEDY)]
+    unbudgeted.release()
+    engine = small_engine(
+        path, hot_codec=codec, warm_codec=codec, num_kv_blocks=6, max_num_seqs=2,
+        warm_pool_mb=2, attn_warm=mode, warm_split=0.5,
+    )  # fmt: skip
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+    st = engine.warm.stats  # type: ignore[union-attr]
+    assert st.spilled_blocks >= (150 + 97 + 2 * NEW_TOKENS) // 8 - 6 - 2
+    assert st.warm_keys > 3 * st.hot_keys
+    assert (st.cpu.calls > 0) == (mode != "gpu")
+    engine.release()
+
+
 def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Hot holds 12 blocks (96 tokens). Two sequences of 60 + 8 tokens each fit it alone but
     not together: the second waits for the first instead of pushing it into Warm, so no block
@@ -70,14 +95,20 @@ def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  
     engine.release()
 
 
-def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("hot", ["native", "int4"])
+def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint, hot: str) -> None:  # type: ignore[no-untyped-def]
     """A preempted sequence keeps its computed full blocks in Warm, frees all its Hot blocks,
     and on readmission gets them back into Hot and recomputes only its partial last block;
-    tokens are still HF's."""
+    tokens are still HF's (an int4 Hot cache's: those of int4 Hot with no preemption)."""
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [60, 45])
-    expected = hf_greedy(path, prompts, NEW_TOKENS)
-    engine = small_engine(path, warm_pool_mb=2)
+    if hot == "native":
+        expected = hf_greedy(path, prompts, NEW_TOKENS)
+    else:
+        unbudgeted = small_engine(path, hot_codec=hot).generate(prompts, GREEDY)
+        expected = [c.token_ids for c in unbudgeted]
+    codec = "lossless" if hot == "native" else hot
+    engine = small_engine(path, warm_pool_mb=2, hot_codec=hot, warm_codec=codec)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
     tokens: dict[str, list[int]] = {"r0": [], "r1": []}
@@ -102,8 +133,8 @@ def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint) -> None:  #
 def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=r"^attn_warm="):
         EngineConfig(attn_warm="tpu")
-    with pytest.raises(ConfigError, match=r"^hot_codec="):
-        EngineConfig(warm_pool_mb=8, hot_codec="int8")
+    with pytest.raises(ConfigError, match=r"^warm_codec='int8' .* allowed int4 with hot_codec"):
+        EngineConfig(warm_pool_mb=8, hot_codec="int4", warm_codec="int8")
     with pytest.raises(ConfigError, match=r"warm_pool_mb=0\.01 is too small"):
         small_engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=0.01)
     with pytest.raises(ValueError, match="sliding-window"):

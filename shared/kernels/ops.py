@@ -215,10 +215,8 @@ def prefill_attention(
     `prefixes`: per sequence, dense K and V of its leading keys kept outside this cache (the
     Warm tier); its block table then starts after them."""
     if isinstance(kv, QuantKvCache):
-        if prefixes is not None and any(p is not None for p in prefixes):
-            raise ValueError("the Warm tier needs kv_cache.hot_codec: native")
         return reference.paged_prefill_attention_quant(
-            q, kv, block_tables, query_start_loc, seq_lens, scale, sliding_window
+            q, kv, block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes
         )
     return paged_prefill_attention(
         q, kv[0], kv[1], block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes

@@ -296,15 +296,21 @@ def paged_prefill_attention_quant(
     seq_lens: list[int],
     scale: float,
     sliding_window: int = 0,
+    prefixes: list[tuple[Tensor, Tensor] | None] | None = None,
 ) -> Tensor:
     # As paged_prefill_attention over the cache dequantized to q.dtype (torch on every device).
+    # prefixes[i]: as there (a Warm prefix); the cache then holds keys P.. of sequence i.
     ranges = []
     for i, seq_len in enumerate(seq_lens):
         first_pos = seq_len - (query_start_loc[i + 1] - query_start_loc[i])
         k0 = max(0, first_pos - sliding_window + 1) if sliding_window > 0 else 0
-        ranges.append((k0, seq_len) if first_pos < seq_len else (0, 0))
+        prefix = prefixes[i] if prefixes is not None else None
+        hot_len = seq_len - (0 if prefix is None else prefix[0].shape[0])
+        ranges.append((min(k0, hot_len), hot_len) if first_pos < seq_len else (0, 0))
     k, v, table = _dequantize_live(cache, block_tables, ranges, q.dtype)
-    return paged_prefill_attention(q, k, v, table, query_start_loc, seq_lens, scale, sliding_window)
+    return paged_prefill_attention(
+        q, k, v, table, query_start_loc, seq_lens, scale, sliding_window, prefixes
+    )
 
 
 def paged_attention_naive(

@@ -206,20 +206,27 @@ class Int4Codec(GroupQuantCodec):
         k_zero   scale_dtype [H, D]          x ~= code * scale + zero, zero = min
         v_scale  scale_dtype [S, H, D/g]     over g channels of each token and head
         v_zero   scale_dtype [S, H, D/g]
+
+    With `per_token_keys` the keys are grouped as the values are (k_scale, k_zero
+    [S, H, D/g]): that record is an int4 Hot-KV block's fields byte for byte (kv_quant), the
+    Warm tier of an int4 Hot cache, which stores Hot blocks as they are instead of quantizing
+    them a second time.
     """
 
     name: ClassVar[str] = "int4"
+    per_token_keys: bool = False
 
     @cached_property
     def layout(self) -> RecordLayout:
         s, h, d = self.spec.shape
         sd, vgroups = self.scale_dtype, (s, h, d // self.g)
+        kgroups = vgroups if self.per_token_keys else (h, d)
         return RecordLayout(
             (
                 Field("k_codes", torch.uint8, (s, h, d // 2)),
                 Field("v_codes", torch.uint8, (s, h, d // 2)),
-                Field("k_scale", sd, (h, d)),
-                Field("k_zero", sd, (h, d)),
+                Field("k_scale", sd, kgroups),
+                Field("k_zero", sd, kgroups),
                 Field("v_scale", sd, vgroups),
                 Field("v_zero", sd, vgroups),
             )
@@ -227,22 +234,27 @@ class Int4Codec(GroupQuantCodec):
 
     def _encode(self, k: Tensor, v: Tensor) -> Tensor:
         # k, v: [N, S, H, D]
-        kq, ks, kz = quantize_asym_u4(k, 1, self.scale_dtype)  # ks, kz: [N, 1, H, D]
-        vq, vs, vz = quantize_asym_u4(v.unflatten(-1, (-1, self.g)), -1, self.scale_dtype)
-        return self.layout.pack(
-            (
-                pack_u4(kq),
-                pack_u4(vq.flatten(-2)),
-                ks.squeeze(1),
-                kz.squeeze(1),
-                vs.squeeze(-1),  # [N, S, H, D/g]
-                vz.squeeze(-1),
-            )
-        )
+        vp, vs, vz = self._per_token(v)
+        if self.per_token_keys:
+            kp, ks, kz = self._per_token(k)
+        else:
+            kq, ks, kz = quantize_asym_u4(k, 1, self.scale_dtype)  # ks, kz: [N, 1, H, D]
+            kp, ks, kz = pack_u4(kq), ks.squeeze(1), kz.squeeze(1)
+        return self.layout.pack((kp, vp, ks, kz, vs, vz))
+
+    def _per_token(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, S, H, D] -> packed codes [N, S, H, D/2], scale and zero [N, S, H, D/g]."""
+        q, scale, zero = quantize_asym_u4(x.unflatten(-1, (-1, self.g)), -1, self.scale_dtype)
+        return pack_u4(q.flatten(-2)), scale.squeeze(-1), zero.squeeze(-1)
 
     def _decode(self, records: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         kp, vp, ks, kz, vs, vz = self.layout.unpack(records)
-        k = dequantize_asym_u4(unpack_u4(kp), ks.unsqueeze(1), kz.unsqueeze(1))
-        vq = unpack_u4(vp).unflatten(-1, (-1, self.g))  # [N, S, H, D/g, g]
-        v = dequantize_asym_u4(vq, vs.unsqueeze(-1), vz.unsqueeze(-1)).flatten(-2)
-        return k.to(dtype), v.to(dtype)
+        if self.per_token_keys:
+            k = self._from_tokens(kp, ks, kz)
+        else:
+            k = dequantize_asym_u4(unpack_u4(kp), ks.unsqueeze(1), kz.unsqueeze(1))
+        return k.to(dtype), self._from_tokens(vp, vs, vz).to(dtype)
+
+    def _from_tokens(self, packed: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+        q = unpack_u4(packed).unflatten(-1, (-1, self.g))  # [N, S, H, D/g, g]
+        return dequantize_asym_u4(q, scale.unsqueeze(-1), zero.unsqueeze(-1)).flatten(-2)

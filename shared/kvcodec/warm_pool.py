@@ -18,7 +18,9 @@ attention (cpu_daemon/warm_link.py). Segment ``/hybridgen-<instance>-warm``::
         56  16                     model dtype name, ascii, NUL padded ("bfloat16")
         72  16                     scale dtype name ("" when the codec has none)
         88  16                     codec name ("lossless", "lz4", "int8", "int4")
-       104  4 + 4                  owner pid, pad
+       104  4                      owner pid
+       108  4                      flags: bit 0 int4 keys grouped per token (Int4Codec
+                                   per_token_keys: an int4 Hot cache's Warm tier)
        112  8                      epoch (time.time_ns() at create)
       4096  capacity * slot_bytes  slots; slot i at 4096 + i * slot_bytes, and layer l of
                                    it at + l * record_bytes
@@ -56,7 +58,7 @@ from hybridgen.kvcodec.base import Codec
 from hybridgen.kvcodec.codecs import get_codec
 
 MAGIC = b"HGWARM01"
-WARM_VERSION = 1
+WARM_VERSION = 2
 HEADER_SIZE = 4096
 SEGMENT = "warm"
 CONFIG_KEY = "kv_cache.warm_region_mb"
@@ -128,6 +130,8 @@ class WarmPool:
         options: dict[str, object] = {}
         if group:
             options = {"group_size": group, "scale_dtype": _dtype(scale)}
+        if fields[14] & 1:
+            options["per_token_keys"] = True
         self.codec: Codec = get_codec(name, block_size, heads, head_dim, _dtype(dtype), **options)
         if self.codec.record_bytes != record_bytes or slot_bytes != layers * record_bytes:
             raise ValueError(f"{seg}: header geometry does not match codec {name}")
@@ -157,6 +161,9 @@ class WarmPool:
         options: dict[str, object] = {}
         if group:
             options = {"group_size": group, "scale_dtype": scale}
+        per_token_keys = bool(getattr(codec, "per_token_keys", False))
+        if per_token_keys:
+            options["per_token_keys"] = True
         rebuilt = get_codec(codec.name, *spec.shape, spec.dtype, **options)
         if rebuilt != codec:  # attach rebuilds the codec from the header alone
             raise ValueError(f"codec {codec!r} cannot be described by the Warm pool header")
@@ -169,7 +176,7 @@ class WarmPool:
             _name16(_dtype_name(spec.dtype)),
             _name16(_dtype_name(scale) if scale is not None else ""),
             _name16(codec.name),
-            *(os.getpid(), 0, time.time_ns()),
+            *(os.getpid(), int(per_token_keys), time.time_ns()),
         )
         _FIXED.pack_into(mm, 0, b"\0" * 8, WARM_VERSION, *fixed)
         mm[0:8] = MAGIC  # last: an attacher that sees the magic sees a complete header
@@ -310,6 +317,20 @@ class WarmPool:
             )
         records = self.codec.encode_blocks(k_blocks.flatten(0, 1), v_blocks.flatten(0, 1))
         self._view()[index] = records.view(n, layers, -1).cpu().numpy()
+
+    def store_records(self, slots: Sequence[int], records: Tensor) -> None:
+        """Owner: write records already in the codec's layout (an int8 / int4 Hot cache's
+        blocks, whose fields are the records') into `slots`: records [len(slots), L,
+        record_bytes] uint8, on any device."""
+        self._owner_only("store_records")
+        index = [self._index(s) for s in slots]
+        if any(self._refs[i] == 0 for i in index):
+            raise ValueError("a slot is free; alloc it before storing")
+        shape = (len(index), self.num_layers, self.record_bytes)
+        if tuple(records.shape) != shape or records.dtype != torch.uint8:
+            raise ValueError(f"records are {list(records.shape)} {records.dtype}, expected "
+                             f"{list(shape)} uint8")  # fmt: skip
+        self._view()[index] = records.cpu().numpy()
 
     def load(self, slot: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Decode `slot` -> k, v: [L, S, H, D] in `dtype` (default: the codec's), on the CPU."""

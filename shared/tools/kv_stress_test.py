@@ -81,7 +81,9 @@ def _engine(args: argparse.Namespace) -> Engine:
     loaded = load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed)
     warm_mb = args.warm_region_mb if args.warm_region_mb is not None else config.warm_pool_mb
     if not warm_mb:  # enough Warm for the whole context
-        warm_mb = warm_mb_for(loaded.model.spec, config.warm_codec, config.block_size, length)
+        warm_mb = warm_mb_for(
+            loaded.model.spec, config.warm_codec, config.block_size, length, config.hot_codec
+        )
     return Engine(dataclasses.replace(config, warm_pool_mb=warm_mb), loaded=loaded)
 
 
