@@ -37,7 +37,7 @@ from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks
 from hybridgen.kvcodec.warm_pool import WarmPool
 
 if ops.HAS_TRITON:
-    from hybridgen.kernels.triton_block_gather import gather_blocks
+    from hybridgen.kernels.triton_block_gather import gather_blocks, gather_rows
 
 log = structlog.get_logger()
 
@@ -115,6 +115,16 @@ class WarmDeviceView:
         if self.device.type == "cuda" and ops.HAS_TRITON:
             return gather_blocks(cache, index, dtype)
         return gather_reference(cache, index, dtype)
+
+    def records(self, layer: int, slots: list[int] | Tensor) -> Tensor:
+        """Warm `slots` at `layer` as they are -> [n, record_bytes] uint8 on the device, read
+        in place (an int8 / int4 Hot cache's blocks going back into Hot)."""
+        assert self._area is not None
+        index = slots if isinstance(slots, Tensor) else self.slot_index(slots)
+        rows = self._area[:, layer]
+        if self.device.type == "cuda" and ops.HAS_TRITON:
+            return gather_rows(rows, index)
+        return rows.index_select(0, index.cpu()).to(self.device)
 
     def close(self) -> None:
         self.layers = []

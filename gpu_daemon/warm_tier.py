@@ -228,21 +228,31 @@ class WarmTier:
         return slots
 
     def load(self, kv_caches: Seq[ops.KvCache], slots: Seq[int], blocks: Seq[int]) -> None:
-        """Decode Warm `slots` (every layer) into the Hot `blocks`, in order; the caller
-        frees the slots. Lossless codecs give back the very bytes that were stored."""
+        """Decode Warm `slots` (every layer) into the Hot `blocks`, in order, read in place
+        where the pool has a device view; the caller frees the slots. Lossless codecs, and a
+        quantized Hot cache's records, give back the very bytes that were stored."""
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        slot_index = None if self.view is None else self.view.slot_index(list(slots))
         for layer, kv in enumerate(kv_caches):
             if self.hot_quantized:
-                records = self._records(slots, layer).to(self.device)
+                records = self._stored(slots, layer, slot_index)
                 for field, part in zip(_hot_fields(kv, self._layout), self._layout.unpack(records),
                                        strict=True):  # fmt: skip
                     field[index] = part
                 continue
             k_cache, v_cache = _native(kv)
-            k, v = self.dense(slots, layer, k_cache.dtype)
+            k, v = self.dense(slots, layer, k_cache.dtype, slot_index)
             k_cache[index] = k.view(len(blocks), *k_cache.shape[1:])
             v_cache[index] = v.view(len(blocks), *v_cache.shape[1:])
         self.stats.loaded_blocks += len(blocks)
+
+    def _stored(self, slots: Seq[int], layer: int, slot_index: Tensor | None) -> Tensor:
+        """`slots`' records at `layer` as they are, on the device: read in place through the
+        view (over PCIe on CUDA), else copied out of shm."""
+        if self.view is None or slot_index is None:
+            return self._records(slots, layer).to(self.device)
+        self.stats.h2d_bytes += len(slots) * self.pool.record_bytes
+        return self.view.records(layer, slot_index)
 
     def free(self, slots: Seq[int]) -> None:
         self.pool.free(slots)

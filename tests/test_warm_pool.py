@@ -128,20 +128,24 @@ def test_record_view_is_zero_copy_and_header_is_read_back(instance: str) -> None
 
 def test_per_token_int4_records_are_described_by_the_header(instance: str) -> None:
     """An int4 Hot cache's Warm codec (keys per token): a reader rebuilds it from the header
-    (flags bit 0), and store_records writes records as they are."""
+    (flags bit 0), and store_records writes records as they are, in runs of consecutive
+    slots and across gaps."""
     codec = get_codec("int4", S, H, D, torch.float32, per_token_keys=True)
-    with WarmPool.create(instance, codec, L, 4) as p:
+    with WarmPool.create(instance, codec, L, 6) as p:
         reader = WarmPool.attach(instance)
         assert reader.codec == codec != get_codec("int4", S, H, D, torch.float32)
-        slots = p.alloc(2)
-        k, v = kv(5)
-        records = codec.encode_blocks(torch.stack([k, -k]).flatten(0, 1),
-                                      torch.stack([v, -v]).flatten(0, 1))  # fmt: skip
-        p.store_records(slots, records.view(2, L, -1))
-        p.store(slots[1], -k, -v)  # the same bytes by the encoding path
-        assert np.array_equal(reader.slot_area()[slots], records.view(2, L, -1).numpy())
-        with pytest.raises(ValueError, match=r"expected \[2, 3, \d+\] uint8"):
-            p.store_records(slots, records)
+        free = p.alloc(6)
+        slots = [free[1], free[2], free[5], free[0]]  # a run of two, a gap, a step back
+        blocks = [kv(seed) for seed in range(4)]
+        k = torch.stack([b[0] for b in blocks]).flatten(0, 1)
+        v = torch.stack([b[1] for b in blocks]).flatten(0, 1)
+        records = codec.encode_blocks(k, v).view(4, L, -1)
+        p.store_records(slots, records)
+        assert np.array_equal(reader.slot_area()[slots], records.numpy())
+        p.store(free[3], *blocks[2])  # the same bytes by the encoding path
+        assert np.array_equal(reader.slot_area()[free[3]], records[2].numpy())
+        with pytest.raises(ValueError, match=r"expected \[4, 3, \d+\] uint8"):
+            p.store_records(slots, records[:, 0])
         reader.close()
 
 

@@ -9,6 +9,9 @@ reads the records over PCIe once, straight into the buffer the attention takes::
     slots:                              [n]              block ids, in token order
     out (k and v, contiguous):          [n * S, Hkv, D]  out[i * S + s, h] = cache[slots[i], s, h]
 
+`gather_rows` moves whole records as they are (an int8 / int4 Hot cache's blocks, loaded
+back from Warm into Hot): rows [N, R] bytes, any row stride -> out [n, R], as 4-byte words.
+
 Grid (n, Hkv, cdiv(S, BLOCK_S)): one program moves K and V of one head of BLOCK_S tokens of
 one block. Its rows are D contiguous elements, 256 B for bf16 and D = 128, each at least one
 whole 128-byte line. The dequantization is kvcodec.quant's: int8 fp32 code * fp32 scale of
@@ -125,3 +128,33 @@ def gather_blocks(
         ROUND_BF16=round_bf16, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return ko, vo
+
+
+_ROW_WORDS = 1024  # 4 KiB of a row per program
+
+
+@triton.jit
+def _rows_kernel(index_ptr, src_ptr, dst_ptr, row_stride, words, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(index_ptr + i).to(tl.int64)
+    mask = w < words
+    x = tl.load(src_ptr + row * row_stride + w, mask=mask)
+    tl.store(dst_ptr + i * words + w, x, mask=mask)
+
+
+def gather_rows(rows: Tensor, index: Tensor) -> Tensor:
+    """rows: [N, R] uint8 (unit stride along R, R and the row stride multiples of 4), on the
+    device or in host memory it can read; index: [n] integer row ids on the device ->
+    [n, R] uint8 on index's device: out[i] = rows[index[i]]."""
+    n, nbytes = index.shape[0], rows.shape[1]
+    if rows.stride(1) != 1 or nbytes % 4 or rows.stride(0) % 4 or rows.data_ptr() % 4:
+        raise ValueError("gather_rows: rows need unit stride and 4-byte aligned rows")
+    out = torch.empty(n, nbytes, dtype=torch.uint8, device=index.device)
+    if n == 0 or nbytes == 0:
+        return out
+    words = nbytes // 4
+    src = rows.view(torch.int32)  # [N, R / 4], row stride / 4
+    grid = (n, triton.cdiv(words, _ROW_WORDS))
+    _rows_kernel[grid](index, src, out.view(torch.int32), src.stride(0), words, BLOCK=_ROW_WORDS)
+    return out

@@ -330,7 +330,14 @@ class WarmPool:
         if tuple(records.shape) != shape or records.dtype != torch.uint8:
             raise ValueError(f"records are {list(records.shape)} {records.dtype}, expected "
                              f"{list(shape)} uint8")  # fmt: skip
-        self._view()[index] = records.cpu().numpy()
+        # Each run of consecutive slots is one copy straight into shm: from a device, one
+        # DMA where the pool is registered as pinned memory (gpu_daemon.warm_device).
+        area = torch.from_numpy(self._view())
+        start = 0
+        for end in range(1, len(index) + 1):
+            if end == len(index) or index[end] != index[end - 1] + 1:
+                area[index[start] : index[start] + end - start].copy_(records[start:end])
+                start = end
 
     def load(self, slot: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Decode `slot` -> k, v: [L, S, H, D] in `dtype` (default: the codec's), on the CPU."""
