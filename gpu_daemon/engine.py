@@ -124,6 +124,7 @@ class Engine:
                 config.max_num_batched_tokens,
                 self.max_model_len,
                 config.prefix_reuse,
+                config.hot_turn_tokens,
             ),
             self.pool,
             offload,

@@ -15,6 +15,10 @@ With a Warm tier (an Offload), a preempted sequence keeps its computed prefix th
 out) and gets it back into Hot when it is readmitted with room (load). Only a sequence too
 long to fit Hot alone makes room by spilling: the oldest full blocks of the sequences
 holding the most move to Warm. One that fits waits for room, or preempts, as without Warm.
+With `turn_tokens` (time slicing) it waits only until a running sequence has generated that
+many tokens in its turn: that one swaps out to the back of the queue (its loaded Warm copy
+kept, so only its new blocks move), and sequences that each fit Hot but not all at once take
+turns there instead of reading Warm over PCIe at every step.
 
 Prefix reuse: every full, computed block is registered in the pool under the chained hash
 of its tokens, and stays cached after its sequence lets go until the space is needed. A
@@ -46,6 +50,9 @@ class SchedulerConfig:
     """Longest sequence, prompt plus output."""
     prefix_reuse: bool = True
     """Register computed blocks by prefix hash and reuse them at admission."""
+    turn_tokens: int = 0
+    """Time slicing (with an Offload): tokens a sequence generates in one turn in Hot before
+    it makes room for a waiting sequence that fits Hot; 0: none (first come, first served)."""
 
 
 @dataclass
@@ -101,6 +108,8 @@ class Scheduler:
         """Prompt tokens whose KV came from the prefix cache (first admissions only)."""
         self.resumed_tokens = 0
         """Tokens of preempted sequences taken back from the cache at readmission."""
+        self.turns_ended = 0
+        """Sequences swapped out at the end of their turn (time slicing)."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -244,6 +253,41 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
+    def _end_turn(self, batch: ScheduledBatch) -> bool:
+        """Time slicing: swap out the decoding sequence with the longest turn, if one has
+        generated turn_tokens since it came in, to the back of the queue. At a block boundary
+        (all its computed tokens in full blocks: coming back costs a load and no recompute)
+        unless the turn ran a block past its end without one (multi-step decode can step over
+        them); never by dropping its KV: False, changing nothing, when Warm cannot take it."""
+        turn, size = self.config.turn_tokens, self.pool.block_size
+
+        def over(s: Sequence) -> bool:
+            ran = s.num_output_tokens - s.turn_start
+            return ran >= turn + size or (ran >= turn and s.num_computed_tokens % size == 0)
+
+        if not turn or self.offload is None:
+            return False
+        done = [
+            s for s in self.running
+            if not s.awaiting_token and s.num_tokens - s.num_computed_tokens == 1 and over(s)
+        ]  # fmt: skip
+        if not done:
+            return False
+        seq = max(done, key=lambda s: s.num_output_tokens - s.turn_start)
+        self.cache_blocks(seq)
+        if not self.offload.swap_out(seq):
+            return False
+        seq.num_registered_blocks = len(seq.warm_slots)
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_tokens[i]
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.turns_ended += 1
+        return True
+
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -257,6 +301,8 @@ class Scheduler:
             if need_all > self.pool.num_free and self.offload is not None and self._spills(seq):
                 # Its own cached prefix may be what fills Hot: it can move to Warm too.
                 self.offload.spill([*self.running, seq], need_all - self.pool.num_free)
+            while fits and need_all > self.pool.num_free and self._end_turn(batch):
+                pass
             if need_all > self.pool.num_free:
                 self.kv_short = True
                 if seq.warm_slots:  # swapped out: its Warm prefix waits with it
@@ -273,6 +319,7 @@ class Scheduler:
                 seq.num_registered_blocks = 0  # its Warm prefix is back in Hot: register it
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            seq.turn_start = seq.num_output_tokens
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)

@@ -46,6 +46,11 @@ class Sequence:
     """Hot blocks, holding the tokens after the Warm prefix."""
     warm_slots: list[int] = field(default_factory=list)
     """Warm-tier slots holding the KV of its first len(warm_slots) full blocks."""
+    warm_copy: list[int] = field(default_factory=list)
+    """Warm slots it was loaded back from, still holding copies of its first Hot blocks
+    (warm_copy[i] is block_ids[i]): moving those blocks to Warm again takes no copy."""
+    turn_start: int = 0
+    """Its generated tokens when it was last admitted (time slicing: scheduler.py)."""
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     logprobs: list[float] = field(default_factory=list)

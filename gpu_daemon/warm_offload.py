@@ -33,8 +33,10 @@ class WarmOffload:
         return seq.num_computed_tokens // self.pool.block_size - len(seq.warm_slots)
 
     def _move(self, seq: Sequence, n: int) -> None:
-        blocks = seq.block_ids[:n]
-        seq.warm_slots += self.tier.store(self.kv_caches, blocks)
+        """Move its first n Hot blocks to Warm: those with a Warm copy take no copy."""
+        blocks, kept = seq.block_ids[:n], min(n, len(seq.warm_copy))
+        reused, seq.warm_copy = seq.warm_copy[:kept], seq.warm_copy[kept:]
+        seq.warm_slots += reused + self.tier.store(self.kv_caches, blocks[kept:])
         seq.block_ids = seq.block_ids[n:]
         self.pool.free(blocks)
         if self.prefix_reuse:  # the whole chain, head included: LRU eviction takes tails first
@@ -68,9 +70,12 @@ class WarmOffload:
         """Preemption: keep the computed prefix in Warm and free every Hot block (the tail
         of a partial block is recomputed). False, changing nothing, when Warm is short."""
         n = self._hot_full(seq)
-        if self.tier.room(n) < n:
+        copies = min(n, len(seq.warm_copy))
+        if self.tier.room(n - copies) < n - copies:
             return False
         self._move(seq, n)
+        self.tier.free(seq.warm_copy)  # copies of blocks past the full ones: stale
+        seq.warm_copy = []
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = len(seq.warm_slots) * self.pool.block_size
@@ -79,17 +84,19 @@ class WarmOffload:
 
     def load(self, seq: Sequence) -> bool:
         """Copy `seq`'s Warm prefix back into fresh Hot blocks ahead of its Hot ones, if Hot
-        has room for it; its Warm references go (the prefix index may keep the slots)."""
+        has room for it; it keeps the slots as copies of those blocks (warm_copy), so that a
+        later swap out, as time slicing does at every turn, moves only what is new."""
         n = len(seq.warm_slots)
         if n == 0 or n > self.pool.num_free:
             return False
         blocks = self.pool.allocate(n)
         self.tier.load(self.kv_caches, seq.warm_slots, blocks)
-        self.tier.free(seq.warm_slots)
-        seq.warm_slots, seq.block_ids = [], blocks + seq.block_ids
+        self.tier.free(seq.warm_copy)  # a Hot prefix's copies, now covered by warm_slots
+        seq.warm_copy, seq.warm_slots = seq.warm_slots, []
+        seq.block_ids = blocks + seq.block_ids
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Drop a finished (or recomputed) sequence's Warm slots."""
-        self.tier.free(seq.warm_slots)
-        seq.warm_slots = []
+        """Drop a finished (or recomputed) sequence's Warm slots and copies."""
+        self.tier.free(seq.warm_slots + seq.warm_copy)
+        seq.warm_slots, seq.warm_copy = [], []

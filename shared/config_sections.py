@@ -67,6 +67,9 @@ class KvCacheConfig:
     """Host shm for Warm-KV blocks after compression; null or 0: no Warm tier."""
     cold_threshold_ms: int = at_least(150, 1)
     """A warm block untouched this long is moved to Cold."""
+    hot_turn_tokens: int = at_least(0, 0)
+    """With a Warm tier: sequences that each fit Hot but not all at once take turns of this
+    many generated tokens there (swapped to Warm between turns); 0: first come, first served."""
     hot_codec: Literal["native", "int8", "int4"] = "native"
     """Hot-KV storage: the model dtype, or int8/int4 dequantized inside the attention kernel."""
     warm_codec: Literal["lossless", "lz4", "int8", "int4"] = "int8"

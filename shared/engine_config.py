@@ -75,6 +75,11 @@ class EngineConfig:
     at start (CUDA; the CPU on a CPU-only engine)."""
     cold_threshold_ms: float = 150.0
     """A cached Warm block unused this long moves to Cold (kv_cache.cold_threshold_ms)."""
+    hot_turn_tokens: int = 0
+    """With a Warm tier, time slicing (kv_cache.hot_turn_tokens): when the first waiting
+    sequence fits Hot alone but not beside the running ones, a running one that generated
+    this many tokens since it came in swaps to Warm and queues again, so sequences take turns
+    in Hot instead of one waiting for another to finish. 0: first come, first served."""
     warm_split: float | None = None
     """With attn_warm split: the share of each sequence's Warm blocks the CPU attends; None:
     measured at start, so that both sides finish together."""
@@ -209,6 +214,7 @@ class EngineConfig:
             "auto, cpu, gpu or split",
         )
         _check(self.cold_threshold_ms > 0, "cold_threshold_ms", self.cold_threshold_ms, "> 0")
+        _check(self.hot_turn_tokens >= 0, "hot_turn_tokens", self.hot_turn_tokens, ">= 0")
         if self.warm_split is not None:
             _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
         _check(

@@ -29,6 +29,7 @@ FULL: dict[str, Any] = {
         "hot_region_mb": 4096,
         "warm_region_mb": 8192,
         "cold_threshold_ms": 150,
+        "hot_turn_tokens": 64,
         "hot_codec": "native",
         "warm_codec": "int4",
         "block_size": 32,
@@ -117,6 +118,7 @@ def test_every_section_parses() -> None:
     assert (topo.cpu.memory_mb, topo.cpu.bandwidth_gbps) == (128000, 204.8)
     kv = config.kv_cache
     assert (kv.hot_region_mb, kv.warm_region_mb, kv.cold_threshold_ms) == (4096, 8192, 150)
+    assert kv.hot_turn_tokens == 64
     assert (kv.hot_codec, kv.warm_codec, kv.block_size, kv.prefix_reuse) == (
         "native",
         "int4",
@@ -344,6 +346,7 @@ def test_engine_config_mapping() -> None:
         hot_codec="native",
         warm_pool_mb=8192,
         warm_codec="int4",
+        hot_turn_tokens=64,
         attn_warm="split",
         prefix_reuse=False,
         sample_placement="cpu",

@@ -96,6 +96,43 @@ def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  
 
 
 @pytest.mark.parametrize("hot", ["native", "int4"])
+def test_sequences_that_fit_hot_one_at_a_time_take_turns(checkpoint, hot: str) -> None:  # type: ignore[no-untyped-def]
+    """Time slicing: Hot holds 12 blocks (96 tokens); three sequences of 50-61 prompt tokens
+    and 32 new ones each fit it alone, not two at once. With hot_turn_tokens 8 they take
+    turns: every one has produced a token before the first finishes, and each swaps to Warm
+    between turns with its loaded copy kept, so no block crosses to Warm twice. Tokens are
+    those of the run with no budget (HF's with native Hot)."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 3, [60, 50, 61])
+    if hot == "native":
+        expected = hf_greedy(path, prompts, NEW_TOKENS)
+    else:
+        unbudgeted = small_engine(path, hot_codec=hot).generate(prompts, GREEDY)
+        expected = [c.token_ids for c in unbudgeted]
+    engine = small_engine(
+        path, num_kv_blocks=12, warm_pool_mb=2, hot_codec=hot,
+        warm_codec="lossless" if hot == "native" else hot, hot_turn_tokens=8,
+    )  # fmt: skip
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    started_before_a_finish = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished and started_before_a_finish is None:
+                started_before_a_finish = all(tokens.values())
+    assert [tokens[f"r{i}"] for i in range(3)] == expected
+    assert started_before_a_finish
+    st = engine.warm.stats  # type: ignore[union-attr]
+    assert engine.scheduler.turns_ended >= 6 and st.spilled_blocks == 0
+    full_blocks = sum((len(p) + NEW_TOKENS) // 8 for p in prompts)
+    assert 0 < st.d2h_bytes <= full_blocks * engine.warm.pool.slot_bytes  # type: ignore[union-attr]
+    assert st.loaded_blocks >= engine.scheduler.turns_ended
+    engine.release()
+
+
+@pytest.mark.parametrize("hot", ["native", "int4"])
 def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint, hot: str) -> None:  # type: ignore[no-untyped-def]
     """A preempted sequence keeps its computed full blocks in Warm, frees all its Hot blocks,
     and on readmission gets them back into Hot and recomputes only its partial last block;
