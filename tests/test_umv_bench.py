@@ -30,7 +30,8 @@ def test_umv_bench_runs_every_case(
             f"--model={model}",
             "--device=cpu",
             "--context-len=1000",  # longer than Hot (20 blocks of 16): it spills, as at 128K
-            "--new-tokens=4",
+            "--new-tokens=16",
+            "--turn-tokens=4",
             "--budget-mb=70",
             "--chunk=128",
             "--hf-new-tokens=16",
@@ -40,20 +41,26 @@ def test_umv_bench_runs_every_case(
     )
     cases = result["cases"]
     assert set(cases) == {
-        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3b_auto", "b3c", "b3c_int8",
-        "pure_gpu", "unbudgeted", "hf",
+        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3b_auto", "b3c", "b3c_kivi",
+        "b3c_pure_gpu", "pure_gpu", "unbudgeted", "hf",
     }  # fmt: skip
     # Pure GPU in the same budget fails cleanly, naming the key: the context does not fit.
     assert cases.pop("pure_gpu")["error"].startswith(
         "BudgetTooSmall: device_topology.gpu.memory_mb=70 is too small"
     )
+    # int4 Hot alone holds two of the four here: it serves them two at a time, never all four.
+    serial = cases.pop("b3c_pure_gpu")
+    assert serial["e2e_tok_s"] > 0 and not serial["all_at_once"] and serial["decode_tok_s"] == 0
     for name, r in cases.items():
         assert "error" not in r, (name, r)
-        assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r.get("all_at_once", name == "hf")
     assert cases["b3b_gpu"]["tiers"]["hot_hit_rate"] < 1.0  # one sequence overflows Hot
-    assert cases["b3c"]["tiers"]["hot_hit_rate"] < 0.5  # four, at once
+    assert cases["b3c_kivi"]["tiers"]["hot_hit_rate"] < 0.5  # four at once, read from Warm
     assert cases["b3b_split"]["attn_warm"]["mode"] == "split"
-    assert json.loads(out.read_text())["cases"].keys() == {*cases, "pure_gpu"}
+    b3c = cases["b3c"]  # int4 Hot holds two of the four: they take turns there
+    assert b3c["config"]["hot_codec"] == "int4" and b3c["turns_in_hot"] > 0
+    assert b3c["tiers"]["warm_blocks_total"] > 0 and b3c["max_token_gap_ms"] > 0
+    assert json.loads(out.read_text())["cases"].keys() == {*cases, "pure_gpu", "b3c_pure_gpu"}
     assert "B3 umv" in capsys.readouterr().out
 
 

@@ -204,34 +204,35 @@ def test_quantized_hot_blocks_load_back_in_place(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An int8 / int4 Hot cache's blocks, stored to Warm and loaded back into other Hot
-    blocks, come back byte for byte, their records read in place (no copy out of shm): on the
-    CPU by the torch reference, and by the Triton row gather (interpreted) over the same
-    shared memory."""
+    blocks, come back byte for byte, their records read in place (no copy out of shm): on
+    CUDA by the Triton row gather over the registered pool, on the CPU by the torch reference
+    and by the Triton row gather (interpreted) over the same shared memory."""
     spec = dataclasses.replace(PRESETS["tiny-llama"], dtype=torch.float32)
-    tier = WarmTier(spec, S, codec, 1.0, "gpu", None, torch.device("cpu"), hot_codec=codec)
+    tier = WarmTier(spec, S, codec, 1.0, "gpu", None, DEVICE, hot_codec=codec)
     hot = [
-        QuantKvCache.empty(codec, 8, S, spec.num_kv_heads, spec.head_dim, "cpu")
+        QuantKvCache.empty(codec, 8, S, spec.num_kv_heads, spec.head_dim, DEVICE)
         for _ in range(spec.num_layers)
     ]
     g = torch.Generator().manual_seed(7)
+
+    def fields(kv: QuantKvCache) -> list[Tensor]:
+        ts = (kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_zero, kv.v_zero)
+        return [t.view(torch.uint8) for t in ts if t is not None]
+
     for kv in hot:
-        for t in (kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_zero, kv.v_zero):
-            if t is not None:
-                t.view(torch.uint8).copy_(
-                    torch.randint(0, 256, t.view(torch.uint8).shape, generator=g)
-                )
+        for t in fields(kv):
+            t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
     slots = tier.store(hot, [6, 1, 3])
     monkeypatch.setattr(tier, "_records", None)  # a copy of the records would fail
     tier.load(hot, slots, [0, 4, 7])
     for kv in hot:
-        for t in (kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_zero, kv.v_zero):
-            if t is not None:
-                assert torch.equal(t[[0, 4, 7]].view(torch.uint8), t[[6, 1, 3]].view(torch.uint8))
+        assert all(torch.equal(t[[0, 4, 7]], t[[6, 1, 3]]) for t in fields(kv))
     assert tier.view is not None
     index = torch.tensor(slots[::-1])
     for layer in (0, spec.num_layers - 1):
         rows = tier.view._area[:, layer]  # type: ignore[index]
-        assert torch.equal(t_gather.gather_rows(rows, index), rows[index])
+        got = t_gather.gather_rows(rows, index.to(DEVICE))
+        assert torch.equal(got.cpu(), rows[index])
         del rows
     gc.collect()  # the interpreter's reference cycle holds views of the pool
     tier.close()
