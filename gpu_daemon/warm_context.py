@@ -59,7 +59,11 @@ class WarmContext:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
         timing = tier.tuner.timing if tier.tuner is not None and tier.mode == "split" else None
-        # The device's share first: its kernels run while the CPU works on its share below.
+        # The CPU's queries cross first: copied after the device's share is queued, the copy
+        # would wait for that share to finish, and the two shares would run one after the
+        # other instead of side by side.
+        q_host = _to_host(q[plan.rows]) if plan.rows else None
+        # The device's share next: its kernels run while the CPU works on its share below.
         if plan.dev:
             t0, start = time.perf_counter(), _event(q, timing)
             o, s = tier.device_partial(layer, q[plan.dev], plan.shares, scale, plan.table)
@@ -71,9 +75,9 @@ class WarmContext:
                     timing.gpu_s += time.perf_counter() - t0
                     timing.gpu_blocks += plan.gpu_blocks
             out[plan.dev_idx], lse[plan.dev_idx] = o, s
-        if plan.rows:
+        if q_host is not None:
             before, t0 = tier.stats.cpu.decode_s, time.perf_counter()
-            o, s = tier.cpu_partial(layer, q[plan.rows], plan.spans, scale)
+            o, s = tier.cpu_partial(layer, q_host, plan.spans, scale)
             if timing is not None:
                 timing.cpu_s += time.perf_counter() - t0
                 timing.cpu_blocks += plan.cpu_blocks
@@ -115,6 +119,11 @@ class WarmContext:
         if view is not None and seq not in self._index:
             self._index[seq] = view.slot_index(slots)
         return self.tier.dense(slots, layer, dtype, self._index.get(seq))
+
+
+def _to_host(q: Tensor) -> Tensor:
+    """The CPU share's queries in host memory (waits for the kernels that made them)."""
+    return q.to("cpu")
 
 
 def _event(q: Tensor, timing: SplitTiming | None) -> torch.cuda.Event | None:

@@ -70,6 +70,47 @@ def test_a_quantized_hot_cache_spills_its_blocks_as_they_are(  # type: ignore[no
     engine.release()
 
 
+def test_split_copies_the_cpu_queries_before_queuing_the_device_share(  # type: ignore[no-untyped-def]
+    checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mode (c) overlaps: at every layer the CPU share's queries reach the host before the
+    device's share is queued (on CUDA a copy after it would wait for that share to finish,
+    and the two would run one after the other), and the CPU computes from that copy."""
+    from hybridgen.gpu_daemon import warm_context
+
+    path = checkpoint("llama3")
+    engine = small_engine(
+        path, num_kv_blocks=6, max_num_seqs=2, warm_pool_mb=2, attn_warm="split", warm_split=0.5
+    )
+    tier = engine.warm
+    assert tier is not None
+    order: list[str] = []
+    copies: list[object] = []
+    real_host, real_device, real_cpu = warm_context._to_host, tier.device_partial, tier.cpu_partial
+
+    def to_host(q):  # type: ignore[no-untyped-def]
+        order.append("host")
+        copies.append(out := real_host(q))
+        return out
+
+    def device_partial(*args, **kwargs):  # type: ignore[no-untyped-def]
+        order.append("device")
+        return real_device(*args, **kwargs)
+
+    def cpu_partial(layer, q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        assert q is copies[-1]
+        order.append("cpu")
+        return real_cpu(layer, q, *args, **kwargs)
+
+    monkeypatch.setattr(warm_context, "_to_host", to_host)
+    monkeypatch.setattr(tier, "device_partial", device_partial)
+    monkeypatch.setattr(tier, "cpu_partial", cpu_partial)
+    engine.generate(sample_prompts(path, 1, [150]), GREEDY)
+    assert order and order[:3] == ["host", "device", "cpu"]
+    assert order == ["host", "device", "cpu"] * (len(order) // 3)
+    engine.release()
+
+
 def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Hot holds 12 blocks (96 tokens). Two sequences of 60 + 8 tokens each fit it alone but
     not together: the second waits for the first instead of pushing it into Warm, so no block
