@@ -27,6 +27,25 @@ class WarmOffload:
     ) -> None:
         self.tier, self.pool, self.kv_caches = tier, pool, kv_caches
         self.prefix_reuse = prefix_reuse
+        self._copies: dict[int, Sequence] = {}
+        """Sequences keeping Warm copies of Hot blocks (warm_copy), by id."""
+
+    def _room(self, n: int, keep: Sequence) -> int:
+        """Warm slots for up to n blocks: free or evictable ones, then those that other
+        sequences' copies hold (dropped: a copy only saves a later store)."""
+        room = self.tier.room(n)
+        for other in list(self._copies.values()):
+            if room >= n:
+                break
+            if other is not keep:
+                self._drop_copy(other)
+                room = self.tier.room(n)
+        return room
+
+    def _drop_copy(self, seq: Sequence) -> None:
+        self.tier.free(seq.warm_copy)
+        seq.warm_copy = []
+        self._copies.pop(id(seq), None)
 
     def _hot_full(self, seq: Sequence) -> int:
         """Hot blocks of `seq` that are full and computed (movable)."""
@@ -60,7 +79,9 @@ class WarmOffload:
             short = need - (self.pool.num_free - before)
             if short <= 0:
                 break
-            n = self.tier.room(min(self._hot_full(seq), short))
+            want = min(self._hot_full(seq), short)
+            copies = min(want, len(seq.warm_copy))  # these need no room
+            n = copies + self._room(want - copies, keep=seq)
             if n > 0:
                 self._move(seq, n)
                 self.tier.stats.spilled_blocks += n
@@ -71,11 +92,10 @@ class WarmOffload:
         of a partial block is recomputed). False, changing nothing, when Warm is short."""
         n = self._hot_full(seq)
         copies = min(n, len(seq.warm_copy))
-        if self.tier.room(n - copies) < n - copies:
+        if self._room(n - copies, keep=seq) < n - copies:
             return False
         self._move(seq, n)
-        self.tier.free(seq.warm_copy)  # copies of blocks past the full ones: stale
-        seq.warm_copy = []
+        self._drop_copy(seq)  # copies of blocks past the full ones: stale
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = len(seq.warm_slots) * self.pool.block_size
@@ -91,12 +111,14 @@ class WarmOffload:
             return False
         blocks = self.pool.allocate(n)
         self.tier.load(self.kv_caches, seq.warm_slots, blocks)
-        self.tier.free(seq.warm_copy)  # a Hot prefix's copies, now covered by warm_slots
+        self._drop_copy(seq)  # a Hot prefix's copies, now covered by warm_slots
         seq.warm_copy, seq.warm_slots = seq.warm_slots, []
         seq.block_ids = blocks + seq.block_ids
+        self._copies[id(seq)] = seq
         return True
 
     def release(self, seq: Sequence) -> None:
         """Drop a finished (or recomputed) sequence's Warm slots and copies."""
-        self.tier.free(seq.warm_slots + seq.warm_copy)
-        seq.warm_slots, seq.warm_copy = [], []
+        self.tier.free(seq.warm_slots)
+        seq.warm_slots = []
+        self._drop_copy(seq)

@@ -1,10 +1,20 @@
 """Hot blocks moving to Warm and back: an int8 / int4 Hot cache's blocks as they are (no
-second quantization), and sequences that each fit Hot taking turns there (time slicing)."""
+second quantization), sequences that each fit Hot taking turns there (time slicing), and the
+Warm copies a loaded sequence keeps, which give way when Warm is short."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import pytest
+import torch
+
+from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.gpu_daemon.warm_offload import WarmOffload
+from hybridgen.gpu_daemon.warm_tier import WarmTier, warm_codec_for
+from hybridgen.kvcodec.warm_pool import HEADER_SIZE, slot_bytes_for
+from hybridgen.models.presets import PRESETS
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -73,3 +83,33 @@ def test_sequences_that_fit_hot_one_at_a_time_take_turns(checkpoint, hot: str) -
     assert 0 < st.d2h_bytes <= full_blocks * engine.warm.pool.slot_bytes  # type: ignore[union-attr]
     assert st.loaded_blocks >= engine.scheduler.turns_ended
     engine.release()
+
+
+def test_copies_give_way_when_warm_is_short() -> None:
+    """A sequence loaded back into Hot keeps its Warm slots as copies, but they only save a
+    later store: when Warm has no other room for a swap out, the copies of other sequences
+    are dropped, and the swap succeeds instead of falling back to recomputing."""
+    spec = dataclasses.replace(PRESETS["tiny-llama"], dtype=torch.float32)
+    size, cpu = 16, torch.device("cpu")
+    slot = slot_bytes_for(warm_codec_for(spec, "lossless", size, "native"), spec.num_layers)
+    tier = WarmTier(spec, size, "lossless", (HEADER_SIZE + 6 * slot) / 2**20, "gpu", None, cpu)
+    assert tier.pool.capacity == 6
+    shape = (12, size, spec.num_kv_heads, spec.head_dim)
+    kv = [(torch.randn(shape), torch.randn(shape)) for _ in range(spec.num_layers)]
+    pool = BlockPool(12, size)
+    offload = WarmOffload(tier, pool, kv, prefix_reuse=False)
+
+    def seq(name: str, blocks: int) -> Sequence:
+        s = Sequence(name, blocks * size, [1] * (blocks * size + 1), GREEDY, 0, 0)
+        s.block_ids, s.num_computed_tokens = pool.allocate(blocks), blocks * size
+        return s
+
+    a, b = seq("a", 4), seq("b", 3)
+    assert offload.swap_out(a) and len(a.warm_slots) == 4  # 2 slots left
+    assert offload.load(a) and len(a.warm_copy) == 4 and tier.pool.num_free == 2
+    assert offload.swap_out(b)  # 3 blocks: a's copies make way
+    assert a.warm_copy == [] and len(b.warm_slots) == 3 and tier.pool.num_free == 3
+    offload.release(a)
+    offload.release(b)
+    assert tier.pool.num_free == 6
+    tier.close()
