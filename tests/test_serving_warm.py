@@ -1,9 +1,11 @@
 """`hybridgen serve` with a Warm tier: the GPU daemon spills KV to the Warm pool and the CPU
-daemon computes attention over it (attn_warm cpu, over the w2c/c2w rings), and the streamed
-tokens are still HF's greedy ones."""
+daemon computes attention over it (attn_warm cpu, over the w2c/c2w rings), sequences that
+each fit Hot take turns there, and the streamed tokens are still HF's greedy ones."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +29,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "model:\n  max_model_len: 192\n  max_num_seqs: 2\n  max_num_batched_tokens: 32\n"
         "  dtype: float32\n"
         f"kv_cache:\n  hot_region_mb: {hot_mb}\n  warm_region_mb: 2\n  warm_codec: lossless\n"
-        "  block_size: 16\n"
+        "  block_size: 16\n  hot_turn_tokens: 4\n"
         "placements:\n  attn_warm: cpu\n"
     )
     srv = Server(path, tmp_path_factory.mktemp("serve_warm"), engine_config=config)
@@ -48,3 +50,32 @@ def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) 
     logs = Path(server.log.name).parent / "run" / server.instance
     assert "attn_warm_worker_serving" in (logs / "cpu.log").read_text()  # the CPU daemon answered
     assert "attn_warm_link_down" not in (logs / "gpu.log").read_text()  # ... every request
+
+
+def test_served_sequences_that_fit_hot_one_at_a_time_take_turns(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Hot holds 64 tokens: two 40-token prompts with 16 new tokens each fit it one at a
+    time. With kv_cache.hot_turn_tokens: 4 both stream at once, taking turns in Hot (first
+    come, first served, the second would start only when the first ended), with HF's tokens."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [40, 41])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    times: list[list[float]] = [[], []]
+    got: list[list[int]] = [[], []]
+
+    def stream(i: int) -> None:
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True,
+            sampling=pb.SamplingParams(temperature=0.0),
+        )  # fmt: skip
+        for reply in server.stub.Generate(request, timeout=120):
+            got[i] += reply.token_ids
+            times[i] += [time.monotonic()] * len(reply.token_ids)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    assert got == expected
+    (a0, a1), (b0, b1) = (times[0][0], times[0][-1]), (times[1][0], times[1][-1])
+    assert a0 < b1 and b0 < a1  # each streamed while the other did
