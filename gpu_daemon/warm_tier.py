@@ -232,10 +232,13 @@ class WarmTier:
         where the pool has a device view; the caller frees the slots. Lossless codecs, and a
         quantized Hot cache's records, give back the very bytes that were stored."""
         index = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        slot_index = None if self.view is None else self.view.slot_index(list(slots))
+        view = self.view
+        slot_index = None if view is None else view.slot_index(list(slots))
         for layer, kv in enumerate(kv_caches):
-            if self.hot_quantized:
-                records = self._stored(slots, layer, slot_index)
+            if self.hot_quantized:  # int8 / int4 records: always a paged layout, so a view
+                assert view is not None and slot_index is not None
+                records = view.records(layer, slot_index)  # in place, over PCIe on CUDA
+                self.stats.h2d_bytes += records.numel()
                 for field, part in zip(_hot_fields(kv, self._layout), self._layout.unpack(records),
                                        strict=True):  # fmt: skip
                     field[index] = part
@@ -245,14 +248,6 @@ class WarmTier:
             k_cache[index] = k.view(len(blocks), *k_cache.shape[1:])
             v_cache[index] = v.view(len(blocks), *v_cache.shape[1:])
         self.stats.loaded_blocks += len(blocks)
-
-    def _stored(self, slots: Seq[int], layer: int, slot_index: Tensor | None) -> Tensor:
-        """`slots`' records at `layer` as they are, on the device: read in place through the
-        view (over PCIe on CUDA), else copied out of shm."""
-        if self.view is None or slot_index is None:
-            return self._records(slots, layer).to(self.device)
-        self.stats.h2d_bytes += len(slots) * self.pool.record_bytes
-        return self.view.records(layer, slot_index)
 
     def free(self, slots: Seq[int]) -> None:
         self.pool.free(slots)
