@@ -303,13 +303,18 @@ class WarmPool:
         records = self.codec.encode_blocks(k_layers, v_layers)  # [L, record_bytes]
         self._view()[slot] = records.cpu().numpy()
 
-    def store_many(self, slots: Sequence[int], k_blocks: Tensor, v_blocks: Tensor) -> None:
-        """Owner: `store` for several slots at once, one encode and one copy out of the
-        device: k_blocks, v_blocks [len(slots), L, S, H, D]."""
-        self._owner_only("store_many")
+    def _held(self, what: str, slots: Sequence[int]) -> list[int]:
+        """Owner: `slots` as checked indices, every one allocated (a store's precondition)."""
+        self._owner_only(what)
         index = [self._index(s) for s in slots]
         if any(self._refs[i] == 0 for i in index):
             raise ValueError("a slot is free; alloc it before storing")
+        return index
+
+    def store_many(self, slots: Sequence[int], k_blocks: Tensor, v_blocks: Tensor) -> None:
+        """Owner: `store` for several slots at once, one encode and one copy out of the
+        device: k_blocks, v_blocks [len(slots), L, S, H, D]."""
+        index = self._held("store_many", slots)
         n, layers = len(index), self.num_layers
         if k_blocks.dim() != 5 or tuple(k_blocks.shape[:2]) != (n, layers):
             raise ValueError(
@@ -322,10 +327,7 @@ class WarmPool:
         """Owner: write records already in the codec's layout (an int8 / int4 Hot cache's
         blocks, whose fields are the records') into `slots`: records [len(slots), L,
         record_bytes] uint8, on any device."""
-        self._owner_only("store_records")
-        index = [self._index(s) for s in slots]
-        if any(self._refs[i] == 0 for i in index):
-            raise ValueError("a slot is free; alloc it before storing")
+        index = self._held("store_records", slots)
         shape = (len(index), self.num_layers, self.record_bytes)
         if tuple(records.shape) != shape or records.dtype != torch.uint8:
             raise ValueError(f"records are {list(records.shape)} {records.dtype}, expected "
