@@ -233,11 +233,17 @@ class Scheduler:
         final = min(seq.prompt_len + seq.params.max_tokens, self.config.max_model_len)
         return self.pool.blocks_for(final) <= self.pool.num_blocks
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _stop_running(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Take `seq` out of the running set and this step's batch; it waits again."""
         self.running.remove(seq)
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_tokens[i]
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self._stop_running(seq, batch)
         self.cache_blocks(seq)
         if self.offload is not None and self.offload.swap_out(seq):
             seq.num_registered_blocks = len(seq.warm_slots)
@@ -247,8 +253,6 @@ class Scheduler:
             self.pool.free(seq.block_ids)
             seq.block_ids = []
             seq.num_computed_tokens = seq.num_registered_blocks = 0
-        seq.num_preemptions += 1
-        seq.status = Status.WAITING
         # Victims are the newest running sequences but older than anything waiting.
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
@@ -278,12 +282,7 @@ class Scheduler:
         if not self.offload.swap_out(seq):
             return False
         seq.num_registered_blocks = len(seq.warm_slots)
-        self.running.remove(seq)
-        if seq in batch.seqs:
-            i = batch.seqs.index(seq)
-            del batch.seqs[i], batch.num_tokens[i]
-        seq.num_preemptions += 1
-        seq.status = Status.WAITING
+        self._stop_running(seq, batch)
         self.waiting.append(seq)
         self.turns_ended += 1
         return True
