@@ -16,8 +16,8 @@ from hybridgen.gpu_daemon.warm_tier import WarmTier, warm_codec_for
 from hybridgen.kvcodec.warm_pool import HEADER_SIZE, slot_bytes_for
 from hybridgen.models.presets import PRESETS
 from hybridgen.sampling.params import SamplingParams
-from tests.engine_helpers import small_engine
-from tests.hf_reference import hf_greedy, sample_prompts
+from tests.engine_helpers import reference_tokens, small_engine
+from tests.hf_reference import sample_prompts
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -33,9 +33,7 @@ def test_a_quantized_hot_cache_spills_its_blocks_as_they_are(  # type: ignore[no
     same Hot codec with no budget, in every attn_warm mode, with most keys read from Warm."""
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [150, 97])
-    unbudgeted = small_engine(path, hot_codec=codec)
-    expected = [c.token_ids for c in unbudgeted.generate(prompts, GREEDY)]
-    unbudgeted.release()
+    expected = reference_tokens(path, prompts, codec, NEW_TOKENS)
     engine = small_engine(
         path, hot_codec=codec, warm_codec=codec, num_kv_blocks=6, max_num_seqs=2,
         warm_pool_mb=2, attn_warm=mode, warm_split=0.5,
@@ -57,11 +55,7 @@ def test_sequences_that_fit_hot_one_at_a_time_take_turns(checkpoint, hot: str) -
     those of the run with no budget (HF's with native Hot)."""
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 3, [60, 50, 61])
-    if hot == "native":
-        expected = hf_greedy(path, prompts, NEW_TOKENS)
-    else:
-        unbudgeted = small_engine(path, hot_codec=hot).generate(prompts, GREEDY)
-        expected = [c.token_ids for c in unbudgeted]
+    expected = reference_tokens(path, prompts, hot, NEW_TOKENS)
     engine = small_engine(
         path, num_kv_blocks=12, warm_pool_mb=2, hot_codec=hot,
         warm_codec="lossless" if hot == "native" else hot, hot_turn_tokens=8,

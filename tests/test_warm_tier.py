@@ -12,7 +12,7 @@ from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch
 from hybridgen.sampling.params import SamplingParams
-from tests.engine_helpers import small_engine
+from tests.engine_helpers import reference_tokens, small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
 
 NEW_TOKENS = 32
@@ -118,11 +118,7 @@ def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint, hot: str) -
     tokens are still HF's (an int4 Hot cache's: those of int4 Hot with no preemption)."""
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [60, 45])
-    if hot == "native":
-        expected = hf_greedy(path, prompts, NEW_TOKENS)
-    else:
-        unbudgeted = small_engine(path, hot_codec=hot).generate(prompts, GREEDY)
-        expected = [c.token_ids for c in unbudgeted]
+    expected = reference_tokens(path, prompts, hot, NEW_TOKENS)
     codec = "lossless" if hot == "native" else hot
     engine = small_engine(path, warm_pool_mb=2, hot_codec=hot, warm_codec=codec)
     for i, p in enumerate(prompts):
