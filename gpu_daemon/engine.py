@@ -38,6 +38,7 @@ from hybridgen.gpu_daemon.tuner import Tuner
 
 # InvalidRequest lives with the checks; importers keep finding it here.
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.gpu_daemon.warm_drafts import WarmDrafts
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.expert_latency import LatencyModel
@@ -128,6 +129,12 @@ class Engine:
             ),
             self.pool,
             offload,
+        )
+        self.drafts = WarmDrafts(
+            config.warm_draft_tokens if self.warm is not None else 0,
+            self.runner,
+            self.scheduler,
+            self.max_model_len,
         )
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
@@ -226,9 +233,12 @@ class Engine:
         if not batch.seqs:
             return []
         on_host = self._samples_on_host(batch)
-        steps = 1 if on_host else self._decode_steps(batch)
+        drafts = 0 if on_host else self.drafts.length(batch)
+        steps = 1 if on_host or drafts else self._decode_steps(batch)
         if on_host:
             picked = self.runner.execute_candidates(batch, self.config.num_candidates)
+        elif drafts:
+            per_step = self.drafts.run(batch, drafts)
         elif steps > 1:
             per_step = self.runner.execute_decode(batch, steps)
         else:
@@ -269,17 +279,8 @@ class Engine:
 
     def _await_token(self, seq: Sequence, cands: Candidates) -> RequestOutput:
         seq.awaiting_token = True
-        return RequestOutput(
-            seq.request_id,
-            [],
-            False,
-            None,
-            None,
-            None,
-            seq.prompt_len,
-            seq.num_output_tokens,
-            cands,
-        )
+        return RequestOutput(seq.request_id, [], False, None, None, None, seq.prompt_len,
+                             seq.num_output_tokens, cands)  # fmt: skip
 
     def accept_token(self, request_id: str, token_id: int, logprob: float) -> RequestOutput:
         """The token the CPU picked for a sequence that was awaiting one."""

@@ -37,6 +37,18 @@ class Sampled:
     top: list[tuple[int, float]] | None
 
 
+@dataclass(frozen=True)
+class _Row:
+    """Tokens one sequence computes in a step (a prefill chunk, or one decode token)."""
+
+    seq: Sequence
+    start: int
+    """Position of ids[0]."""
+    ids: list[int]
+    samples: bool
+    """A token is sampled after the last of them."""
+
+
 @dataclass
 class StepInputs:
     """Packed device inputs of one step, and which hidden rows to sample from."""
@@ -91,50 +103,64 @@ class ModelRunner:
         hidden = self.model(input_ids, batch, self.kv_caches, self.rope)
         return self.model.compute_logits(hidden)
 
-    def prepare(self, sched: ScheduledBatch) -> StepInputs:
+    def prepare(self, sched: ScheduledBatch, hot_only: bool = False) -> StepInputs:
+        """The step's packed inputs: each sequence's next `num_tokens` tokens, sampling after
+        the last when that completes it. `hot_only`: attend Hot keys alone (Warm drafts)."""
+        rows = []
+        for seq, n in zip(sched.seqs, sched.num_tokens, strict=True):
+            c = seq.num_computed_tokens
+            rows.append(_Row(seq, c, seq.token_ids[c : c + n], c + n == seq.num_tokens))
+        return self._pack(rows, sched.num_decode, 0 if hot_only else 1)
+
+    def _pack(self, rows: list[_Row], num_decode: int, warm_rows: int) -> StepInputs:
+        """Rows (the first `num_decode` of one token each) as packed device inputs. With a
+        Warm tier and `warm_rows` > 0, every run of `warm_rows` rows is one sequence's, and
+        attends its Warm keys once for all of them; 0: no row reads Warm."""
         bs = self.block_size
-        ids, pos, slots, rows, sample_seqs = [], [], [], [], []
+        ids, pos, slots, sample_rows, sample_seqs = [], [], [], [], []
         qsl, seq_lens = [0], []
-        width = max(len(s.block_ids) for s in sched.seqs)
-        tables = np.zeros((len(sched.seqs), width), dtype=np.int32)
+        width = max(len(r.seq.block_ids) for r in rows)
+        tables = np.zeros((len(rows), width), dtype=np.int32)
         hot_lens = []  # keys in the Hot cache: block tables start after the Warm prefix
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens, strict=True)):
-            c, warm = seq.num_computed_tokens, len(seq.warm_slots) * bs
+        for i, row in enumerate(rows):
+            c, n, warm = row.start, len(row.ids), len(row.seq.warm_slots) * bs
             p = np.arange(c, c + n)
-            blocks = np.asarray(seq.block_ids, dtype=np.int64)
+            blocks = np.asarray(row.seq.block_ids, dtype=np.int64)
             tables[i, : len(blocks)] = blocks
-            ids.append(np.asarray(seq.token_ids[c : c + n], dtype=np.int64))
+            ids.append(np.asarray(row.ids, dtype=np.int64))
             pos.append(p)
             slots.append(blocks[(p - warm) // bs] * bs + p % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
             hot_lens.append(c + n - warm)
-            if c + n == seq.num_tokens:
-                rows.append(qsl[-1] - 1)
-                sample_seqs.append(seq)
+            if row.samples:
+                sample_rows.append(qsl[-1] - 1)
+                sample_seqs.append(row.seq)
         longs = torch.from_numpy(np.concatenate(ids + pos + slots)).to(self.device)
         ints = torch.from_numpy(
             np.concatenate([np.asarray(hot_lens, np.int32), tables.ravel()])
         ).to(self.device)
         warm_keys = None
-        if self.warm is not None:
-            last = [n - 1 for n in seq_lens]
-            warm_keys = self.warm.context([s.warm_slots for s in sched.seqs], last)
-            nd, st = sched.num_decode, self.warm.stats
-            st.hot_keys += sum(hot_lens[:nd])
-            st.warm_keys += sum(seq_lens[:nd]) - sum(hot_lens[:nd])
+        if self.warm is not None and warm_rows:
+            r = warm_rows
+            warm_keys = self.warm.context(
+                [row.seq.warm_slots for row in rows[::r]], [n - 1 for n in seq_lens[r - 1 :: r]], r
+            )
+            st = self.warm.stats
+            st.hot_keys += sum(hot_lens[:num_decode])
+            st.warm_keys += sum(seq_lens[:num_decode]) - sum(hot_lens[:num_decode])
         t, b = qsl[-1], len(seq_lens)
         batch = AttentionBatch(
             positions=longs[t : 2 * t],
             slot_mapping=longs[2 * t :],
             block_tables=ints[b:].view(b, width),
             seq_lens=ints[:b],
-            num_decode=sched.num_decode,
+            num_decode=num_decode,
             query_start_loc=qsl,
             seq_lens_host=seq_lens,
             warm=warm_keys,
         )
-        return StepInputs(longs[:t], batch, rows, sample_seqs)
+        return StepInputs(longs[:t], batch, sample_rows, sample_seqs)
 
     @torch.inference_mode()
     def logits(self, sched: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -161,15 +187,18 @@ class ModelRunner:
         return [] if logits is None else self._sample(logits, seqs)
 
     @torch.inference_mode()
-    def execute_decode(self, sched: ScheduledBatch, steps: int) -> list[list[Sampled]]:
+    def execute_decode(
+        self, sched: ScheduledBatch, steps: int, hot_only: bool = False
+    ) -> list[list[Sampled]]:
         """`steps` decode steps back to back with one host sync at the end.
 
         Each step's sampled ids feed the next step on the device, and positions, seq_lens and
         cache slots advance there too, so the host only launches work. Precondition: every
         sequence decodes, samples without penalties, and already holds the blocks for
-        `steps` more tokens. Returns each sequence's `steps` tokens in order.
+        `steps` more tokens, and none has Warm keys unless `hot_only` (drafts that attend
+        Hot alone). Returns each sequence's `steps` tokens in order.
         """
-        inputs = self.prepare(sched)
+        inputs = self.prepare(sched, hot_only)
         seqs = inputs.sample_seqs
         ids, batch = inputs.input_ids, inputs.batch
         outs = []
@@ -180,6 +209,27 @@ class ModelRunner:
             if j + 1 < steps:
                 ids, batch = out.token_ids, self._advance(batch)
         return [self._to_host(out, seqs) for out in _stack_steps(outs)]
+
+    @torch.inference_mode()
+    def execute_check(self, sched: ScheduledBatch, drafts: list[list[int]]) -> list[list[Sampled]]:
+        """Check drafted tokens: each decoding sequence's pending token and its k drafts
+        (the same k for all) as k + 1 decode rows, attending Hot and, once for all its rows,
+        Warm. Row j samples with the step offset j, as the j-th plain decode step would, so
+        its token is the one plain decoding picks wherever the drafts before it are right.
+        Precondition: as execute_decode's for k + 1 steps. Returns each sequence's k + 1
+        tokens."""
+        r = len(drafts[0]) + 1
+        rows = []
+        for seq, draft in zip(sched.seqs, drafts, strict=True):
+            c = seq.num_computed_tokens
+            ids = [seq.token_ids[c], *draft]
+            rows += [_Row(seq, c + j, [tok], True) for j, tok in enumerate(ids)]
+        inputs = self._pack(rows, len(rows), r)
+        logits = self._decode_logits(inputs.input_ids, inputs.batch)
+        seqs = [seq for seq in sched.seqs for _ in range(r)]
+        offsets = [j for _ in sched.seqs for j in range(r)]
+        sampled = self._to_host(self.sampler(logits, self._sampling_batch(seqs, offsets)), seqs)
+        return [sampled[i * r : (i + 1) * r] for i in range(len(sched.seqs))]
 
     @torch.inference_mode()
     def execute_candidates(
@@ -215,13 +265,14 @@ class ModelRunner:
         return self._decode_logits(ids, batch)
 
     def _advance(self, batch: AttentionBatch) -> AttentionBatch:
-        """The decode batch one token later: every sequence gained the token just sampled."""
+        """The decode batch one token later: every sequence gained the token just sampled,
+        whose Hot index is the Hot key count before it (a Warm prefix is whole blocks)."""
         bs = self.block_size
-        pos = batch.positions + 1
-        blocks = batch.block_tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        hot = batch.seq_lens.long()
+        blocks = batch.block_tables.gather(1, (hot // bs).unsqueeze(1)).squeeze(1)
         return AttentionBatch(
-            positions=pos,
-            slot_mapping=blocks.long() * bs + pos % bs,
+            positions=batch.positions + 1,
+            slot_mapping=blocks.long() * bs + hot % bs,
             block_tables=batch.block_tables,
             seq_lens=batch.seq_lens + 1,
             num_decode=batch.num_decode,
@@ -229,13 +280,16 @@ class ModelRunner:
             seq_lens_host=[n + 1 for n in batch.seq_lens_host],
         )
 
-    def _sampling_batch(self, seqs: list[Sequence], offset: int = 0) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], offset: int | list[int] = 0) -> SamplingBatch:
+        """Each row's sampling; its step is its sequence's output tokens plus `offset` (one
+        for all rows, or one per row)."""
         params = [s.params for s in seqs]
         penalties = any(has_penalty(p) for p in params)
+        offsets = offset if isinstance(offset, list) else [offset] * len(seqs)
         return SamplingBatch.build(
             params,
             seeds=[s.seed for s in seqs],
-            steps=[s.num_output_tokens + offset for s in seqs],
+            steps=[s.num_output_tokens + j for s, j in zip(seqs, offsets, strict=True)],
             prompt_ids=[s.token_ids[: s.prompt_len] for s in seqs] if penalties else None,
             output_ids=[s.output_ids for s in seqs] if penalties else None,
             vocab_size=self.spec.vocab_size,

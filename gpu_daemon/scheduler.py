@@ -156,10 +156,16 @@ class Scheduler:
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
 
-    def reserve_lookahead(self, batch: ScheduledBatch, steps: int) -> bool:
+    def reserve_lookahead(self, batch: ScheduledBatch, steps: int, spill: bool = False) -> bool:
         """Give every sequence of a decode batch the blocks for `steps` tokens instead of one;
-        all or nothing, and never by preempting (False when the pool is short)."""
+        all or nothing, and never by preempting (False when the pool is short). `spill`: the
+        batch reads Warm anyway, so where a sequence of it could not fit Hot alone, blocks
+        may move to Warm for it, as for its next token."""
         needs = [self._blocks_needed(s, steps) for s in batch.seqs]
+        short = sum(needs) - self.pool.num_free
+        grows = [s for s, n in zip(batch.seqs, needs, strict=True) if n > 0]
+        if short > 0 and spill and self.offload and any(not self._fits_hot(s) for s in grows):
+            self.offload.spill(self.running, short)
         if sum(needs) > self.pool.num_free:
             return False
         for seq, need in zip(batch.seqs, needs, strict=True):

@@ -46,6 +46,9 @@ class WarmContext:
     warm_slots: list[list[int]]
     positions: list[int]
     """Position of each sequence's last query token this step."""
+    rows: int = 1
+    """Decode rows of each sequence (consecutive): more than one checks drafted tokens, and
+    its rows' queries are stacked onto its kv heads, so that its Warm keys are read once."""
     _plan: _DecodePlan | None = field(default=None, repr=False)
     """Built by the first layer's decode_partial, read by all the others."""
     _index: dict[int, Tensor] = field(default_factory=dict, repr=False)
@@ -55,6 +58,20 @@ class WarmContext:
     def decode_partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """Partial attention of the decode rows q [nd, Hq, D] over their Warm keys ->
         out [nd, Hq, D] fp32, lse [nd, Hq] fp32 on q's device (lse -inf: no Warm keys)."""
+        if self.rows == 1:
+            return self._partial(layer, q, scale)
+        # [B * r, Hkv * G, D] -> [B, Hkv * r * G, D]: row j's heads of kv head h sit beside
+        # the other rows' heads of h, and every kernel groups query heads by kv head.
+        nd, hq, d = q.shape
+        shape = (nd // self.rows, self.rows, self.tier.spec.num_kv_heads, -1, d)
+        stacked = q.reshape(shape).transpose(1, 2).reshape(shape[0], -1, d)
+        out, lse = self._partial(layer, stacked, scale)
+        out = out.view(shape[0], shape[2], self.rows, -1, d).transpose(1, 2).reshape(nd, hq, d)
+        lse = lse.view(shape[0], shape[2], self.rows, -1).transpose(1, 2).reshape(nd, hq)
+        return out, lse
+
+    def _partial(self, layer: int, q: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """decode_partial with one row per sequence."""
         tier, plan = self.tier, self._decode_plan(q.shape[0], q.device)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)

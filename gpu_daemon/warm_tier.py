@@ -320,11 +320,14 @@ class WarmTier:
             k, v = _to_device(k, self.device), _to_device(v, self.device)
         return k.flatten(0, 1), v.flatten(0, 1)
 
-    def context(self, warm_slots: list[list[int]], positions: list[int]) -> WarmContext | None:
-        """What the model needs this step; None when no sequence has Warm blocks."""
+    def context(
+        self, warm_slots: list[list[int]], positions: list[int], rows: int = 1
+    ) -> WarmContext | None:
+        """What the model needs this step (each sequence's Warm slots and last query
+        position; `rows` decode rows per sequence); None when no sequence has Warm blocks."""
         if not any(warm_slots):
             return None
-        return WarmContext(self, warm_slots, positions)
+        return WarmContext(self, warm_slots, positions, rows)
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:

@@ -166,6 +166,7 @@ class HybridGenConfig:
             warm_codec=self.kv_cache.warm_codec,
             cold_threshold_ms=self.kv_cache.cold_threshold_ms,
             hot_turn_tokens=self.kv_cache.hot_turn_tokens,
+            warm_draft_tokens=self.kv_cache.warm_draft_tokens,
             attn_warm="gpu" if pure_gpu else placed.attn_warm or "auto",
             warm_split=placed.warm_split,
             prefix_reuse=self.kv_cache.prefix_reuse,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridgen.config_schema import at_least, between, checked, parse_cpu_list
-from hybridgen.engine_config import ConfigError
+from hybridgen.engine_config import MAX_DRAFT_TOKENS, ConfigError
 
 Device = Literal["cpu", "gpu"]
 DeviceOrSplit = Literal["cpu", "gpu", "split"]
@@ -70,6 +70,10 @@ class KvCacheConfig:
     hot_turn_tokens: int = at_least(0, 0)
     """With a Warm tier: sequences that each fit Hot but not all at once take turns of this
     many generated tokens there (swapped to Warm between turns); 0: first come, first served."""
+    warm_draft_tokens: int = between(0, 0, MAX_DRAFT_TOKENS)
+    """With a Warm tier: a decode step that reads Warm first drafts this many tokens attending
+    Hot alone, then checks them over Hot and Warm in one step (the tokens stay exactly those
+    of plain decoding), so Warm is read once for up to this many + 1 tokens; 0: off."""
     hot_codec: Literal["native", "int8", "int4"] = "native"
     """Hot-KV storage: the model dtype, or int8/int4 dequantized inside the attention kernel."""
     warm_codec: Literal["lossless", "lz4", "int8", "int4"] = "int8"

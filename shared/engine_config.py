@@ -16,6 +16,10 @@ _DTYPES = {
     "float16": torch.float16,
 }
 
+MAX_DRAFT_TOKENS = 16
+"""Most tokens drafted per Warm read (kv_cache.warm_draft_tokens): the check step stacks each
+sequence's queries onto its kv heads, and more would exceed the decode kernel's head tile."""
+
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the key."""
@@ -80,6 +84,11 @@ class EngineConfig:
     sequence fits Hot alone but not beside the running ones, a running one that generated
     this many tokens since it came in swaps to Warm and queues again, so sequences take turns
     in Hot instead of one waiting for another to finish. 0: first come, first served."""
+    warm_draft_tokens: int = 0
+    """With a Warm tier, self-speculative decoding (kv_cache.warm_draft_tokens): a decode batch
+    holding Warm keys first drafts this many tokens attending Hot alone, then checks them in
+    one step over Hot and Warm, which keeps every token the sampler picks from the exact
+    logits, so Warm is read once for up to this many + 1 tokens. 0: off."""
     warm_split: float | None = None
     """With attn_warm split: the share of each sequence's Warm blocks the CPU attends; None:
     measured at start, so that both sides finish together."""
@@ -215,6 +224,12 @@ class EngineConfig:
         )
         _check(self.cold_threshold_ms > 0, "cold_threshold_ms", self.cold_threshold_ms, "> 0")
         _check(self.hot_turn_tokens >= 0, "hot_turn_tokens", self.hot_turn_tokens, ">= 0")
+        _check(
+            0 <= self.warm_draft_tokens <= MAX_DRAFT_TOKENS,
+            "warm_draft_tokens",
+            self.warm_draft_tokens,
+            f"0..{MAX_DRAFT_TOKENS}",
+        )
         if self.warm_split is not None:
             _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
         _check(

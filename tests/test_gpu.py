@@ -137,6 +137,29 @@ def test_warm_tier_on_cuda_matches_hf(checkpoint, mode: str) -> None:  # type: i
     assert got == expected
 
 
+@pytest.mark.parametrize("mode", ["gpu", "split"])
+def test_warm_drafts_on_cuda_match_hf(checkpoint, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Drafts attending Hot from the CUDA graphs, checked by the Triton kernels with each
+    sequence's rows stacked on its kv heads: HF's greedy tokens, fp32, most keys in Warm.
+    test_warm_drafts.py covers the same on the CPU."""
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 2, [150, 97])
+    expected = hf_greedy(path, prompts, 24)
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cuda", gpu_memory_mb=2048, block_size=8,
+            num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=256,
+            warm_pool_mb=2, warm_codec="lossless", attn_warm=mode, warm_draft_tokens=4,
+        )
+    )  # fmt: skip
+    assert engine.runner.graphs is not None
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    stats = engine.drafts.stats
+    engine.release()
+    assert got == expected
+    assert stats.rounds > 0 and stats.accepted > 0
+
+
 def test_cold_weights_on_cuda_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """fp32 Mixtral on the GPU with its experts in host memory and a 4-slot device cache,
     decoded from piecewise CUDA graphs: HF's greedy tokens, with experts both computed on the

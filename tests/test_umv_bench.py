@@ -35,14 +35,15 @@ def test_umv_bench_runs_every_case(
             "--budget-mb=70",
             "--chunk=128",
             "--hf-new-tokens=16",
+            "--draft-tokens=3",
             f"--out={out}",
             "--in-process",
         ]
     )
     cases = result["cases"]
     assert set(cases) == {
-        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3b_auto", "b3c", "b3c_kivi",
-        "b3c_pure_gpu", "pure_gpu", "unbudgeted", "hf",
+        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3b_auto", "b3b_drafts3", "b3c",
+        "b3c_kivi", "b3c_pure_gpu", "pure_gpu", "unbudgeted", "hf",
     }  # fmt: skip
     # Pure GPU in the same budget fails cleanly, naming the key: the context does not fit.
     assert cases.pop("pure_gpu")["error"].startswith(
@@ -57,6 +58,8 @@ def test_umv_bench_runs_every_case(
     assert cases["b3b_gpu"]["tiers"]["hot_hit_rate"] < 1.0  # one sequence overflows Hot
     assert cases["b3c_kivi"]["tiers"]["hot_hit_rate"] < 0.5  # four at once, read from Warm
     assert cases["b3b_split"]["attn_warm"]["mode"] == "split"
+    drafts = cases["b3b_drafts3"]["drafts"]  # up to 3 drafts a check (fewer near the end)
+    assert 0 < drafts["rounds"] <= drafts["drafted"] <= 3 * drafts["rounds"]
     b3c = cases["b3c"]  # int4 Hot holds two of the four: they take turns there
     assert b3c["config"]["hot_codec"] == "int4" and b3c["turns_in_hot"] > 0
     assert b3c["tiers"]["warm_blocks_total"] > 0 and b3c["max_token_gap_ms"] > 0

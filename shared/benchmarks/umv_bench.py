@@ -8,6 +8,8 @@ the engine's allocator cap:
 - b3a: one sequence, int4 KV: all in an int4 Hot cache; b3a_warm: native Hot, int4 Warm;
 - b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split
   and auto (measured at start);
+- b3b_drafts<k>: b3b_gpu with kv_cache.warm_draft_tokens k, for each k of --draft-tokens:
+  k drafts attending Hot alone, checked over Hot and Warm in one step (warm_drafts.py);
 - b3c: four sequences at once, int4 Hot and int4 Warm: each fits Hot alone, so they take
   turns there of --turn-tokens (kv_cache.hot_turn_tokens), swapped to Warm between turns as they
   are; b3c_kivi: native Hot and int4 Warm (KIVI's per-channel keys), read in place by the
@@ -62,6 +64,10 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
         "b3a": (1, {**budget, "hot_codec": "int4", "warm": False}),
         "b3a_warm": (1, {**budget, "warm_codec": "int4"}),
         **{f"b3b_{m}": (1, {**exact, "attn_warm": m}) for m in ("cpu", "gpu", "split", "auto")},
+        **{
+            f"b3b_drafts{k}": (1, {**exact, "attn_warm": "gpu", "warm_draft_tokens": k})
+            for k in args.draft_tokens
+        },
         "b3c": (4, {**budget, "hot_codec": "int4", "warm_codec": "int4", "hot_turn_tokens": turn}),
         "b3c_kivi": (4, {**budget, "warm_codec": "int4"}),
         "b3c_pure_gpu": (4, {**budget, "hot_codec": "int4", "warm": False}),
@@ -143,6 +149,9 @@ def run_case(
             "hot_blocks": engine.plan.num_blocks,
             "tiers": engine.tier_stats(),
         }
+        if engine.drafts.tokens:
+            d = engine.drafts.stats
+            result["drafts"] = {**asdict(d), "acceptance": d.acceptance}
         if engine.warm is not None:
             result["attn_warm"] = {"mode": engine.warm.mode, "cpu_share": engine.warm.split}
         if cuda:
@@ -214,6 +223,7 @@ def _isolated(args: argparse.Namespace, name: str) -> dict[str, Any]:
             *(f"--budget-mb={args.budget_mb}", f"--chunk={args.chunk}"),
             *(f"--hf-new-tokens={args.hf_new_tokens}", f"--cases={name}", f"--out={out}"),
             f"--turn-tokens={args.turn_tokens}",
+            f"--draft-tokens={','.join(map(str, args.draft_tokens))}",
         ]
         cmd = [sys.executable, "-m", "hybridgen.benchmarks.umv_bench", "--in-process", *argv]
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)  # stderr: progress
@@ -237,6 +247,9 @@ def print_table(result: dict[str, Any]) -> None:
         note = "" if target is None else f"target >= {target:g}"
         if not r.get("all_at_once", True):
             note = f"never all at once; {r['e2e_tok_s']:.2f} tok/s end to end"
+        elif "drafts" in r:
+            d = r["drafts"]
+            note += f"; {d['accepted']}/{d['drafted']} drafts kept in {d['rounds']} checks"
         elif r.get("turns_in_hot"):
             note += f"; {r['turns_in_hot']} turns in Hot, gap <= {r['max_token_gap_ms']:.0f} ms"
         hit = r.get("tiers", {}).get("hot_hit_rate")
@@ -263,6 +276,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--hf-new-tokens", type=int, default=8)
     ap.add_argument("--turn-tokens", type=int, default=16, help="b3c's kv_cache.hot_turn_tokens")
+    ap.add_argument(
+        "--draft-tokens",
+        type=lambda s: [int(k) for k in s.split(",")],
+        default=[8],
+        help="comma list: a b3b_drafts<k> case for each (kv_cache.warm_draft_tokens)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/umv.json"))
     ap.add_argument(
         "--in-process",
