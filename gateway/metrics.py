@@ -101,6 +101,13 @@ class Metrics:
             ["direction"],
             registry=r,
         )
+        self.warm_drafts = Gauge(
+            "hybridgen_warm_draft_tokens",
+            "Self-speculative decoding over Warm since start: tokens drafted attending Hot "
+            "alone, and drafts the check over Hot and Warm accepted.",
+            ["outcome"],
+            registry=r,
+        )
         self.prefix_cached = Gauge(
             "hybridgen_prefix_cached_tokens",
             "Prompt tokens served from the prefix cache since start.",
@@ -125,6 +132,8 @@ class Metrics:
             self.cpu_attention.set(info["cpu_attention_ms"] / 1e3)
             self.pcie_bytes.labels(direction="h2d").set(info["pcie_h2d_bytes"])
             self.pcie_bytes.labels(direction="d2h").set(info["pcie_d2h_bytes"])
+            self.warm_drafts.labels(outcome="drafted").set(info["warm_drafted_tokens"])
+            self.warm_drafts.labels(outcome="accepted").set(info["warm_accepted_drafts"])
         self.prefix_cached.set(info.get("prefix_cached_tokens", 0))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> threading.Thread:

@@ -188,6 +188,8 @@ class Engine:
         stats: dict[str, float | int] = {"prefix_cached_tokens": self.scheduler.prefix_hit_tokens}
         if self.warm is not None:
             stats.update(self.warm.info())
+            drafts = self.drafts.stats
+            stats.update(warm_drafted_tokens=drafts.drafted, warm_accepted_drafts=drafts.accepted)
         return stats
 
     def moe_stats(self) -> dict[str, float]:

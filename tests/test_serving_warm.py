@@ -29,7 +29,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "model:\n  max_model_len: 192\n  max_num_seqs: 2\n  max_num_batched_tokens: 32\n"
         "  dtype: float32\n"
         f"kv_cache:\n  hot_region_mb: {hot_mb}\n  warm_region_mb: 2\n  warm_codec: lossless\n"
-        "  block_size: 16\n  hot_turn_tokens: 4\n"
+        "  block_size: 16\n  hot_turn_tokens: 4\n  warm_draft_tokens: 3\n"
         "placements:\n  attn_warm: cpu\n"
     )
     srv = Server(path, tmp_path_factory.mktemp("serve_warm"), engine_config=config)
@@ -47,6 +47,7 @@ def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) 
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert info.warm_blocks_total > 0 and info.hot_hit_rate < 0.6
     assert info.cpu_attention_ms > 0 and info.warm_decompress_p50_ms > 0
+    assert info.warm_drafted_tokens > 0  # checked by the CPU daemon, 4 rows at a time
     logs = Path(server.log.name).parent / "run" / server.instance
     assert "attn_warm_worker_serving" in (logs / "cpu.log").read_text()  # the CPU daemon answered
     assert "attn_warm_link_down" not in (logs / "gpu.log").read_text()  # ... every request

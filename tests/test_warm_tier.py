@@ -161,9 +161,12 @@ def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: i
     from hybridgen.gpu_daemon.info import engine_info
 
     path = checkpoint("llama3")
-    engine = small_engine(path, num_kv_blocks=8, warm_pool_mb=2, attn_warm="split")
+    engine = small_engine(
+        path, num_kv_blocks=8, warm_pool_mb=2, attn_warm="split", warm_draft_tokens=2
+    )
     engine.generate(sample_prompts(path, 1, [120]), GREEDY)
     stats = engine.tier_stats()
+    assert stats["warm_drafted_tokens"] > stats["warm_accepted_drafts"] >= 0
     assert stats["warm_blocks_total"] > 0 and 0 < stats["hot_hit_rate"] < 0.5
     assert stats["warm_decompress_p95_ms"] >= stats["warm_decompress_p50_ms"] > 0
     assert stats["cpu_attention_ms"] > 0 and stats["pcie_h2d_bytes"] > 0
@@ -176,6 +179,9 @@ def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: i
     value = metrics.registry.get_sample_value
     assert value("hybridgen_kv_hot_hit_ratio") == pytest.approx(stats["hot_hit_rate"])
     assert value("hybridgen_kv_transfer_bytes", {"direction": "d2h"}) == stats["pcie_d2h_bytes"]
+    assert pb.warm_drafted_tokens == stats["warm_drafted_tokens"]
+    drafted = value("hybridgen_warm_draft_tokens", {"outcome": "drafted"})
+    assert drafted == stats["warm_drafted_tokens"]
 
 
 @pytest.fixture(scope="module")
