@@ -7,7 +7,8 @@ Cases, each a fresh engine on the same weights (loaded once), with the budget en
 the engine's allocator cap:
 - b3a: one sequence, int4 KV: all in an int4 Hot cache; b3a_warm: native Hot, int4 Warm;
 - b3b_<mode>: one sequence, exact: native Hot, lossless Warm, for attn_warm cpu, gpu, split
-  and auto (measured at start);
+  (its share re-balanced from live timings, as a served engine does) and auto (measured at
+  start);
 - b3b_drafts<k>: b3b_gpu with kv_cache.warm_draft_tokens k, for each k of --draft-tokens:
   k drafts attending Hot alone, checked over Hot and Warm in one step (warm_drafts.py);
 - b3c: four sequences at once, int4 Hot and int4 Warm: each fits Hot alone, so they take
@@ -63,7 +64,9 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]]]:
     out: dict[str, tuple[int, dict[str, Any]]] = {
         "b3a": (1, {**budget, "hot_codec": "int4", "warm": False}),
         "b3a_warm": (1, {**budget, "warm_codec": "int4"}),
-        **{f"b3b_{m}": (1, {**exact, "attn_warm": m}) for m in ("cpu", "gpu", "split", "auto")},
+        **{f"b3b_{m}": (1, {**exact, "attn_warm": m}) for m in ("cpu", "gpu", "auto")},
+        # The start-up probe's share is a first guess; live timings re-balance it while serving.
+        "b3b_split": (1, {**exact, "attn_warm": "split", "dynamic_tuning": True}),
         **{
             f"b3b_drafts{k}": (1, {**exact, "attn_warm": "gpu", "warm_draft_tokens": k})
             for k in args.draft_tokens
