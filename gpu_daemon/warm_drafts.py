@@ -40,13 +40,22 @@ class DraftStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+STACKED_HEADS = 128
+"""Most query rows the check step stacks onto one kv head ((k + 1) x the model's query heads
+per kv head). The decode kernel's head tile is the next power of two of it, and a tile of
+128 (llama3-8b, k = 16) is the largest that has run on the H200 (b3b_drafts16)."""
+
+
 class WarmDrafts:
     """Drafts attending Hot, checked over Hot and Warm in one step."""
 
     def __init__(
         self, tokens: int, runner: ModelRunner, scheduler: Scheduler, max_model_len: int
     ) -> None:
-        self.tokens, self.runner, self.scheduler = tokens, runner, scheduler
+        group = runner.spec.num_heads // runner.spec.num_kv_heads
+        self.tokens = max(0, min(tokens, STACKED_HEADS // group - 1))
+        """Drafts a round: kv_cache.warm_draft_tokens, within STACKED_HEADS."""
+        self.runner, self.scheduler = runner, scheduler
         self.max_model_len = max_model_len
         self.stats = DraftStats()
 

@@ -17,8 +17,8 @@ _DTYPES = {
 }
 
 MAX_DRAFT_TOKENS = 16
-"""Most tokens drafted per Warm read (kv_cache.warm_draft_tokens): the check step stacks each
-sequence's queries onto its kv heads, and more would exceed the decode kernel's head tile."""
+"""Most tokens drafted per Warm read (kv_cache.warm_draft_tokens); fewer where the model has
+more than 7 query heads per kv head (warm_drafts.STACKED_HEADS)."""
 
 
 class ConfigError(ValueError):

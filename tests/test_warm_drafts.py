@@ -6,11 +6,13 @@ per round instead of once per token."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gpu_daemon.warm_drafts import STACKED_HEADS, WarmDrafts
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.presets import PRESETS
 from hybridgen.sampling.params import SamplingParams
@@ -125,3 +127,13 @@ def test_stacked_rows_match_one_row_each(mode: str) -> None:
 def test_draft_tokens_range() -> None:
     with pytest.raises(ConfigError, match=r"warm_draft_tokens=17 is out of range: allowed 0\.\.16"):
         EngineConfig(model="tiny-llama", warm_draft_tokens=17)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "drafts"), [(32, 8, 16), (64, 8, 15), (64, 2, 3)])
+def test_drafts_fit_the_stacked_head_tile(heads: int, kv_heads: int, drafts: int) -> None:
+    """k + 1 rows of G query heads each stack onto a kv head: k is cut so that (k + 1) G stays
+    within STACKED_HEADS (128) for models with many query heads per kv head."""
+    spec = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads)
+    runner = SimpleNamespace(spec=spec)
+    got = WarmDrafts(16, runner, None, 1024).tokens  # type: ignore[arg-type]
+    assert got == drafts and (got + 1) * heads // kv_heads <= STACKED_HEADS
