@@ -303,10 +303,10 @@ class Engine:
         if k == 1 or batch.num_decode != len(batch) or any(s.warm_slots for s in batch.seqs):
             return 1
         for seq in batch.seqs:
-            p = seq.params
-            if seq.num_tokens - seq.num_computed_tokens != 1 or has_penalty(p):
+            room = seq.decode_room(self.max_model_len)
+            if not room or has_penalty(seq.params):
                 return 1
-            k = min(k, p.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            k = min(k, room)
         if k > 1 and not self.scheduler.reserve_lookahead(batch, k):
             return 1
         return max(k, 1)

@@ -87,6 +87,13 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    def decode_room(self, max_model_len: int) -> int:
+        """Tokens it may still generate from here, or 0 when it is not decoding (more than
+        its one pending token is still to compute: a prompt, chunk by chunk)."""
+        if self.num_tokens - self.num_computed_tokens != 1:
+            return 0
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+
     def append(self, token_id: int, max_model_len: int) -> None:
         """Record a sampled token and decide whether the sequence is finished."""
         self.token_ids.append(token_id)

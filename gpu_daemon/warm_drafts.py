@@ -63,13 +63,12 @@ class WarmDrafts:
         """Tokens to draft for this batch, with the blocks for them reserved; 0 (nothing
         reserved) unless every sequence decodes without penalties and one has Warm keys."""
         k = self.tokens
-        if not k or batch.num_decode != len(batch) or not any(s.warm_slots for s in batch.seqs):
+        if not k or not any(s.warm_slots for s in batch.seqs):
             return 0
         for seq in batch.seqs:
-            if has_penalty(seq.params):
+            room = seq.decode_room(self.max_model_len)
+            if not room or has_penalty(seq.params):
                 return 0
-            room = min(seq.params.max_tokens - seq.num_output_tokens,
-                       self.max_model_len - seq.num_tokens)  # fmt: skip
             k = min(k, room - 1)  # the check step yields up to k + 1 tokens
         if k < 1 or not self.scheduler.reserve_lookahead(batch, k + 1, spill=True):
             return 0

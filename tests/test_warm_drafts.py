@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gpu_daemon.scheduler import ScheduledBatch
+from hybridgen.gpu_daemon.sequence import Sequence
 from hybridgen.gpu_daemon.warm_drafts import STACKED_HEADS, WarmDrafts
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.models.presets import PRESETS
@@ -137,3 +139,16 @@ def test_drafts_fit_the_stacked_head_tile(heads: int, kv_heads: int, drafts: int
     runner = SimpleNamespace(spec=spec)
     got = WarmDrafts(16, runner, None, 1024).tokens  # type: ignore[arg-type]
     assert got == drafts and (got + 1) * heads // kv_heads <= STACKED_HEADS
+
+
+def test_no_drafts_beside_a_one_token_prompt_chunk() -> None:
+    """A prompt's last-but-some token scheduled alone counts as a 1-token row like a decode,
+    but it is not decoding: a batch holding one drafts nothing (and reserves nothing)."""
+    spec = SimpleNamespace(num_heads=4, num_kv_heads=2)
+    drafts = WarmDrafts(4, SimpleNamespace(spec=spec), None, 1024)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    decoding = Sequence("d", 40, list(range(41)), params, 0, 0)
+    decoding.num_computed_tokens, decoding.warm_slots = 40, [0, 1]
+    chunk = Sequence("p", 40, list(range(40)), params, 0, 1)
+    chunk.num_computed_tokens = 30  # 10 prompt tokens left, 1 of them this step
+    assert drafts.length(ScheduledBatch([decoding, chunk], [1, 1])) == 0
