@@ -130,12 +130,8 @@ class Engine:
             self.pool,
             offload,
         )
-        self.drafts = WarmDrafts(
-            config.warm_draft_tokens if self.warm is not None else 0,
-            self.runner,
-            self.scheduler,
-            self.max_model_len,
-        )
+        drafts = config.warm_draft_tokens if self.warm is not None else 0
+        self.drafts = WarmDrafts(drafts, self.runner, self.scheduler, self.max_model_len)
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
@@ -188,8 +184,7 @@ class Engine:
         stats: dict[str, float | int] = {"prefix_cached_tokens": self.scheduler.prefix_hit_tokens}
         if self.warm is not None:
             stats.update(self.warm.info())
-            drafts = self.drafts.stats
-            stats.update(warm_drafted_tokens=drafts.drafted, warm_accepted_drafts=drafts.accepted)
+            stats.update(self.drafts.stats.info())
         return stats
 
     def moe_stats(self) -> dict[str, float]:

@@ -39,6 +39,10 @@ class DraftStats:
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def info(self) -> dict[str, int]:
+        """The counters, keyed by GetModelInfo field names."""
+        return {"warm_drafted_tokens": self.drafted, "warm_accepted_drafts": self.accepted}
+
 
 STACKED_HEADS = 128
 """Most query rows the check step stacks onto one kv head ((k + 1) x the model's query heads
