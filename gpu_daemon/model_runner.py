@@ -8,6 +8,7 @@ is the step's one synchronisation.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,8 +38,7 @@ class Sampled:
     top: list[tuple[int, float]] | None
 
 
-@dataclass(frozen=True)
-class _Row:
+class _Row(NamedTuple):
     """Tokens one sequence computes in a step (a prefill chunk, or one decode token)."""
 
     seq: Sequence
