@@ -36,6 +36,7 @@ from hybridgen.ipc.ticket import Op
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.candidates import sample_candidates
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.step_errors import ErrorCode, StepFailed
 
 log = structlog.get_logger()
 
@@ -140,6 +141,8 @@ class RingBackend:
                     raise item
                 if item.error is not None:
                     done = True
+                    if item.error_code is not ErrorCode.INVALID_ARGUMENT:
+                        raise StepFailed(item.error_code, item.error)
                     field, _, message = item.error.partition(": ")
                     raise InvalidRequest(field, message)
                 if item.candidates is not None:  # placements.sample: cpu, the pick is ours

@@ -290,7 +290,7 @@ class EngineBackend:
                     if out.finished:
                         self._sinks.pop(out.request_id, None)
                     if sink is not None:
-                        sink(out)
+                        sink(out if out.error is None else out.error)
             self._publish(engine)
 
     def _drain(self, block: bool) -> list[object]:

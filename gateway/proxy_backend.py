@@ -32,6 +32,7 @@ from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.service import SERVICE_NAME, QueueFull
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
@@ -95,6 +96,8 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:
         return QueueFull(details)
     if code in _GONE:
         return BackendUnavailable(f"the upstream is unavailable ({code.name}): {details}")
+    if code == grpc.StatusCode.INTERNAL:  # the request's step failed upstream
+        return StepFailed(ErrorCode.INTERNAL, details)
     return UpstreamFailed(f"upstream answered {code.name}: {details}")
 
 

@@ -27,6 +27,7 @@ from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gpu_daemon.engine import InvalidRequest
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
@@ -56,6 +57,9 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackendUnavailable, grpc.StatusCode.UNAVAILABLE),
 )
+
+_STEP_STATUS = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
+"""A failed step's ErrorCode as the status of the same name."""
 
 
 # -- protobuf at the edge -------------------------------------------------------------------
@@ -220,6 +224,8 @@ def grpc_errors(method: Handler[R]) -> Handler[R]:
             raise
         except Exception as exc:
             code = next((c for t, c in _STATUS if isinstance(exc, t)), None)
+            if isinstance(exc, StepFailed):
+                code = _STEP_STATUS[exc.code]
             if code is None:
                 log.exception("internal_error", rpc=method.__name__)
                 code, details = grpc.StatusCode.INTERNAL, "internal error (see the server log)"

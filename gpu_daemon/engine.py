@@ -12,8 +12,10 @@ the new tokens of every sequence that produced one.
 from __future__ import annotations
 
 import gc
+import itertools
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -33,6 +35,12 @@ from hybridgen.gpu_daemon.startup import (
     place_attn_warm,
     place_moe_gate_measured,
     setup_moe,
+)
+from hybridgen.gpu_daemon.step_faults import (
+    FaultDrill,
+    device_usable,
+    is_out_of_memory,
+    step_failure,
 )
 from hybridgen.gpu_daemon.tuner import Tuner
 
@@ -61,6 +69,8 @@ class EngineStats:
 
     steps: int = 0
     preemptions: int = 0
+    failed_steps: int = 0
+    """Steps that raised: their requests ended with an error, the engine went on."""
     max_step_tokens: int = 0
     """Most tokens computed in one step (never above max_num_batched_tokens)."""
     peak_blocks_used: int = 0
@@ -135,6 +145,8 @@ class Engine:
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.faults = FaultDrill.from_env()
+        """The fault drill (HYBRIDGEN_FAULT_STEPS): none unless asked for."""
         if self.warm is not None and config.dynamic_tuning:
             self.warm.tuner = Tuner(
                 self.warm, config.tuning_warmup_steps, config.tuning_interval_ms
@@ -221,25 +233,74 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self, defer_sampling: bool = False) -> list[RequestOutput]:
-        """One scheduled forward pass. With sample_placement cpu the rows' top-k logits come
-        back to the host, and the token is picked there: here at once, or, with
-        `defer_sampling`, by the caller (the CPU daemon), who answers with accept_token."""
-        batch = self.scheduler.schedule()
-        st = self.stats
-        st.preemptions += len(batch.preempted)
-        if not batch.seqs:
-            return []
+        """One scheduled batch (`steps`), its outputs joined per request."""
+        joined: dict[str, RequestOutput] = {}
+        for outputs in self.steps(defer_sampling):
+            for out in outputs:
+                before = joined.get(out.request_id)
+                joined[out.request_id] = out if before is None else before.then(out)
+        return list(joined.values())
+
+    def steps(self, defer_sampling: bool = False) -> Iterator[list[RequestOutput]]:
+        """One scheduled batch: one forward pass, or several decode steps in a row, each
+        step's outputs yielded as soon as its tokens are on the host. With sample_placement
+        cpu the rows' top-k logits come back to the host, and the token is picked there:
+        here at once, or, with `defer_sampling`, by the caller (the CPU daemon), who answers
+        with accept_token.
+
+        A step that raises ends the requests in it (their outputs carry the error) and frees
+        their KV; the engine goes on with the others. A device left unusable (a sticky CUDA
+        error) is not survivable: that exception propagates."""
+        batch: ScheduledBatch | None = None
+        try:
+            batch = self.scheduler.schedule()
+            self.stats.preemptions += len(batch.preempted)
+            if batch.seqs:
+                self.faults.check(self.stats.steps, self.device)
+                yield from self._run(batch, defer_sampling)
+        except Exception as exc:
+            if not device_usable(self.device):
+                raise
+            failed = batch.seqs if batch is not None else list(self.scheduler.running)
+            yield self._fail(failed, exc)
+
+    def _run(self, batch: ScheduledBatch, defer_sampling: bool) -> Iterator[list[RequestOutput]]:
         on_host = self._samples_on_host(batch)
         drafts = 0 if on_host else self.drafts.length(batch)
         steps = 1 if on_host or drafts else self._decode_steps(batch)
+        picked: list[tuple[Sequence, Candidates]] = []
+        per_step: Iterator[list[Sampled]] = iter(())
         if on_host:
             picked = self.runner.execute_candidates(batch, self.config.num_candidates)
         elif drafts:
-            per_step = self.drafts.run(batch, drafts)
+            per_step = iter(self.drafts.run(batch, drafts))
         elif steps > 1:
-            per_step = self.runner.execute_decode(batch, steps)
+            per_step = self.runner.decode_steps(batch, steps)
         else:
-            per_step = [self.runner.execute(batch)]
+            per_step = iter([self.runner.execute(batch)])
+        first = None if on_host else next(per_step)  # the batch's forward pass is done
+        self._account(batch)
+        if on_host and defer_sampling:
+            yield [self._await_token(seq, c) for seq, c in picked]
+            return
+        if on_host:
+            first = [_pick(seq, c) for seq, c in picked]
+        assert first is not None
+        for j, sampled in enumerate(itertools.chain([first], per_step)):
+            outputs: dict[str, RequestOutput] = {}
+            for s in sampled:
+                seq = s.seq
+                if seq.finish_reason is not None:
+                    continue  # a token computed past this sequence's stop
+                if j:
+                    seq.num_computed_tokens += 1  # the previous step's token went through
+                self._record(seq, s, outputs)
+            yield list(outputs.values())
+
+    def _account(self, batch: ScheduledBatch) -> None:
+        """After a batch's forward pass: counters, the Warm tier's housekeeping, and each
+        sequence's computed tokens (registered for prefix reuse)."""
+        st = self.stats
         st.steps += 1
         self.degrade.stats.steps += self.degrade.active
         if self.warm is not None and self.warm.tuner is not None:
@@ -254,20 +315,40 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
             self.scheduler.cache_blocks(seq)
-        if on_host and defer_sampling:
-            return [self._await_token(seq, c) for seq, c in picked]
-        if on_host:
-            per_step = [[_pick(seq, c) for seq, c in picked]]
-        outputs: dict[str, RequestOutput] = {}
-        for j, sampled in enumerate(per_step):
-            for s in sampled:
-                seq = s.seq
-                if seq.finish_reason is not None:
-                    continue  # a token computed past this sequence's stop
-                if j:
-                    seq.num_computed_tokens += 1  # the previous step's token went through
-                self._record(seq, s, outputs)
-        return list(outputs.values())
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        """End the requests of a step that raised `exc`: each gets an output carrying the
+        error, and its KV blocks are freed."""
+        error = step_failure(exc)
+        self.stats.failed_steps += 1
+        log.error(
+            "step_failed",
+            code=error.code.name,
+            requests=[s.request_id for s in seqs],
+            exc_info=exc,
+        )
+        if is_out_of_memory(exc) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        outputs = []
+        for seq in seqs:
+            if self.seqs.pop(seq.request_id, None) is None:
+                continue  # it had finished in an earlier step of the batch
+            seq.finish_reason = FinishReason.ABORTED
+            self.scheduler.finish(seq)
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    [],
+                    True,
+                    FinishReason.ABORTED,
+                    None,
+                    None,
+                    seq.prompt_len,
+                    seq.num_output_tokens,
+                    error=error,
+                )
+            )
+        return outputs
 
     def _samples_on_host(self, batch: ScheduledBatch) -> bool:
         return self.degrade.sample_placement == "cpu" and not any(

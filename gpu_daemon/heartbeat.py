@@ -40,6 +40,7 @@ from hybridgen.ipc.messages import (
 from hybridgen.ipc.peer import PeerWatch
 from hybridgen.ipc.ticket import Op, Ticket
 from hybridgen.sampling.params import InvalidSamplingParameter
+from hybridgen.step_errors import ErrorCode
 
 log = structlog.get_logger()
 
@@ -152,10 +153,13 @@ class GpuHeartbeat:
         for ticket in tickets:
             self._handle(ticket)
         if self.engine.has_unfinished():
+            # Each decode step's tokens leave as soon as they are on the host, not at the end
+            # of a multi-step batch: the CPU daemon streams them while the device goes on.
             with self.vouch:
-                outputs = self.engine.step(defer_sampling=self.defer_sampling)
-            for out in outputs:
-                self._send_result(_result(out))
+                for outputs in self.engine.steps(defer_sampling=self.defer_sampling):
+                    for out in outputs:
+                        self._send_result(_result(out))
+                    self._flush()
             self.stats.steps += 1
         self._signal_backpressure()
         self._flush()
@@ -171,7 +175,8 @@ class GpuHeartbeat:
             try:
                 self.engine.add_request(str(rid), prompt, params)
             except (InvalidRequest, InvalidSamplingParameter) as e:
-                self._send_result(StepResult(rid, [], None, None, len(prompt), 0, str(e)))
+                refused = StepResult(rid, [], None, None, len(prompt), 0, str(e))
+                self._send_result(refused)
         elif ticket.op is Op.APPEND_TOKENS:
             token, logprob = decode_append(payload)
             try:
@@ -277,5 +282,7 @@ def _result(out: RequestOutput) -> StepResult:
         reason,
         out.prompt_tokens,
         out.output_tokens,
+        error=None if out.error is None else str(out.error),
+        error_code=ErrorCode.INVALID_ARGUMENT if out.error is None else out.error.code,
         candidates=out.candidates,
     )

@@ -7,6 +7,7 @@ is the step's one synchronisation.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -186,29 +187,43 @@ class ModelRunner:
         logits, seqs = self.logits(sched)
         return [] if logits is None else self._sample(logits, seqs)
 
-    @torch.inference_mode()
     def execute_decode(
         self, sched: ScheduledBatch, steps: int, hot_only: bool = False
     ) -> list[list[Sampled]]:
-        """`steps` decode steps back to back with one host sync at the end.
+        """decode_steps, all at once."""
+        return list(self.decode_steps(sched, steps, hot_only))
+
+    def decode_steps(
+        self, sched: ScheduledBatch, steps: int, hot_only: bool = False
+    ) -> Iterator[list[Sampled]]:
+        """`steps` decode steps back to back, each step's tokens yielded as soon as they are
+        on the host.
 
         Each step's sampled ids feed the next step on the device, and positions, seq_lens and
-        cache slots advance there too, so the host only launches work. Precondition: every
+        cache slots advance there too, so the host only launches work: step j + 1 is queued
+        before the host waits for step j's tokens (copied to pinned memory behind an event),
+        so the device keeps busy while the caller streams them. Precondition: every
         sequence decodes, samples without penalties, and already holds the blocks for
         `steps` more tokens, and none has Warm keys unless `hot_only` (drafts that attend
-        Hot alone). Returns each sequence's `steps` tokens in order.
+        Hot alone). Yields each step's tokens, one per sequence, in order.
         """
-        inputs = self.prepare(sched, hot_only)
+        # inference_mode never spans a yield: the caller's code between steps runs outside it.
+        with torch.inference_mode():
+            inputs = self.prepare(sched, hot_only)
         seqs = inputs.sample_seqs
         ids, batch = inputs.input_ids, inputs.batch
-        outs = []
+        base = [s.num_output_tokens for s in seqs]  # the caller records tokens meanwhile
+        pending: list[_Pending] = []
         for j in range(steps):
-            logits = self._decode_logits_any(ids, batch)
-            out = self.sampler(logits, self._sampling_batch(seqs, offset=j))
-            outs.append(out)
-            if j + 1 < steps:
-                ids, batch = out.token_ids, self._advance(batch)
-        return [self._to_host(out, seqs) for out in _stack_steps(outs)]
+            with torch.inference_mode():
+                logits = self._decode_logits_any(ids, batch)
+                out = self.sampler(logits, self._sampling_batch(seqs, [b + j for b in base]))
+                pending.append(_Pending.start(out))
+                if j + 1 < steps:
+                    ids, batch = out.token_ids, self._advance(batch)
+            if j:  # step j is queued: hand over step j - 1 meanwhile
+                yield self._to_host(pending[j - 1].wait(), seqs)
+        yield self._to_host(pending[-1].wait(), seqs)
 
     @torch.inference_mode()
     def execute_check(self, sched: ScheduledBatch, drafts: list[list[int]]) -> list[list[Sampled]]:
@@ -227,8 +242,8 @@ class ModelRunner:
         inputs = self._pack(rows, len(rows), r)
         logits = self._decode_logits(inputs.input_ids, inputs.batch)
         seqs = [seq for seq in sched.seqs for _ in range(r)]
-        offsets = [j for _ in sched.seqs for j in range(r)]
-        sampled = self._to_host(self.sampler(logits, self._sampling_batch(seqs, offsets)), seqs)
+        steps = [s.num_output_tokens + j for s in sched.seqs for j in range(r)]
+        sampled = self._to_host(self.sampler(logits, self._sampling_batch(seqs, steps)), seqs)
         return [sampled[i * r : (i + 1) * r] for i in range(len(sched.seqs))]
 
     @torch.inference_mode()
@@ -280,16 +295,17 @@ class ModelRunner:
             seq_lens_host=[n + 1 for n in batch.seq_lens_host],
         )
 
-    def _sampling_batch(self, seqs: list[Sequence], offset: int | list[int] = 0) -> SamplingBatch:
-        """Each row's sampling; its step is its sequence's output tokens plus `offset` (one
-        for all rows, or one per row)."""
+    def _sampling_batch(
+        self, seqs: list[Sequence], steps: list[int] | None = None
+    ) -> SamplingBatch:
+        """Each row's sampling; its step (which picks its seeded noise) is `steps`, by default
+        its sequence's output tokens so far."""
         params = [s.params for s in seqs]
         penalties = any(has_penalty(p) for p in params)
-        offsets = offset if isinstance(offset, list) else [offset] * len(seqs)
         return SamplingBatch.build(
             params,
             seeds=[s.seed for s in seqs],
-            steps=[s.num_output_tokens + j for s, j in zip(seqs, offsets, strict=True)],
+            steps=[s.num_output_tokens for s in seqs] if steps is None else steps,
             prompt_ids=[s.token_ids[: s.prompt_len] for s in seqs] if penalties else None,
             output_ids=[s.output_ids for s in seqs] if penalties else None,
             vocab_size=self.spec.vocab_size,
@@ -338,24 +354,36 @@ def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
-def _stack_steps(outs: list[SamplerOutput]) -> list[SamplerOutput]:
-    """Copy every step's results to the host in one transfer per field, then split them."""
-    ids = torch.stack([o.token_ids for o in outs]).cpu()
-    lps = torch.stack([o.logprobs for o in outs]).cpu() if outs[0].logprobs is not None else None
-    tops = None
-    if outs[0].top_logprobs is not None:
-        tops = (
-            torch.stack([o.top_logprobs[0] for o in outs if o.top_logprobs]).cpu(),
-            torch.stack([o.top_logprobs[1] for o in outs if o.top_logprobs]).cpu(),
+class _Pending:
+    """One step's sampled results on their way to the host: copied into pinned memory
+    behind an event on the device (synchronous on the CPU)."""
+
+    def __init__(self, out: SamplerOutput, event: torch.cuda.Event | None) -> None:
+        self.out, self.event = out, event
+
+    @classmethod
+    def start(cls, out: SamplerOutput) -> _Pending:
+        if not out.token_ids.is_cuda:
+            return cls(out, None)
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return buf.copy_(t, non_blocking=True)
+
+        tops = out.top_logprobs
+        copied = SamplerOutput(
+            host(out.token_ids),
+            None if out.logprobs is None else host(out.logprobs),
+            None if tops is None else (host(tops[0]), host(tops[1])),
         )
-    return [
-        SamplerOutput(
-            ids[j],
-            None if lps is None else lps[j],
-            None if tops is None else (tops[0][j], tops[1][j]),
-        )
-        for j in range(len(outs))
-    ]
+        event = torch.cuda.Event()
+        event.record()
+        return cls(copied, event)
+
+    def wait(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.out
 
 
 @torch.inference_mode()

@@ -4,9 +4,17 @@ Engine.accept_token), and a whole Completion (Engine.generate)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.sampling.candidates import Candidates
+from hybridgen.step_errors import StepFailed
+
+T = TypeVar("T")
+
+
+def _joined(a: list[T] | None, b: list[T] | None) -> list[T] | None:
+    return None if a is None and b is None else [*(a or []), *(b or [])]
 
 
 @dataclass
@@ -24,6 +32,23 @@ class RequestOutput:
     candidates: Candidates | None = None
     """With deferred CPU sampling: the top-k logits to pick the next token from (no token
     yet; answer with Engine.accept_token)."""
+    error: StepFailed | None = None
+    """The request's step failed: it ended (finished, ABORTED) with this status."""
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by a later one of the same request, as one output."""
+        return RequestOutput(
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            later.finished,
+            later.finish_reason,
+            _joined(self.logprobs, later.logprobs),
+            _joined(self.top_logprobs, later.top_logprobs),
+            later.prompt_tokens,
+            later.output_tokens,
+            later.candidates,
+            later.error,
+        )
 
 
 @dataclass

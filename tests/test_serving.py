@@ -69,9 +69,15 @@ def wait_serving(port: int, timeout: float = 120.0, want: bool = True) -> float:
 
 class Server:
     def __init__(
-        self, checkpoint: Path, tmp: Path, extra_config: str = "", engine_config: str = ""
+        self,
+        checkpoint: Path,
+        tmp: Path,
+        extra_config: str = "",
+        engine_config: str = "",
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`engine_config` replaces the default model and kv_cache sections."""
+        """`engine_config` replaces the default model and kv_cache sections; `env` is added
+        to the server's environment."""
         self.instance = f"s{uuid.uuid4().hex[:10]}"
         self.port = free_port()
         config = tmp / "hybridgen_config.yaml"
@@ -105,7 +111,9 @@ class Server:
         ]
         self.log_path = tmp / "serve.log"
         self.log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 

@@ -8,7 +8,8 @@ tokens a step produced, ABORT carries nothing.
     STEP_RESULT  payload: int32 token ids | float32 logprobs (when HAS_LOGPROBS)
                           or, with ERROR, the UTF-8 error message
                           or, with CANDIDATES, int32 ids[K] | float32 logits[K] | lse, lse_t
-                 shape:   (new tokens or K, prompt tokens, output tokens, finish reason code)
+                 shape:   (new tokens or K, prompt tokens, output tokens, finish reason code,
+                          or with ERROR the step_errors.ErrorCode)
                  flags:   FINISHED | HAS_LOGPROBS | ERROR | CANDIDATES
     APPEND_TOKENS  payload: int32 token | float32 logprob  (the CPU's pick for CANDIDATES)
 """
@@ -23,6 +24,7 @@ import numpy as np
 
 from hybridgen.sampling.candidates import Candidates
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.step_errors import ErrorCode
 
 FINISHED, HAS_LOGPROBS, ERROR, CANDIDATES = 1, 2, 4, 8
 FINISH_CODES = {None: 0, "stop": 1, "length": 2, "aborted": 3}
@@ -59,7 +61,10 @@ class StepResult:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None
-    """Set when the GPU daemon refused the request; the message names the field."""
+    """Set when the request ended with an error: refused (the message names the field), or
+    its step failed."""
+    error_code: ErrorCode = ErrorCode.INVALID_ARGUMENT
+    """With `error`: the status to answer the client with."""
     candidates: Candidates | None = None
     """With CPU sampling: the top-k logits to pick the next token from (no token yet)."""
 
@@ -85,12 +90,8 @@ def encode_step_result(result: StepResult) -> tuple[bytes, int, tuple[int, int, 
         if result.logprobs is not None:
             payload += np.asarray(result.logprobs, dtype=np.float32).tobytes()
             flags |= HAS_LOGPROBS
-    shape = (
-        n,
-        result.prompt_tokens,
-        result.output_tokens,
-        FINISH_CODES[result.finish_reason],
-    )
+    last = FINISH_CODES[result.finish_reason] if result.error is None else result.error_code
+    shape = (n, result.prompt_tokens, result.output_tokens, int(last))
     return payload, flags, shape
 
 
@@ -99,8 +100,9 @@ def decode_step_result(
 ) -> StepResult:
     n, prompt_tokens, output_tokens, code = shape
     if flags & ERROR:
+        message = bytes(payload).decode()
         return StepResult(
-            request_id, [], None, "aborted", prompt_tokens, output_tokens, bytes(payload).decode()
+            request_id, [], None, "aborted", prompt_tokens, output_tokens, message, ErrorCode(code)
         )
     if flags & CANDIDATES:
         logits = np.frombuffer(payload, dtype=np.float32, count=n + 2, offset=4 * n)
