@@ -22,6 +22,7 @@ import torch
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.cuda_graphs import graph_sizes
 from hybridgen.gpu_daemon.model_runner import profile_step_peak
+from hybridgen.kernels import ops
 from hybridgen.kernels.kv_quant import hot_kv_bytes_per_token
 from hybridgen.models.llama import CausalLM
 from hybridgen.models.moe import SparseMoeBlock
@@ -82,14 +83,18 @@ def workspace_bytes(
     measured_step: int | None = None,
     quantized_kv: bool = False,
     warm: bool = False,
+    in_place_prefill: bool = False,
 ) -> int:
     """Largest transient footprint of one step, plus what CUDA graphs keep.
 
-    `measured_step` is the peak a profiling step allocated on the device (CUDA); without it
-    the activations and sampler temporaries are counted tensor by tensor. `quantized_kv`:
-    the Hot-KV is int8/int4, so prefill also holds its keys dequantized. `warm`: a Warm tier,
-    whose prefix a prefill holds three times more at its own head count (the records copied to
-    the device, decoded, and joined to the Hot keys).
+    `measured_step` is the peak the worst step allocated on the device (CUDA:
+    model_runner.profile_step_peak, a full chunk at the end of max_model_len); without it the
+    activations and sampler temporaries are counted tensor by tensor. `in_place_prefill`: the
+    prefill kernel reads the paged cache in place (Triton on CUDA); else (the torch reference)
+    a prefill gathers its keys at the query head count, and with `quantized_kv` (an int8 /
+    int4 Hot-KV) first dequantizes them. `warm`: a Warm tier, whose prefix a prefill holds
+    three times more at its own head count (the records copied to the device, decoded, and
+    joined to the Hot keys).
     """
     e = dtype.itemsize
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
@@ -99,11 +104,12 @@ def workspace_bytes(
     step = max_tokens * per_token + max_seqs * v * 4 * 4
     if measured_step is not None:
         step = max(step, int(measured_step * 1.2))
-    # Prefill attention over a long cached context gathers its K/V contiguously (GQA heads
-    # expanded, at most max_model_len keys) and may build a boolean mask of [chunk, keys];
-    # the profiling step has no such context, so this is always counted.
-    gather = 2 * max_model_len * spec.q_size * e + max_tokens * max_model_len
-    if quantized_kv:  # the gathered blocks are first dequantized at their own head count
+    # The torch prefill gathers a long cached context's K/V contiguously (GQA heads
+    # expanded, at most max_model_len keys) and may build a boolean mask of [chunk, keys].
+    gather = 0
+    if not in_place_prefill:
+        gather = 2 * max_model_len * spec.q_size * e + max_tokens * max_model_len
+    if quantized_kv and not in_place_prefill:  # dequantized first, at their own head count
         gather += 2 * max_model_len * spec.kv_size * e
     if warm:
         gather += 3 * 2 * max_model_len * spec.kv_size * e
@@ -147,9 +153,10 @@ def plan_memory(
     if num_blocks < need:
         raise BudgetTooSmall(
             f"device_topology.gpu.memory_mb={budget // MIB} is too small: weights take "
-            f"{weights // MIB} MiB and the step workspace {workspace // MIB} MiB, leaving room "
-            f"for {num_blocks} KV blocks; one {min_tokens}-token sequence needs {need}. "
-            f"Raise the budget, lower max_model_len or max_num_batched_tokens."
+            f"{weights // MIB} MiB and the worst step's workspace {workspace // MIB} MiB, "
+            f"leaving room for {num_blocks} KV blocks; one {min_tokens}-token sequence needs "
+            f"{need}. Raise device_topology.gpu.memory_mb, or lower model.max_model_len or "
+            "model.max_num_batched_tokens (the prefill chunk)."
         )
     return MemoryPlan(budget, weights, workspace, block_bytes, int(num_blocks), need)
 
@@ -217,15 +224,26 @@ def plan_engine_memory(
     weights = weights_bytes(model)
     budget = budget_bytes(c, device)
     measured, graphs = None, 0
+    in_place = device.type == "cuda" and ops.HAS_TRITON
     if device.type == "cuda":
-        measured = profile_step_peak(
-            model, c.max_num_batched_tokens, c.max_num_seqs, c.block_size, device
-        )
+        # The worst step at the configured limits: a full chunk attending max_model_len keys.
+        chunk, seqs = c.max_num_batched_tokens, c.max_num_seqs
+        measured = profile_step_peak(model, chunk, seqs, c.block_size, device, length, c.hot_codec)
         graphs = graph_batch_size(c, spec)
 
     def work(length: int, warm: bool) -> int:
-        return workspace_bytes(spec, spec.dtype, c.max_num_batched_tokens, c.max_num_seqs,
-                               length, graphs, measured, c.hot_codec != "native", warm)  # fmt: skip
+        return workspace_bytes(
+            spec,
+            spec.dtype,
+            c.max_num_batched_tokens,
+            c.max_num_seqs,
+            length,
+            graphs,
+            measured,
+            c.hot_codec != "native",
+            warm,
+            in_place,
+        )
 
     while True:
         # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
@@ -237,11 +255,13 @@ def plan_engine_memory(
             # A prefill reads a Warm prefix in place only for a sequence too long for Hot
             # alone (any other loads its prefix back first: scheduler.py). The room for that
             # read is planned only when Hot without it cannot hold max_model_len.
-            plan = plan_memory(weights, work(length, False), budget, c.block_size, kv_block,
-                               hot_tokens, blocks)  # fmt: skip
+            plan = plan_memory(
+                weights, work(length, False), budget, c.block_size, kv_block, hot_tokens, blocks
+            )
             if c.warm_pool_mb and plan.num_blocks * c.block_size < length:
-                plan = plan_memory(weights, work(length, True), budget, c.block_size,
-                                   kv_block, hot_tokens, blocks)  # fmt: skip
+                plan = plan_memory(
+                    weights, work(length, True), budget, c.block_size, kv_block, hot_tokens, blocks
+                )
             return plan, length
         except BudgetTooSmall:
             if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:

@@ -388,13 +388,25 @@ class _Pending:
 
 @torch.inference_mode()
 def profile_step_peak(
-    model: CausalLM, tokens: int, seqs: int, block_size: int, device: torch.device
+    model: CausalLM,
+    tokens: int,
+    seqs: int,
+    block_size: int,
+    device: torch.device,
+    context: int,
+    hot_codec: str = "native",
 ) -> int:
-    """Device bytes the largest step allocates beyond weights and KV (CUDA allocator stats):
-    one prefill of `tokens` tokens, then sampling `seqs` rows with every sampler feature on."""
+    """Device bytes the worst step allocates beyond weights and KV (CUDA allocator stats): a
+    prefill chunk of `tokens` tokens at the end of a `context`-token sequence (attending all
+    its keys, through the Hot codec's kernels), then sampling `seqs` rows with every sampler
+    feature on. The chunk's blocks stand in for the whole context's (their keys are
+    whatever they hold: only the allocations count)."""
     spec = model.spec
     blocks = -(-tokens // block_size)
-    runner = ModelRunner(model, spec, blocks, block_size, tokens, device, graph_batch=0)
+    context = max(context, tokens)
+    runner = ModelRunner(
+        model, spec, blocks, block_size, context, device, graph_batch=0, hot_codec=hot_codec
+    )
     params = SamplingParams(
         temperature=0.8,
         top_k=50,
@@ -405,8 +417,9 @@ def profile_step_peak(
         presence_penalty=0.5,
         max_tokens=1,
     )
-    seq = Sequence("profile", tokens, [0] * tokens, params, 0, 0)
-    seq.block_ids = list(range(blocks))
+    seq = Sequence("profile", context, [0] * context, params, 0, 0)
+    seq.num_computed_tokens = context - tokens
+    seq.block_ids = [i % blocks for i in range(-(-context // block_size))]
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)

@@ -1,9 +1,9 @@
 """Device dispatch for the model's hot ops.
 
 Each op runs its Triton kernel when the input lives on CUDA and Triton imports, else the torch
-reference (the CPU production path). Prefill attention and the partial merge are torch on every
-device. Note the one aliasing difference: on CUDA, add_rms_norm writes residual_out into the
-`residual` buffer; on the CPU it allocates. Callers must treat `residual` as consumed.
+reference (the CPU production path). The partial merge is torch on every device. Note the one
+aliasing difference: on CUDA, add_rms_norm writes residual_out into the `residual` buffer; on
+the CPU it allocates. Callers must treat `residual` as consumed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ try:
         triton_gemv,
         triton_norm,
         triton_paged_decode,
+        triton_paged_prefill,
         triton_quant_gemv,
         triton_rope_cache,
     )
@@ -211,9 +212,20 @@ def prefill_attention(
     sliding_window: int = 0,
     prefixes: list[tuple[Tensor, Tensor] | None] | None = None,
 ) -> Tensor:
-    """Torch on every device; a quantized cache dequantizes only the blocks the queries see.
-    `prefixes`: per sequence, dense K and V of its leading keys kept outside this cache (the
-    Warm tier); its block table then starts after them."""
+    """On CUDA one Triton launch for the step, reading the cache in place (a quantized one
+    dequantized in registers); on the CPU the torch reference, where a quantized cache
+    dequantizes only the blocks the queries see. `prefixes`: per sequence, dense K and V of
+    its leading keys kept outside this cache (the Warm tier); its block table then starts
+    after them."""
+    if _use_triton(q):
+        operands = (
+            triton_paged_prefill.quant_kv(kv)
+            if isinstance(kv, QuantKvCache)
+            else triton_paged_prefill.native_kv(*kv)
+        )
+        return triton_paged_prefill.paged_prefill_attention(
+            q, operands, block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes
+        )
     if isinstance(kv, QuantKvCache):
         return reference.paged_prefill_attention_quant(
             q, kv, block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes

@@ -1,0 +1,46 @@
+"""The start-up memory plan reserves the worst step at the configured limits (a full prefill
+chunk attending max_model_len keys, the sampler, the graphs), and a budget that cannot hold
+it is refused before anything serves, with a message naming the keys to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.memory import BudgetTooSmall, workspace_bytes
+from hybridgen.models.presets import preset_spec
+
+
+def test_long_context_prefill_that_cannot_fit_is_refused() -> None:
+    """131,072 keys and a 1,024-token chunk: on the CPU the torch prefill gathers the whole
+    context at the query head count, which a 160 MiB budget cannot hold."""
+    config = EngineConfig(
+        model="tiny-llama",
+        device="cpu",
+        gpu_memory_mb=160,
+        max_model_len=131072,
+        max_num_batched_tokens=1024,
+        max_num_seqs=1,
+        hot_codec="int4",
+    )
+    with pytest.raises(BudgetTooSmall) as err:
+        Engine(config)
+    message = str(err.value)
+    keys = ("device_topology.gpu.memory_mb=160", "model.max_model_len", "model.max_num_batched")
+    assert all(key in message for key in keys) and "worst step" in message
+
+
+def test_in_place_prefill_does_not_grow_with_the_context() -> None:
+    """With the Triton prefill (the cache read in place) the workspace of a chunk is the same
+    at 4K and 128K keys but for the rope tables; the torch prefill's grows with the keys."""
+    spec = preset_spec("llama3-8b")
+    dtype = torch.bfloat16
+
+    def work(keys: int, in_place: bool) -> int:
+        return workspace_bytes(spec, dtype, 1024, 1, keys, 0, None, True, False, in_place)
+
+    rope = 2 * (131072 - 4096) * spec.head_dim * 4 * 1.25
+    assert work(131072, True) - work(4096, True) == pytest.approx(rope, abs=1)
+    assert work(131072, False) - work(4096, False) > 2 * 127 * 1024 * spec.q_size * 2
