@@ -36,6 +36,7 @@ from hybridgen.gpu_daemon.startup import (
     place_moe_gate_measured,
     setup_moe,
 )
+from hybridgen.gpu_daemon.step_budget import StepBudget, key_weight
 from hybridgen.gpu_daemon.step_faults import (
     FaultDrill,
     device_usable,
@@ -139,7 +140,11 @@ class Engine:
             ),
             self.pool,
             offload,
+            StepBudget(config.step_latency_ms / 1e3, key_weight(spec))
+            if config.step_latency_ms > 0
+            else None,
         )
+        self._synced = False  # the last step ended with the host waiting for the device
         drafts = config.warm_draft_tokens if self.warm is not None else 0
         self.drafts = WarmDrafts(drafts, self.runner, self.scheduler, self.max_model_len)
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)
@@ -278,7 +283,9 @@ class Engine:
             per_step = self.runner.decode_steps(batch, steps)
         else:
             per_step = iter([self.runner.execute(batch)])
+        start = time.perf_counter()
         first = None if on_host else next(per_step)  # the batch's forward pass is done
+        self._observe(batch, time.perf_counter() - start, on_host or bool(first))
         self._account(batch)
         if on_host and defer_sampling:
             yield [self._await_token(seq, c) for seq, c in picked]
@@ -296,6 +303,20 @@ class Engine:
                     seq.num_computed_tokens += 1  # the previous step's token went through
                 self._record(seq, s, outputs)
             yield list(outputs.values())
+
+    def _observe(self, batch: ScheduledBatch, seconds: float, synced: bool) -> None:
+        """Feed the step budget a step's time: only when it and the step before it ended
+        with the host waiting for the device (else the time is the launch, or includes the
+        last step's work)."""
+        budget = self.scheduler.step_budget
+        if budget is not None and synced and self._synced:
+            chunks = [
+                (n, s.num_computed_tokens)
+                for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+                if n > 1
+            ]
+            budget.observe(batch.num_decode, chunks, seconds)
+        self._synced = synced
 
     def _account(self, batch: ScheduledBatch) -> None:
         """After a batch's forward pass: counters, the Warm tier's housekeeping, and each

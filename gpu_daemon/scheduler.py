@@ -36,6 +36,7 @@ from typing import Protocol
 
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.sequence import Sequence, Status
+from hybridgen.gpu_daemon.step_budget import MIN_TOKENS, StepBudget
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,19 @@ class Offload(Protocol):
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, pool: BlockPool, offload: Offload | None = None
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        offload: Offload | None = None,
+        step_budget: StepBudget | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.offload = offload
+        self.step_budget = step_budget
+        """Decode-first steps: the prefill a step with decodes may carry (step_budget.py)."""
+        self._allowance: float | None = None
+        self._prefill_placed = False
         self.waiting: deque[Sequence] = deque()
         self.kv_short = False
         """The last step could not admit the first waiting sequence for lack of Hot blocks
@@ -138,12 +147,17 @@ class Scheduler:
         ready = [s for s in self.running if not s.awaiting_token]
         decoding = [s for s in ready if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in ready if s.num_tokens - s.num_computed_tokens > 1]
+        sb = self.step_budget
+        self._allowance = sb.allowance(len(decoding)) if sb is not None else None
+        self._prefill_placed = False
         for seq in decoding + prefilling:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._prefill_tokens(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if n == 0:
+                break  # the step's prefill allowance is spent
             if not self._reserve(seq, n, batch):
                 continue
             batch.seqs.append(seq)
@@ -293,11 +307,35 @@ class Scheduler:
         self.turns_ended += 1
         return True
 
+    def _put_back(self, seq: Sequence) -> None:
+        """`seq` was not admitted after all: the Hot blocks of its cached prefix go back to
+        the pool (still cached); a Warm prefix (swapped out, or a hit there) waits with it."""
+        if seq.warm_slots:
+            return
+        self.pool.free(seq.block_ids)
+        seq.block_ids, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
+
+    def _prefill_tokens(self, seq: Sequence, n: int) -> int:
+        """Of `n` tokens `seq` could compute now, those within the step's prefill allowance
+        (all of them for a decode, or with no allowance); takes their cost from it."""
+        if n <= 1 or self._allowance is None or self.step_budget is None:
+            return n
+        context = seq.num_computed_tokens
+        allowed = min(n, self.step_budget.tokens_for(self._allowance, context))
+        if not self._prefill_placed:
+            allowed = max(allowed, min(n, MIN_TOKENS))
+        self._allowance -= self.step_budget.units(allowed, context)
+        self._prefill_placed = self._prefill_placed or allowed > 0
+        return allowed
+
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self._take_cached_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._prefill_tokens(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if n == 0:  # the step's prefill allowance is spent: it waits for the next
+                self._put_back(seq)
+                break
             need = self._blocks_needed(seq, n)
             # A Warm prefix (swapped out, or a prefix hit) of a sequence that fits Hot comes
             # back into Hot, so it needs room too: it waits for it rather than run over PCIe.
@@ -310,10 +348,7 @@ class Scheduler:
                 pass
             if need_all > self.pool.num_free:
                 self.kv_short = True
-                if seq.warm_slots:  # swapped out: its Warm prefix waits with it
-                    break
-                self.pool.free(seq.block_ids)  # the cached prefix goes back, still cached
-                seq.block_ids, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
+                self._put_back(seq)
                 break
             if seq.num_preemptions:
                 self.resumed_tokens += seq.num_computed_tokens

@@ -159,6 +159,7 @@ class HybridGenConfig:
             block_size=self.kv_cache.block_size,
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=m.max_num_batched_tokens,
+            step_latency_ms=m.step_latency_ms,
             max_model_len=m.max_model_len,
             kv_pool_mb=self.kv_cache.hot_region_mb,
             hot_codec=self.kv_cache.hot_codec,

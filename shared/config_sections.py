@@ -163,6 +163,10 @@ class ModelConfig:
     """Sequences running at once."""
     max_num_batched_tokens: int = at_least(2048, 1)
     """Tokens per step; longer prompts are prefilled in chunks."""
+    step_latency_ms: float = between(40.0, 0.0, 10000.0)
+    """Longest a step that carries decodes should take (the gap its streams see): the prefill
+    beside them is sized from step times measured while serving. 0: no limit (every step
+    may fill max_num_batched_tokens)."""
     seed: int = at_least(0, 0)
     """Seed of synthetic preset weights."""
 

@@ -58,6 +58,9 @@ class EngineConfig:
     """Sequences running at once."""
     max_num_batched_tokens: int = 2048
     """Tokens per step; longer prompts are prefilled in chunks."""
+    step_latency_ms: float = 40.0
+    """Longest a step with decodes should take (model.step_latency_ms): the prefill beside
+    them is sized from measured step times (gpu_daemon/step_budget.py). 0: no limit."""
     num_kv_blocks: int | None = None
     """Use exactly this many KV blocks instead of all the budget leaves (must still fit)."""
     kv_pool_mb: float | None = None
@@ -289,6 +292,9 @@ class EngineConfig:
             ">= 0 (or unset: from the latency model)",
         )
         _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
+        _check(
+            0 <= self.step_latency_ms <= 10000, "step_latency_ms", self.step_latency_ms, "0..10000"
+        )
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
 
     def torch_device(self) -> torch.device:

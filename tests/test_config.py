@@ -47,6 +47,7 @@ FULL: dict[str, Any] = {
         "max_model_len": 8192,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
+        "step_latency_ms": 25.0,
         "seed": 7,
     },
     "server": {
@@ -207,6 +208,7 @@ def test_unknown_key_suggests_the_close_one() -> None:
         ("model.max_num_seqs", 0, "1..4096"),
         ("model.max_num_seqs", 5000, "1..4096"),
         ("model.max_num_batched_tokens", 32, ">= model.max_num_seqs (64)"),
+        ("model.step_latency_ms", -1, "0.0..10000.0"),
         ("model.seed", -1, ">= 0"),
         ("server.port", 0, "1..65535"),
         ("server.port", 70000, "1..65535"),
@@ -342,6 +344,7 @@ def test_engine_config_mapping() -> None:
         block_size=32,
         max_num_seqs=8,
         max_num_batched_tokens=512,
+        step_latency_ms=25.0,
         max_model_len=8192,
         kv_pool_mb=4096,
         hot_codec="native",

@@ -1,0 +1,106 @@
+"""Decode-first steps: a step that carries decodes stays under a latency target.
+
+Every decoding sequence streams one token per step, so a step's length is the gap its
+readers see. A prefill chunk riding along makes that step longer in proportion to its work,
+so when a step has decodes, the prefill it may carry is sized from measured step times
+(as Sarathi-Serve's stall-free batching and vLLM's chunked prefill bound it by a token
+budget, here by time). A step with no decodes takes the whole max_num_batched_tokens.
+
+The cost model, fitted while serving:
+
+    step seconds = decode(B) + per_unit * sum over prefill chunks of units(n, c)
+    units(n, c)  = n * (1 + key_weight * (c + n / 2))
+
+decode(B) is the measured time of a decode-only step of B rows (an average per power-of-two
+bucket of B); n tokens of a chunk after c cached keys cost their dense work plus attention
+over c + n/2 keys each on average, key_weight being one key's attention flops against one
+token's dense flops (from the model's shape); per_unit is measured from mixed steps. Until a
+first mixed step is measured its prefill is not limited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridgen.models.spec import ModelSpec
+
+EMA = 0.2
+"""Weight of a new measurement in the running averages."""
+MIN_TOKENS = 16
+"""Prefill tokens a step with decodes may always carry, so that prompts keep moving."""
+
+
+def key_weight(spec: ModelSpec) -> float:
+    """Attention flops of one query token over one key, against one token's dense flops."""
+    h = spec.hidden_size
+    experts = spec.num_experts_per_tok or 1
+    dense = (
+        h * (spec.q_size + 2 * spec.kv_size)
+        + spec.q_size * h
+        + 3 * h * spec.intermediate_size * experts
+    )
+    return 2 * spec.q_size / dense
+
+
+@dataclass
+class StepBudget:
+    """The prefill a step with decodes may carry to stay under `target_s` (module doc)."""
+
+    target_s: float
+    """Longest a step with decodes should take (model.step_latency_ms)."""
+    key_weight: float
+    """One key's attention cost against one token's dense work (key_weight(spec))."""
+    per_unit: float | None = None
+    """Measured seconds per cost unit of prefill; None until a mixed step was measured."""
+    decode: dict[int, float] = field(default_factory=dict)
+    """Measured seconds of a decode-only step, by power-of-two bucket of its rows."""
+
+    def units(self, tokens: int, context: int) -> float:
+        """Cost of a prefill chunk of `tokens` after `context` cached keys."""
+        return tokens * (1.0 + self.key_weight * (context + tokens / 2))
+
+    def tokens_for(self, units: float, context: int) -> int:
+        """Most tokens of a chunk after `context` keys whose cost stays within `units`."""
+        if units <= 0:
+            return 0
+        a, b = self.key_weight / 2, 1.0 + self.key_weight * context
+        if a == 0:
+            return int(units / b)
+        return int((-b + math.sqrt(b * b + 4 * a * units)) / (2 * a))
+
+    def allowance(self, decode_rows: int) -> float | None:
+        """Cost units of prefill a step with `decode_rows` decodes may carry; None: no limit
+        (no decodes, or nothing measured yet)."""
+        if not decode_rows or self.per_unit is None:
+            return None
+        spare = self.target_s - self._decode_s(decode_rows)
+        return max(spare, 0.0) / self.per_unit
+
+    def observe(self, decode_rows: int, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """A measured step: its decode rows, its prefill chunks (tokens, cached keys)."""
+        if not chunks:
+            if decode_rows:
+                bucket = _bucket(decode_rows)
+                old = self.decode.get(bucket)
+                self.decode[bucket] = seconds if old is None else old + EMA * (seconds - old)
+            return
+        units = sum(self.units(n, c) for n, c in chunks)
+        # A noisy decode estimate can exceed the whole step: the prefill is never taken as
+        # free, but as at least a quarter of the step.
+        per = max(seconds - self._decode_s(decode_rows), seconds / 4) / units
+        self.per_unit = (
+            per if self.per_unit is None else self.per_unit + EMA * (per - self.per_unit)
+        )
+
+    def _decode_s(self, rows: int) -> float:
+        """A decode-only step of `rows` rows: its bucket's time, else the nearest measured."""
+        if not rows or not self.decode:
+            return 0.0
+        bucket = _bucket(rows)
+        near = min(self.decode, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
+        return self.decode[near]
+
+
+def _bucket(rows: int) -> int:
+    return 1 << max(rows - 1, 0).bit_length()

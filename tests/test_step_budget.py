@@ -1,0 +1,98 @@
+"""Decode-first steps (model.step_latency_ms): a step that carries decodes takes only the
+prefill its measured cost model allows within the target; steps without decodes take the
+whole max_num_batched_tokens; tokens are the same either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridgen.engine_config import EngineConfig
+from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.gpu_daemon.scheduler import Scheduler, SchedulerConfig
+from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.gpu_daemon.step_budget import MIN_TOKENS, StepBudget, key_weight
+from hybridgen.models.presets import preset_spec
+from hybridgen.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_cost_model_inverts_and_learns() -> None:
+    sb = StepBudget(target_s=0.040, key_weight=1e-4)
+    for context in (0, 1000, 100_000):
+        for units in (10.0, 500.0, 5000.0):
+            n = sb.tokens_for(units, context)
+            assert sb.units(n, context) <= units < sb.units(n + 1, context)
+    assert sb.allowance(8) is None, "nothing measured yet: no limit"
+    sb.observe(8, [], 0.010)  # a decode-only step of 8 rows: 10 ms
+    assert sb.allowance(8) is None, "no mixed step measured yet"
+    sb.observe(8, [(400, 0)], 0.010 + sb.units(400, 0) * 5e-5)
+    assert sb.per_unit == pytest.approx(5e-5, rel=1e-6)
+    assert sb.allowance(0) is None, "a step with no decodes is not limited"
+    assert sb.allowance(8) == pytest.approx((0.040 - 0.010) / 5e-5)
+    for _ in range(20):  # decodes alone now take longer than the target (a running average)
+        sb.observe(8, [], 0.050)
+    assert sb.allowance(8) == 0.0
+
+
+def test_key_weight_follows_the_shape() -> None:
+    """llama3-8b: 4 x 4096 flops of attention per key and layer against 2 x 218M of dense
+    work per token and layer: 128K keys of context cost ~4.9 times a token's dense work."""
+    assert key_weight(preset_spec("llama3-8b")) == pytest.approx(2 * 4096 / 218.1e6, rel=0.01)
+
+
+def _scheduler(budget: StepBudget | None) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, 256, 1024), BlockPool(256, 16), step_budget=budget)
+
+
+def _seq(i: int, prompt: int) -> Sequence:
+    return Sequence(f"r{i}", prompt, list(range(1, prompt + 1)), GREEDY, 0, i)
+
+
+def test_prefill_beside_decodes_is_capped() -> None:
+    sb = StepBudget(target_s=0.040, key_weight=0.0, per_unit=1e-4, decode={4: 0.030})
+    sched = _scheduler(sb)
+    decoding = [_seq(i, 8) for i in range(4)]
+    for s in decoding:
+        sched.add(s)
+    first = sched.schedule()  # no decodes yet: 4 x 8 tokens, unlimited
+    assert first.num_tokens == [8, 8, 8, 8]
+    for s in decoding:
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(5)
+    sched.add(_seq(9, 500))
+    mixed = sched.schedule()
+    # 10 ms of spare time at 0.1 ms per token: 100 prefill tokens beside 4 decodes.
+    assert mixed.num_tokens == [1, 1, 1, 1, 100]
+    sb.decode[4] = 0.045  # decodes alone over the target: the prompt still moves
+    for s in decoding:
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(5)
+    sched.running[-1].num_computed_tokens += 100
+    assert sched.schedule().num_tokens == [1, 1, 1, 1, MIN_TOKENS]
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 0.001])
+def test_engine_steps_with_decodes_stay_small(checkpoint, latency_ms: float) -> None:  # type: ignore[no-untyped-def]
+    """A 1 us target leaves no room beside decodes (MIN_TOKENS a step) once a mixed step was
+    measured; 0 turns the limit off, and the same prompt goes in at max_num_batched_tokens."""
+    engine = Engine(
+        EngineConfig(
+            model="tiny-llama", device="cpu", max_model_len=512, max_num_batched_tokens=256,
+            step_latency_ms=latency_ms,
+        )
+    )  # fmt: skip
+    engine.add_request("a", list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=40))
+    for _ in range(4):  # a's prefill, then decodes (measured)
+        engine.step()
+    engine.add_request("b", list(range(10, 400)), GREEDY)
+    sizes = []
+    while "b" in engine.seqs and engine.seqs["b"].num_computed_tokens < 390:
+        batch_before = engine.seqs["b"].num_computed_tokens
+        engine.step()
+        sizes.append(engine.seqs["b"].num_computed_tokens - batch_before)
+    if latency_ms:  # the first mixed step is measured, not limited: nothing was measured yet
+        assert sizes[0] == 255 and max(sizes[1:]) == MIN_TOKENS
+    else:
+        assert max(sizes) == 256 - 1, "the whole budget beside a's decode"
