@@ -98,6 +98,9 @@ class Engine:
         self.measured: dict[str, RegionProfile] = {}
         """Regions timed at start (region_timing) and the placement each got."""
         self._owns_loaded = loaded is None
+        self._foreign = _reserved_elsewhere(self.device)
+        """Device memory this process held before the engine (tests, benchmarks): the cap
+        lets the engine have its budget beside it."""
         spec = loaded.spec if loaded is not None else model_spec(config.model)
         check_host_budget(config, spec, experts_made=loaded is not None)
         self.loaded = loaded or load_configured(config)
@@ -120,9 +123,8 @@ class Engine:
         self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, self.plan.budget / total), self.device
-            )
+            cap = (self.plan.budget + self._foreign) / total
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap), self.device)
         if config.warm_pool_mb > 0:
             self.warm = WarmTier.from_config(config, spec, self.device)
         self.runner = self._runner()
@@ -470,7 +472,7 @@ class Engine:
     def release(self) -> None:
         """Free the weights, the KV pool and the graphs, and lift the memory cap; the engine
         cannot be used afterwards."""
-        del self.runner
+        del self.runner, self.drafts  # the drafts hold the runner too
         self._free_host_memory()
         del self.loaded
         gc.collect()
@@ -497,3 +499,13 @@ class Engine:
             self.pool.free(seq.block_ids)
         assert logits is not None
         return logits[0]
+
+
+def _reserved_elsewhere(device: torch.device) -> int:
+    """Device memory the process holds now (its allocator's cached blocks given back first);
+    0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)

@@ -6,6 +6,7 @@ covers them numerically. The variable must be set before any kernel module is im
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -39,6 +40,27 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
         return built[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _cuda_released() -> Iterator[None]:
+    """On CUDA, each test starts and ends with the caching allocator emptied and no memory
+    cap, so that what one test leaves (an engine's cap after a failure, cached blocks) cannot
+    make the next run out of memory: the whole CUDA suite runs in one process."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    _release_cuda()
+    yield
+    _release_cuda()
+
+
+def _release_cuda() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.set_per_process_memory_fraction(1.0, i)
 
 
 @pytest.fixture

@@ -324,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="JSON results file")
     ap.add_argument("--port", type=int_range(1, 65535), default=None, help="port to serve on")
     ap.add_argument(
+        "--serve-dir", type=Path, default=None, help="the server's config and logs (beside --out)"
+    )
+    ap.add_argument(
         "--inprocess", action="store_true", help="time the engine in this process first"
     )
     return ap
@@ -367,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             result = bench(args.target, args)
         else:
             report: dict[str, Any] = {}
-            folder = (args.out.parent if args.out else Path("bench/out")) / f"serve-{args.name}"
+            folder = args.serve_dir or (args.out.parent if args.out else Path("bench/out"))
+            folder = folder / f"serve-{args.name}"
             with served(args, args.mode, folder, report) as target:
                 result = bench(target, args)
             result["server"] = report

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 16's H200 runs through `hybridgen serve` and the project's load client, one device call
+# per argument group (each well inside 10 minutes):
+#   tests  every CUDA test in one pytest process
+#   b12    B1 (one stream, in-process beside it) and B2 (64 streams at once, then Poisson at
+#          80 % of the measured capacity), llama3-8b
+#   b3a    one 131,072-token prompt, int4 Hot, 24 GB budget
+#   b4a    mixtral-8x7b, int4 experts, 24 GB budget: 1 stream (in-process beside it), 4 streams
+# Invoked through the device tool from the repo root with `.whl` carried; HYBRIDGEN_COMMIT
+# names the commit being measured. Results land in $OUT as JSON; a table is printed last.
+source scripts/device_setup.sh
+set -o pipefail
+load() { python3 -m hybridgen.benchmarks.load --serve-dir /tmp/serve "$@" 2>>"$OUT/load_stderr.log"; }
+rate() { python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
+print(round(0.8 * d['median']['total_tok_s'] / d['workload']['max_new_tokens'], 2))" "$1"; }
+for what in "$@"; do
+  case "$what" in
+    tests)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
+        tests/test_kernels_attention.py tests/test_kernels_prefill.py tests/test_hot_codec_kernels.py \
+        tests/test_warm_device.py tests/test_kvcodec.py tests/test_step_faults.py \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+      ;;
+    b12)
+      load --config bench/served/b1_b2.yaml --requests 1 --prompt-len 512 --max-new-tokens 256 \
+        --inprocess --name b1 --out "$OUT/b1.json"
+      load --config bench/served/b1_b2.yaml --requests 64 --prompt-len 512 --max-new-tokens 256 \
+        --name b2_all --out "$OUT/b2_all.json"
+      load --config bench/served/b1_b2.yaml --requests 128 --concurrency 64 --prompt-len 512 \
+        --max-new-tokens 256 --arrival poisson --rate "$(rate "$OUT/b2_all.json")" \
+        --name b2_poisson --out "$OUT/b2_poisson.json"
+      ;;
+    b3a)
+      load --config bench/served/b3a.yaml --requests 1 --prompt-len 131072 --max-new-tokens 64 \
+        --warmup 0 --runs 2 --timeout 600 --name b3a --out "$OUT/b3a.json"
+      ;;
+    b4a)
+      load --config bench/served/b4a.yaml --requests 1 --prompt-len 256 --max-new-tokens 64 \
+        --inprocess --name b4a_1 --out "$OUT/b4a_1.json"
+      load --config bench/served/b4a.yaml --requests 4 --prompt-len 256 --max-new-tokens 64 \
+        --name b4a_4 --out "$OUT/b4a_4.json"
+      ;;
+    *) echo "usage: $0 [tests] [b12] [b3a] [b4a]" >&2; exit 2 ;;
+  esac
+done
+tail -n 3 "$OUT/load_stderr.log" 2>/dev/null
