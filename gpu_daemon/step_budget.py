@@ -8,14 +8,16 @@ budget, here by time). A step with no decodes takes the whole max_num_batched_to
 
 The cost model, fitted while serving:
 
-    step seconds = decode(B) + per_unit * sum over prefill chunks of units(n, c)
+    step seconds = scale * (decode(B) + per_unit * sum over prefill chunks of units(n, c))
     units(n, c)  = n * (1 + key_weight * (c + n / 2))
 
 decode(B) is the measured time of a decode-only step of B rows (an average per power-of-two
-bucket of B); n tokens of a chunk after c cached keys cost their dense work plus attention
-over c + n/2 keys each on average, key_weight being one key's attention flops against one
-token's dense flops (from the model's shape); per_unit is measured from mixed steps. Until a
-first mixed step is measured its prefill is not limited.
+bucket of B), per_unit that of prefill alone (steps without decodes); n tokens of a chunk
+after c cached keys cost their dense work plus attention over c + n/2 keys each on average,
+key_weight being one key's attention flops against one token's dense flops (from the model's
+shape). A mixed step costs more than the sum of its parts (its decodes run eagerly, not from
+CUDA graphs), so `scale`, the measured over the predicted time of mixed steps, closes the
+loop. Until prefill was measured, a step's prefill is not limited.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ class StepBudget:
     key_weight: float
     """One key's attention cost against one token's dense work (key_weight(spec))."""
     per_unit: float | None = None
-    """Measured seconds per cost unit of prefill; None until a mixed step was measured."""
+    """Measured seconds per cost unit of prefill; None until prefill was measured."""
     decode: dict[int, float] = field(default_factory=dict)
     """Measured seconds of a decode-only step, by power-of-two bucket of its rows."""
+    scale: float = 1.0
+    """Measured over predicted time of steps with both decodes and prefill."""
 
     def units(self, tokens: int, context: int) -> float:
         """Cost of a prefill chunk of `tokens` after `context` cached keys."""
@@ -74,7 +78,7 @@ class StepBudget:
         (no decodes, or nothing measured yet)."""
         if not decode_rows or self.per_unit is None:
             return None
-        spare = self.target_s - self._decode_s(decode_rows)
+        spare = self.target_s / self.scale - self._decode_s(decode_rows)
         return max(spare, 0.0) / self.per_unit
 
     def observe(self, decode_rows: int, chunks: list[tuple[int, int]], seconds: float) -> None:
@@ -82,16 +86,17 @@ class StepBudget:
         if not chunks:
             if decode_rows:
                 bucket = _bucket(decode_rows)
-                old = self.decode.get(bucket)
-                self.decode[bucket] = seconds if old is None else old + EMA * (seconds - old)
+                self.decode[bucket] = _ema(self.decode.get(bucket), seconds)
             return
         units = sum(self.units(n, c) for n, c in chunks)
-        # A noisy decode estimate can exceed the whole step: the prefill is never taken as
-        # free, but as at least a quarter of the step.
-        per = max(seconds - self._decode_s(decode_rows), seconds / 4) / units
-        self.per_unit = (
-            per if self.per_unit is None else self.per_unit + EMA * (per - self.per_unit)
-        )
+        if not decode_rows or self.per_unit is None:
+            # Prefill alone; or, with nothing else to go by, a mixed step's time beyond its
+            # decodes (a noisy decode figure never makes the prefill free: at least a quarter).
+            per = max(seconds - self._decode_s(decode_rows), seconds / 4) / units
+            self.per_unit = _ema(self.per_unit, per)
+            return
+        predicted = self._decode_s(decode_rows) + self.per_unit * units
+        self.scale = min(max(_ema(self.scale, seconds / predicted), 0.25), 4.0)
 
     def _decode_s(self, rows: int) -> float:
         """A decode-only step of `rows` rows: its bucket's time, else the nearest measured."""
@@ -100,6 +105,10 @@ class StepBudget:
         bucket = _bucket(rows)
         near = min(self.decode, key=lambda b: abs(math.log2(b) - math.log2(bucket)))
         return self.decode[near]
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
 
 
 def _bucket(rows: int) -> int:

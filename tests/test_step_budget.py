@@ -26,14 +26,31 @@ def test_cost_model_inverts_and_learns() -> None:
             assert sb.units(n, context) <= units < sb.units(n + 1, context)
     assert sb.allowance(8) is None, "nothing measured yet: no limit"
     sb.observe(8, [], 0.010)  # a decode-only step of 8 rows: 10 ms
-    assert sb.allowance(8) is None, "no mixed step measured yet"
-    sb.observe(8, [(400, 0)], 0.010 + sb.units(400, 0) * 5e-5)
+    assert sb.allowance(8) is None, "no prefill measured yet"
+    sb.observe(0, [(400, 0)], sb.units(400, 0) * 5e-5)  # prefill alone: 50 us a unit
     assert sb.per_unit == pytest.approx(5e-5, rel=1e-6)
     assert sb.allowance(0) is None, "a step with no decodes is not limited"
     assert sb.allowance(8) == pytest.approx((0.040 - 0.010) / 5e-5)
+    # Mixed steps take 1.5 times what their parts predict (eager decodes): the loop closes.
+    for _ in range(40):
+        sb.observe(8, [(200, 0)], 1.5 * (0.010 + sb.units(200, 0) * 5e-5))
+    assert sb.scale == pytest.approx(1.5, rel=1e-3)
+    assert sb.per_unit == pytest.approx(5e-5, rel=1e-6), "mixed steps correct the scale only"
+    assert sb.allowance(8) == pytest.approx((0.040 / 1.5 - 0.010) / 5e-5, rel=1e-3)
     for _ in range(20):  # decodes alone now take longer than the target (a running average)
         sb.observe(8, [], 0.050)
     assert sb.allowance(8) == 0.0
+
+
+def test_first_prefill_measured_beside_decodes() -> None:
+    """With no prefill-alone step seen, a mixed step's time beyond its decodes is the prefill's
+    (never less than a quarter of the step)."""
+    sb = StepBudget(target_s=0.040, key_weight=0.0, decode={8: 0.010})
+    sb.observe(8, [(100, 0)], 0.030)
+    assert sb.per_unit == pytest.approx(0.020 / 100)
+    sb = StepBudget(target_s=0.040, key_weight=0.0, decode={8: 0.010})
+    sb.observe(8, [(100, 0)], 0.008)  # faster than its decodes alone: noise
+    assert sb.per_unit == pytest.approx(0.002 / 100)
 
 
 def test_key_weight_follows_the_shape() -> None:
