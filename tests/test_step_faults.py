@@ -131,11 +131,20 @@ def test_served_failed_step_keeps_the_daemon(checkpoint, tmp_path: Path) -> None
             for p in prompts
         ]
         calls = [srv.stub.Generate(r, timeout=120) for r in requests]
-        with pytest.raises(grpc.RpcError) as err:
-            list(calls[0])
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "ran out of memory" in (err.value.details() or "")
-        assert [[t for r in c for t in r.token_ids] for c in calls[1:]] == expected[1:]
+        outcomes: list[list[int] | grpc.RpcError] = []
+        for call in calls:  # which one the GPU daemon admits first is the gateway's race
+            try:
+                outcomes.append([t for reply in call for t in reply.token_ids])
+            except grpc.RpcError as exc:
+                outcomes.append(exc)
+        failed = [i for i, o in enumerate(outcomes) if isinstance(o, grpc.RpcError)]
+        assert len(failed) == 1, outcomes
+        err = outcomes[failed[0]]
+        assert isinstance(err, grpc.RpcError)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ran out of memory" in (err.details() or "")
+        for i, o in enumerate(outcomes):
+            assert i in failed or o == expected[i], "the others are untouched"
         assert srv.greedy(prompts[0], NEW) == expected[0], "served again, from scratch"
         assert find_pid("hybridgen.gpu_daemon.main", srv.instance) == pid, "no restart"
         info = srv.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
