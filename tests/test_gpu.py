@@ -210,3 +210,35 @@ def test_quantized_experts_on_cuda_match_the_cpu_engine(checkpoint, fmt: str) ->
         return got
 
     assert tokens("cuda") == tokens("cpu")
+
+
+def test_cuda_oom_in_a_step_ends_only_its_requests(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A real CUDA out-of-memory inside a step (the fault drill allocates more than the
+    device has): the request in that step ends with RESOURCE_EXHAUSTED, its KV is freed, the
+    queued requests then get HF's tokens, and the device keeps working."""
+    from hybridgen.gpu_daemon.step_faults import FaultDrill
+    from hybridgen.step_errors import ErrorCode
+
+    path = checkpoint("llama3")
+    prompts = sample_prompts(path, 3, [9, 14, 6])
+    expected = hf_greedy(path, prompts, 24)
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cuda", gpu_memory_mb=2048, max_num_seqs=1, decode_steps=1
+        )
+    )
+    engine.faults = FaultDrill("2:oom")
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    errors = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    assert list(errors) == ["r0"] and errors["r0"].code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "OutOfMemoryError" in str(errors["r0"])
+    assert [tokens["r1"], tokens["r2"]] == expected[1:]
+    assert engine.pool.num_used == 0
+    engine.release()
