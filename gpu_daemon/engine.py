@@ -146,7 +146,7 @@ class Engine:
             if config.step_latency_ms > 0
             else None,
         )
-        self._synced = False  # the last step ended with the host waiting for the device
+        self._synced = True  # the last step ended with the host waiting for the device
         drafts = config.warm_draft_tokens if self.warm is not None else 0
         self.drafts = WarmDrafts(drafts, self.runner, self.scheduler, self.max_model_len)
         self.eos_ids = frozenset(self.loaded.generation.eos_token_ids)

@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 from hybridgen.models.spec import ModelSpec
 
 EMA = 0.2
-"""Weight of a new measurement in the running averages."""
+"""Weight of a new measurement in the running averages of decode and prefill cost."""
+SCALE_EMA = 0.5
+"""Weight of a new mixed step in `scale`: the prefill phase of a burst of arrivals is only
+some tens of steps, and the batch grows through it, so the correction must follow fast."""
 MIN_TOKENS = 16
 """Prefill tokens a step with decodes may always carry, so that prompts keep moving."""
 
@@ -96,7 +99,7 @@ class StepBudget:
             self.per_unit = _ema(self.per_unit, per)
             return
         predicted = self._decode_s(decode_rows) + self.per_unit * units
-        self.scale = min(max(_ema(self.scale, seconds / predicted), 0.25), 4.0)
+        self.scale = min(max(_ema(self.scale, seconds / predicted, SCALE_EMA), 0.25), 4.0)
 
     def _decode_s(self, rows: int) -> float:
         """A decode-only step of `rows` rows: its bucket's time, else the nearest measured."""
@@ -107,8 +110,8 @@ class StepBudget:
         return self.decode[near]
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)
+def _ema(old: float | None, new: float, weight: float = EMA) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 def _bucket(rows: int) -> int:

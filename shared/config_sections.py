@@ -163,7 +163,7 @@ class ModelConfig:
     """Sequences running at once."""
     max_num_batched_tokens: int = at_least(2048, 1)
     """Tokens per step; longer prompts are prefilled in chunks."""
-    step_latency_ms: float = between(35.0, 0.0, 10000.0)
+    step_latency_ms: float = between(30.0, 0.0, 10000.0)
     """Longest a step that carries decodes should take (the gap its streams see): the prefill
     beside them is sized from step times measured while serving. 0: no limit (every step
     may fill max_num_batched_tokens)."""
