@@ -21,8 +21,9 @@ with at most C in flight either way. Each measured run (after --warmup untimed o
   for `all` arrivals, where such a window exists.
 
 With --inprocess the same requests first run through the engine in this process (all at
-once, as engine_bench times it): its TTFT, decode tok/s and decode step time go beside the
-served figures, with gap_over_step = the served gap p50 over that step time.
+once, as engine_bench times it, prefix reuse off as its warm-up repeats them): its TTFT,
+decode tok/s and decode step time go beside the served figures, with gap_over_step = the
+served gap p50 over that step time.
 
 The figures are the median over --runs; every run is in the JSON (--out), which also records
 the machine, the commit, the command and the server's GetModelInfo. A table is printed last.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -268,7 +270,9 @@ def inprocess(args: argparse.Namespace) -> dict[str, Any]:
     from hybridgen.gpu_daemon.engine import Engine
 
     config = load_config(args.config).with_model(args.model)
-    engine = Engine(config.engine_config(args.device))
+    # engine_bench's warm-up repeats the timed prompts: without prefix reuse they are
+    # computed again, as the served runs' fresh prompts are.
+    engine = Engine(dataclasses.replace(config.engine_config(args.device), prefix_reuse=False))
     work: Workload = args.workload
     batch = prompts(work, engine.spec.vocab_size, seed=args.seed)[: work.concurrency]
     try:
