@@ -182,6 +182,18 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class WeightsConfig:
+    """How the model's dense weights are kept on the device."""
+
+    format: Literal["native", "int8", "int4"] = "native"
+    """Dense projections (attention, MLP, an untied LM head): native (the model dtype), int8
+    (per output channel) or int4 (groups of 64 with a scale and a zero, 4.5 bits a weight),
+    quantized at load; a GGUF's Q8_0 (int8) or Q4_0 / Q4_1 (int4) blocks are repacked as
+    they are. Fused dequantizing kernels multiply them; MoE experts follow
+    cold_weights.expert_format instead."""
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The gateway's public endpoint and the processes' shared names."""
 

@@ -19,6 +19,12 @@ from safetensors import safe_open
 
 from hybridgen.log import Progress
 from hybridgen.models.default_model import resolve_model
+from hybridgen.models.dense_quant import (
+    QuantWeight,
+    WeightFormat,
+    from_gguf_blocks,
+    quantize_dense,
+)
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.expert_arena import ExpertArena, arena_bytes
 from hybridgen.models.expert_format import Format, host_alloc, unsupported
@@ -223,6 +229,15 @@ def gguf_tensors(f: GgufFile, spec: ModelSpec) -> Iterator[tuple[str, torch.Tens
         yield name, tensor.dequantize()
 
 
+def gguf_stored(f: GgufFile, spec: ModelSpec) -> dict[str, QuantWeight]:
+    """The file's Q8_0 / Q4_0 / Q4_1 matrices repacked for QuantLinear, by HF name."""
+    out = {}
+    for name, tensor in f.tensors(spec):
+        if len(tensor.shape) == 2 and (packed := from_gguf_blocks(tensor.qtype, tensor.data)):
+            out[name] = packed
+    return out
+
+
 def open_gguf(model: str) -> GgufFile:
     """The GGUF file `model`, opened once per process (gguf-py parses a 49K-token vocabulary
     in seconds, and spec, tokenizer and weights all read it)."""
@@ -266,13 +281,15 @@ def load_model(
     seed: int = 0,
     host_experts: Format | None = None,
     shm_instance: str | None = None,
+    weights: WeightFormat = "native",
 ) -> LoadedModel:
     """`model` is a checkpoint directory, a GGUF file or a preset name (see presets.PRESETS).
     `host_experts`: MoE expert weights stay in host memory in that format, each block's
     ExpertStore (Cold-Weights), converted here layer by layer (presets draw them in it
     directly): in the instance's shared expert arena when `shm_instance` is given (the CPU
     daemon computes with them), else in pinned memory on CUDA. Everything else goes to
-    `device`."""
+    `device`. `weights` int8 / int4: the dense projections become QuantLinear
+    (dense_quant.py), a GGUF's Q8_0 / Q4_0 / Q4_1 blocks repacked as they are."""
     model = resolve_model(model)
     path = Path(model)
     spec = model_spec(model)
@@ -308,6 +325,9 @@ def load_model(
         net = build_synthetic(spec, device, seed, host_experts, alloc)
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
+    if weights != "native":
+        stored = gguf_stored(open_gguf(model), spec) if is_gguf(model) else None
+        quantize_dense(net, weights, stored)
     if host_experts is not None:
         blocks = moe_blocks(net)
         progress = Progress("experts_to_host", len(blocks), unit="layers")
