@@ -42,6 +42,7 @@ FULL: dict[str, Any] = {
     "profile_path": "/var/lib/hybridgen/tuning_profile.json",
     "placements": {"attn_warm": "split", "sample": "cpu", "rope": "gpu"},
     "cold_weights": {"expert_cache_slots": 6, "cpu_max_tokens": 2, "expert_format": "native"},
+    "weights": {"format": "int4"},
     "model": {
         "name_or_path": "llama3-8b",
         "dtype": "bfloat16",
@@ -359,6 +360,7 @@ def test_engine_config_mapping() -> None:
         pinned_regions=("rope", "attn_warm", "sample"),
         expert_cache_slots=6,
         expert_cpu_max_tokens=2,
+        weights_format="int4",
         tuning_warmup_steps=8,
         tuning_interval_ms=250,
         seed=7,
