@@ -74,3 +74,33 @@ def test_repacked_gguf_gives_the_native_tokens(tmp_path, qtype: str, fmt: str) -
     native = Engine(parse_config({"model": {"name_or_path": str(path)}}).engine_config("cpu"))
     want = [c.token_ids for c in native.generate(prompts, greedy)]
     assert [c.token_ids for c in quant.generate(prompts, greedy)] == want
+
+
+def test_engine_bench_runs_int4_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The B1 int4 command's flag reaches the engine (tiny-llama on the CPU)."""
+    import json
+
+    from hybridgen.benchmarks import engine_bench
+
+    out = tmp_path / "b1.json"
+    engine_bench.main(
+        [
+            "--model",
+            "tiny-llama",
+            "--weights-format",
+            "int4",
+            "--batches",
+            "1",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--runs",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert result["config"]["weights_format"] == "int4"
+    assert result["ours"]["1"]["decode_tok_s"] > 0

@@ -73,6 +73,7 @@ def hf_gguf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+    model.generation_config = GenerationConfig()  # the file's EOS would end generation early
     config = GenerationConfig(
         do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0
     )
@@ -131,12 +132,13 @@ def test_mixtral_layout_matches_transformers_on_the_same_weights(tmp_path, qtype
     """transformers reads no Mixtral GGUF (it has no llama-MoE mapping), so the reference is
     its MixtralForCausalLM holding the weights the file holds (each matrix through the same
     quantization)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = tiny_gguf(tmp_path, "mixtral", qtype)
     src = _checkpoint(str(tmp_path.parent), "mixtral", None)
     prompts = _prompts(path)
     ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ref.generation_config = GenerationConfig()
     with torch.no_grad():
         for p in ref.parameters():
             if p.ndim >= 2:

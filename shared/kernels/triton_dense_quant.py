@@ -31,10 +31,22 @@ BLOCK_K = 128
 
 @triton.jit
 def _int8_kernel(
-    x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, T, N, K, GROUPS, GROUP,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    GROUPS,
+    GROUP,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -71,10 +83,23 @@ def _int8_kernel(
 
 @triton.jit
 def _int4_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, T, N, K, GROUPS, RUNS_PER_GROUP,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    GROUPS,
+    RUNS_PER_GROUP,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     HALF: tl.constexpr = BLOCK_K // 2
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
