@@ -85,6 +85,27 @@ def random_k_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray | None:
+    """rope_freqs as llama.cpp's converter writes it for Llama 3.1 scaling (None without)."""
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type") != "llama3":
+        return None
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    out = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k permutation (HF's rotate-half pairs -> ggml's interleaved ones)."""
     return (
@@ -150,7 +171,7 @@ def _tokenizer(writer: gguf.GGUFWriter, directory: Path, style: str) -> None:
         writer.add_chat_template(template.read_text())
 
 
-def _metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], experts: int) -> None:
+def _metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], experts: int, scaling: bool) -> None:
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -163,10 +184,10 @@ def _metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], experts: int) -> Non
     writer.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
     writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    scaling = cfg.get("rope_scaling") or {}
-    if scaling.get("type", scaling.get("rope_type")) == "linear":
+    rope = cfg.get("rope_scaling") or {}
+    if scaling and rope.get("type", rope.get("rope_type")) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_vocab_size(cfg["vocab_size"])
     if experts:
         writer.add_expert_count(experts)
@@ -210,10 +231,16 @@ def _ggml_tensors(
 
 
 def write_gguf(
-    directory: Path, out: Path, qtype: str = "F32", types: dict[str, str] | None = None
+    directory: Path,
+    out: Path,
+    qtype: str = "F32",
+    types: dict[str, str] | None = None,
+    scaling: bool = False,
 ) -> Path:
     """A GGUF of the HF checkpoint in `directory`: matrices in `qtype` (or `types[ggml name
-    suffix]`, e.g. {"attn_q.weight": "Q5_K"}), vectors in F32."""
+    suffix]`, e.g. {"attn_q.weight": "Q5_K"}), vectors in F32. `scaling`: the checkpoint's
+    rope scaling too (linear as metadata, llama3 as rope_freqs), which transformers' GGUF
+    reader ignores: only for comparisons against the checkpoint itself."""
     cfg = json.loads((directory / "config.json").read_text())
     model_type = cfg["model_type"]
     arch = "qwen2" if model_type == "qwen2" else "llama"
@@ -223,11 +250,14 @@ def write_gguf(
         state.pop("lm_head.weight", None)
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(f"tiny-{model_type}")
-    _metadata(writer, cfg, experts)
+    _metadata(writer, cfg, experts, scaling)
     style = "qwen2" if model_type == "qwen2" else "gpt2"
     if "<0x00>" in (directory / "tokenizer.json").read_text():  # SentencePiece-style
         style = "llama"
     _tokenizer(writer, directory, style)
+    factors = llama3_rope_factors(cfg) if scaling else None
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     for i, (name, w) in enumerate(_ggml_tensors(state, cfg, arch).items()):
         kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), qtype)
         data, raw = encode(w, kind, seed=i)

@@ -47,14 +47,15 @@ def _checkpoint(root: str, kind: str, style: str | None) -> Path:
     return build_checkpoint(kind, Path(root) / f"{kind}-{style}", **SHAPE, **extra)
 
 
-def tiny_gguf(tmp: Path, kind: str, qtype: str, style: str | None = None, **types: str) -> Path:
+def tiny_gguf(
+    tmp: Path, kind: str, qtype: str, style: str | None = None, scaling: bool = False, **types: str
+) -> Path:
     """A GGUF (alone in its folder, so transformers reads its tokenizer from the file too)."""
     src = _checkpoint(str(tmp.parent), kind, style)
-    folder = tmp / f"{kind}-{qtype}-{style}"
+    folder = tmp / f"{kind}-{qtype}-{style}-{scaling}"
     folder.mkdir(exist_ok=True)
-    return write_gguf(
-        src, folder / "model.gguf", qtype, {k.replace("__", "."): v for k, v in types.items()}
-    )
+    renamed = {k.replace("__", "."): v for k, v in types.items()}
+    return write_gguf(src, folder / "model.gguf", qtype, renamed, scaling)
 
 
 def _prompts(path: Path) -> list[list[int]]:
@@ -121,8 +122,19 @@ def test_greedy_matches_transformers_on_the_same_file(tmp_path, kind, qtype, typ
 
 def test_f32_llama_gguf_is_the_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The q/k permutation undone: an F32 GGUF decodes as the HF checkpoint it came from."""
-    path = tiny_gguf(tmp_path, "llama2_linear", "F32")  # llama3 scaling is not in the file
+    path = tiny_gguf(tmp_path, "llama2_linear", "F32", scaling=True)
     src = _checkpoint(str(tmp_path.parent), "llama2_linear", None)
+    prompts = _prompts(path)
+    assert engine_greedy(path, prompts) == hf_greedy(src, prompts, NEW_TOKENS)
+
+
+def test_llama31_rope_freqs_match_the_checkpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Llama 3.1 scaling kept as llama.cpp keeps it (rope_freqs): an F32 GGUF of the llama3
+    checkpoint decodes as transformers decodes the checkpoint (transformers' own GGUF reader
+    ignores rope_freqs, so the file is not the reference here)."""
+    path = tiny_gguf(tmp_path, "llama3", "F32", scaling=True)
+    assert model_spec(str(path)).rope.freq_factors is not None
+    src = _checkpoint(str(tmp_path.parent), "llama3", None)
     prompts = _prompts(path)
     assert engine_greedy(path, prompts) == hf_greedy(src, prompts, NEW_TOKENS)
 

@@ -31,6 +31,7 @@ from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.spec import ModelSpec, RopeSpec
 
 GGUF_SUFFIX = ".gguf"
+ROPE_FREQS = "rope_freqs.weight"
 # general.architecture -> (HF architecture, family) of a dense model.
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -150,6 +151,12 @@ class GgufFile:
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
+    def tensor(self, name: str) -> GgufTensor:
+        """One tensor by its ggml name, as stored."""
+        t = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return GgufTensor(t.tensor_type.name, shape, t.data)
+
     def rows(self, name: str) -> int:
         """Leading dimension of a tensor in HF order (a matrix's output rows)."""
         return int(self._tensors[name].shape[-1])
@@ -162,9 +169,9 @@ class GgufFile:
         """Every tensor under its HF name (experts split per expert), q and k rows restored to
         HF's order for the llama architecture."""
         for t in self._reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            tensor = GgufTensor(t.tensor_type.name, shape, t.data)
-            for name, part in _hf_parts(t.name, tensor):
+            if t.name == ROPE_FREQS:  # read into the spec's RopeSpec, not a weight
+                continue
+            for name, part in _hf_parts(t.name, self.tensor(t.name)):
                 yield name, self._unpermuted(name, part, spec)
 
     def _unpermuted(self, name: str, t: GgufTensor, spec: ModelSpec) -> GgufTensor:
@@ -220,16 +227,25 @@ def _positive(f: GgufFile, key: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _rope(f: GgufFile, context: int) -> RopeSpec:
+def _freq_factors(f: GgufFile, head_dim: int) -> tuple[float, ...] | None:
+    """rope_freqs.weight: per-frequency divisors (Llama 3.1's scaling, as llama.cpp keeps it)."""
+    if not f.has_tensor(ROPE_FREQS):
+        return None
+    factors = f.tensor(ROPE_FREQS).dequantize().flatten().tolist()
+    if len(factors) != head_dim // 2:
+        raise ModelLoadError(
+            f"{f.path}: tensor '{ROPE_FREQS}' has {len(factors)} factors; expected "
+            f"head_dim / 2 = {head_dim // 2}"
+        )
+    return tuple(factors)
+
+
+def _rope(f: GgufFile, context: int, head_dim: int) -> RopeSpec:
     theta = float(f.arch_key("rope.freq_base", 10000.0))
     kind = str(f.arch_key("rope.scaling.type", "none"))
-    if f.has_tensor("rope_freqs.weight"):
-        raise ModelLoadError(
-            f"{f.path}: tensor 'rope_freqs.weight' (per-frequency rope factors, as Llama 3.1 "
-            "files carry) is not supported yet"
-        )
+    factors = _freq_factors(f, head_dim)
     if kind == "none":
-        return RopeSpec(theta=theta)
+        return RopeSpec(theta=theta, freq_factors=factors)
     if kind not in ("linear", "yarn"):
         raise ModelLoadError(
             f"{f.path}: '{f.arch}.rope.scaling.type'={kind!r} is not supported; "
@@ -242,6 +258,7 @@ def _rope(f: GgufFile, context: int) -> RopeSpec:
         rope_type=kind,
         factor=factor,
         original_max_position=int(original) if original is not None else context,
+        freq_factors=factors,
     )
 
 
@@ -293,6 +310,9 @@ def gguf_spec(f: GgufFile) -> ModelSpec:
             f"head_count_kv={kv_heads}"
         )
     context = _positive(f, "context_length")
+    head_dim = _positive(
+        f, "attention.key_length", _positive(f, "rope.dimension_count", hidden // heads)
+    )
     tokens = f.get("tokenizer.ggml.tokens")
     vocab = f.arch_key("vocab_size") or (len(tokens) if tokens else f.rows("token_embd.weight"))
     inter_key = "feed_forward_length"
@@ -308,12 +328,10 @@ def gguf_spec(f: GgufFile) -> ModelSpec:
         num_layers=_positive(f, "block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_positive(
-            f, "attention.key_length", _positive(f, "rope.dimension_count", hidden // heads)
-        ),
+        head_dim=head_dim,
         max_position_embeddings=context,
         rms_norm_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", required=True)),
-        rope=_rope(f, context),
+        rope=_rope(f, context, head_dim),
         tie_word_embeddings=not f.has_tensor("output.weight"),
         attention_bias=f.has_tensor("blk.0.attn_q.bias"),
         sliding_window=int(f.arch_key("attention.sliding_window", 0) or 0),
