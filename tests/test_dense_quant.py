@@ -12,6 +12,7 @@ from hybridgen.kernels import triton_dense_quant
 from hybridgen.models.dense_quant import from_gguf_blocks, quantize
 
 torch.manual_seed(0)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -19,19 +20,24 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return y if bias is None else y + bias.double()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize(("t", "n", "k"), [(1, 96, 576), (3, 64, 256), (37, 130, 192)])
-def test_kernel_matches_float64(fmt: str, t: int, n: int, k: int) -> None:
+def test_kernel_matches_float64(fmt: str, t: int, n: int, k: int, dtype: torch.dtype) -> None:
     w = torch.randn(n, k) * 0.05
     qw = quantize(w, fmt) if fmt == "int8" or k % 64 == 0 else None
     if qw is None:  # K = 192 is no multiple of the int4 group of 64: GGUF's groups of 32
         blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
         qw = from_gguf_blocks("Q4_1", blocks)
     assert qw is not None
-    x, bias = torch.randn(t, k), torch.randn(n)
+    qw = qw.to(DEVICE)
+    x, bias = torch.randn(t, k, device=DEVICE, dtype=dtype), torch.randn(n, device=DEVICE)
     got = triton_dense_quant.quant_linear(x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, bias)
-    want = _reference(x, qw.dequantize(torch.float64), bias)
-    assert (got.double() - want).abs().max() < 1e-4 * (1 + want.abs().max())
+    # The reference multiplies what the kernel multiplies: x and the weight in x's dtype.
+    want = _reference(x, qw.dequantize(dtype), bias)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    assert (got.double() - want).abs().max() < tol * (1 + want.abs().max())
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])

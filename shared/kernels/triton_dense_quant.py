@@ -13,17 +13,21 @@ and j + 16, so the low nibbles of a tile are the inputs [32c, 32c + 16) of every
 the high ones [32c + 16, 32c + 32); x is loaded in the same two halves and the tile costs two
 dots of BLOCK_K / 2, with no shuffle of the codes. Scales (and zeros) are per run of 32 (a
 group is a whole number of runs), loaded once per run and broadcast over its 16 inputs.
-fp32 activations multiply in IEEE fp32 (no TF32), so the CPU interpreter and a float64
-reference agree to fp32 rounding.
+fp32 activations multiply in IEEE fp32 (no TF32; bf16 and fp16 ones are unaffected), so the
+CPU interpreter and a float64 reference agree to fp32 rounding.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Running in Triton's CPU interpreter (the tests without a GPU)."""
 BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_K = 128
@@ -42,7 +46,7 @@ def _int8_kernel(
     GROUPS,
     GROUP,
     HAS_BIAS: tl.constexpr,
-    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,10 +75,7 @@ def _int8_kernel(
             s_ptr + rn64[:, None] * GROUPS + (k // GROUP)[None, :], mask=k_ok[None, :], other=0.0
         )
         w = (q.to(tl.float32) * s).to(x.dtype)  # [BLOCK_N, BLOCK_K]
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += _dot(x, w, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -95,7 +96,7 @@ def _int4_kernel(
     GROUPS,
     RUNS_PER_GROUP,
     HAS_BIAS: tl.constexpr,
-    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -129,16 +130,20 @@ def _int4_kernel(
         x_hi = tl.load(xrow + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
         w_lo = ((packed & 15).to(tl.float32) * s + z).to(x_lo.dtype)
         w_hi = ((packed >> 4).to(tl.float32) * s + z).to(x_lo.dtype)
-        if IEEE:
-            acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
-            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
-        else:
-            acc += tl.dot(x_lo, tl.trans(w_lo))
-            acc += tl.dot(x_hi, tl.trans(w_hi))
+        acc += _dot(x_lo, w_lo, UPCAST) + _dot(x_hi, w_hi, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dot(x, w, UPCAST: tl.constexpr):
+    # x [M, BK] @ w [N, BK]^T in fp32. UPCAST: multiply as fp32 (the same rounded inputs), for
+    # Triton's CPU interpreter, whose bf16 tl.dot returns garbage (numpy has no bfloat16).
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return tl.dot(x, tl.trans(w), input_precision="ieee")
 
 
 def quant_linear(
@@ -161,7 +166,7 @@ def quant_linear(
     b = bias if bias is not None else y  # never read without HAS_BIAS
     flags = dict(
         HAS_BIAS=bias is not None,
-        IEEE=x.dtype == torch.float32,
+        UPCAST=INTERPRETED and x.dtype != torch.float32,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
