@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from hybridgen.models.dense_quant import WeightFormat
 from hybridgen.models.expert_format import Format
 
 _DTYPES = {
@@ -149,7 +150,7 @@ class EngineConfig:
     expert_cache_slots: int | Literal["auto"] | None = None
     """Cold-Weights for MoE models: None keeps every expert on the device; N keeps the experts
     in host memory with an N-expert device cache (LRU, shared by all layers)."""
-    weights_format: str = "native"
+    weights_format: WeightFormat = "native"
     """Dense projections (weights.format): native (the model dtype), or int8 / int4 weight-only,
     quantized at load (a GGUF's Q8_0 / Q4_0 / Q4_1 repacked) and multiplied by fused
     dequantizing kernels (models/dense_quant.py)."""
