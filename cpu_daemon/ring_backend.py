@@ -33,6 +33,7 @@ from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.ipc.channels import Channels
 from hybridgen.ipc.messages import StepResult, encode_append, encode_new_seq
 from hybridgen.ipc.ticket import Op
+from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.candidates import sample_candidates
 from hybridgen.sampling.params import SamplingParams
@@ -111,6 +112,11 @@ class RingBackend:
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def tokenize_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        return chat_prompt_ids(self._tokenizer, messages, add_generation_prompt)
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_alive()

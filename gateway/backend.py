@@ -33,6 +33,7 @@ from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info, moe_info
 from hybridgen.gpu_daemon.request_output import RequestOutput
+from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
@@ -63,6 +64,12 @@ class Backend(Protocol):
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`."""
+
+    async def tokenize_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        """Token ids of a chat in the model's template (models.chat.chat_prompt_ids); raises
+        InvalidChat naming the bad field."""
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field."""
@@ -189,6 +196,13 @@ class EngineBackend:
         # The tokenizer is separate from the engine's mutable state and the Rust tokenizer is
         # thread-safe, so it runs here rather than queueing behind a step.
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def tokenize_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        self._check_alive()
+        assert self._tokenizer is not None
+        return chat_prompt_ids(self._tokenizer, messages, add_generation_prompt)
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_alive()

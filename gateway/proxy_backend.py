@@ -31,6 +31,7 @@ from hybridgen.gateway.delta import Delta, Finish, TokenLogprob
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.service import SERVICE_NAME, QueueFull
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.models.chat import ChatMessage
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
@@ -223,6 +224,19 @@ class ProxyBackend:
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        try:
+            resp = await self._stub_or_raise().Tokenize(request, timeout=_UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise upstream_error(exc) from exc
+        return list(resp.token_ids)
+
+    async def tokenize_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool
+    ) -> list[int]:
+        request = pb.TokenizeRequest(
+            messages=[pb.ChatMessage(role=m.role, content=m.content) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
             resp = await self._stub_or_raise().Tokenize(request, timeout=_UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -26,6 +26,7 @@ from hybridgen.gateway.backend import Backend, BackendUnavailable
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gpu_daemon.engine import InvalidRequest
+from hybridgen.models.chat import ChatMessage, InvalidChat
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
@@ -52,6 +53,7 @@ class QueueFull(RuntimeError):
 
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidChat, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidSamplingParameter, grpc.StatusCode.INVALID_ARGUMENT),
     (StopStringError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -84,7 +86,11 @@ class GenerateInput:
     prompt: str | None
     """Text prompt, or None when token ids were given."""
     prompt_token_ids: tuple[int, ...]
-    """Token-id prompt (empty when text was given)."""
+    """Token-id prompt (empty when text or messages were given)."""
+    messages: tuple[ChatMessage, ...]
+    """A chat to render with the model's template (empty when a prompt was given)."""
+    add_generation_prompt: bool
+    """With messages: open an assistant turn at the end."""
     add_special_tokens: bool
     """Tokenize a text prompt with BOS and the like."""
     params: SamplingParams
@@ -157,11 +163,16 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
     """GenerateRequest -> GenerateInput; raises InvalidRequest for what only the API defines
     (ranges of the sampling values are left to backend.validate)."""
     req: pb.GenerateRequest = _parsed(request)
-    if req.prompt and req.prompt_token_ids:
-        raise InvalidRequest("prompt", "give either prompt or prompt_token_ids, not both")
-    if not req.prompt and not req.prompt_token_ids:
+    given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(req, f)]
+    if len(given) > 1:
         raise InvalidRequest(
-            "prompt", "is empty: give prompt (text) or prompt_token_ids (at least one token)"
+            given[0],
+            f"give one of prompt, prompt_token_ids and messages, not {' and '.join(given)}",
+        )
+    if not given:
+        raise InvalidRequest(
+            "prompt",
+            "is empty: give prompt (text), prompt_token_ids (at least one token) or messages",
         )
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID_LEN} characters")
@@ -177,6 +188,10 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
         request_id=req.request_id or f"req-{uuid.uuid4().hex}",
         prompt=req.prompt or None,
         prompt_token_ids=tuple(req.prompt_token_ids),
+        messages=tuple(ChatMessage(m.role, m.content) for m in req.messages),
+        add_generation_prompt=(
+            req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        ),
         add_special_tokens=req.add_special_tokens if req.HasField("add_special_tokens") else True,
         params=params,
         stop=tuple(stop),
@@ -266,6 +281,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         prompt_ids = list(req.prompt_token_ids)
         if req.prompt is not None:
             prompt_ids = await self.backend.tokenize(req.prompt, req.add_special_tokens)
+        elif req.messages:
+            prompt_ids = await self.backend.tokenize_chat(req.messages, req.add_generation_prompt)
         await self.backend.validate(prompt_ids, req.params)
         # No await between this check and generate's first step, which counts the request.
         if self.backend.queue_depth() >= self.max_queue:
@@ -322,6 +339,15 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> pb.TokenizeResponse:
         req: pb.TokenizeRequest = _parsed(request)
         self._check_available()
+        if req.messages and req.text:
+            raise InvalidRequest("text", "give either text or messages, not both")
+        if req.messages:
+            generation = (
+                req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+            )
+            messages = [ChatMessage(m.role, m.content) for m in req.messages]
+            ids = await self.backend.tokenize_chat(messages, generation)
+            return pb.TokenizeResponse(token_ids=ids)
         add = req.add_special_tokens if req.HasField("add_special_tokens") else True
         return pb.TokenizeResponse(token_ids=await self.backend.tokenize(req.text, add))
 

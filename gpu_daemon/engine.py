@@ -83,7 +83,7 @@ def load_configured(config: EngineConfig) -> LoadedModel:
     shm_instance, when set). What Engine loads when it is given no model."""
     host_experts = config.expert_format if config.expert_cache_slots is not None else None
     return load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed,
-                      host_experts, config.shm_instance)  # fmt: skip
+                      host_experts, config.shm_instance, config.weights_format)  # fmt: skip
 
 
 def _pick(seq: Sequence, cands: Candidates) -> Sampled:

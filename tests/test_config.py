@@ -17,6 +17,7 @@ from hybridgen.config import (
 )
 from hybridgen.engine_config import ConfigError as EngineConfigError
 from hybridgen.engine_config import EngineConfig
+from hybridgen.models.default_model import DEFAULT_MODEL
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "hybridgen_config.example.yaml"
 
@@ -41,6 +42,7 @@ FULL: dict[str, Any] = {
     "profile_path": "/var/lib/hybridgen/tuning_profile.json",
     "placements": {"attn_warm": "split", "sample": "cpu", "rope": "gpu"},
     "cold_weights": {"expert_cache_slots": 6, "cpu_max_tokens": 2, "expert_format": "native"},
+    "weights": {"format": "int4"},
     "model": {
         "name_or_path": "llama3-8b",
         "dtype": "bfloat16",
@@ -358,6 +360,7 @@ def test_engine_config_mapping() -> None:
         pinned_regions=("rope", "attn_warm", "sample"),
         expert_cache_slots=6,
         expert_cpu_max_tokens=2,
+        weights_format="int4",
         tuning_warmup_steps=8,
         tuning_interval_ms=250,
         seed=7,
@@ -365,7 +368,7 @@ def test_engine_config_mapping() -> None:
     assert config.engine_config("cuda").device == "cuda:1"
     assert config.engine_config("cuda:0").device == "cuda:0"
     default = HybridGenConfig().engine_config("cpu")
-    assert default == EngineConfig(device="cpu", dynamic_tuning=True)
+    assert default == EngineConfig(model=DEFAULT_MODEL, device="cpu", dynamic_tuning=True)
 
 
 def test_engine_config_auto_follows_gpu_id(monkeypatch: pytest.MonkeyPatch) -> None:

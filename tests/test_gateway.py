@@ -406,3 +406,46 @@ def test_unavailable_and_not_serving_while_loading() -> None:
     code, status = asyncio.run(scenario())
     assert code == grpc.StatusCode.UNAVAILABLE
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# -- chat messages ---------------------------------------------------------------------------
+
+
+def test_messages_are_rendered_with_the_models_template(server: Server) -> None:
+    """Generate and Tokenize with `messages` see the chat template's rendering, tokenized
+    without added special tokens (the template writes its own BOS), as transformers'
+    apply_chat_template(tokenize=True)."""
+    tok = Tokenizer.from_dir(server.model)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    for opening in (True, False):
+        want = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=opening), False)
+        messages = [pb.ChatMessage(**m) for m in chat]
+        ids = server.stub.Tokenize(
+            pb.TokenizeRequest(messages=messages, add_generation_prompt=opening), timeout=30
+        ).token_ids
+        assert list(ids) == want
+        request = pb.GenerateRequest(
+            messages=messages,
+            add_generation_prompt=opening,
+            max_tokens=4,
+            ignore_eos=True,
+            sampling=pb.SamplingParams(temperature=0.0),
+        )
+        final = _generate(server, request)[-1]
+        assert final.usage.prompt_tokens == len(want)
+    tokens = [t for r in _generate(server, request) for t in r.token_ids]
+    assert tokens == [t for r in _generate(server, _greedy_request(want, 4)) for t in r.token_ids]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"prompt": "x", "messages": [pb.ChatMessage(role="user", content="x")]}, "prompt"),
+        ({"messages": [pb.ChatMessage(role="robot", content="x")]}, "messages[0].role"),
+    ],
+)
+def test_bad_messages_are_invalid_argument(server: Server, fields: dict, named: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(server, pb.GenerateRequest(max_tokens=2, **fields))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in (info.value.details() or "")

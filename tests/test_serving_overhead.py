@@ -26,7 +26,13 @@ def _positive(x: Any) -> bool:
 @pytest.fixture(scope="module")
 def result() -> dict[str, Any]:
     args = argparse.Namespace(
-        model="tiny-llama", device="cpu", tokens=12, runs=1, tickets=4000, jitter_seconds=1.0
+        model="tiny-llama",
+        device="cpu",
+        tokens=12,
+        runs=1,
+        tickets=4000,
+        jitter_seconds=1.0,
+        weights_format="int4",  # both sides load int4 weights from the one config
     )
     return so.run(args)
 
@@ -47,6 +53,7 @@ def test_decode_both_ways(result: dict[str, Any]) -> None:
     assert best["added_ms_per_token"] == pytest.approx(d["added_ms_per_token"])
     assert _positive(best["ratio_served_over_inprocess"])
     assert d["engine_config"]["model"] == "tiny-llama"
+    assert d["engine_config"]["weights_format"] == "int4"
     # The server stopped on SIGTERM and left nothing in /dev/shm.
     assert d["serve_exit_code"] == 0 and d["shm_left_after_stop"] == []
     assert not list(shm.SHM_DIR.glob(f"*{shm.PREFIX}-{d['instance']}-*"))

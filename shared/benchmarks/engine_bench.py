@@ -1,6 +1,8 @@
 """Engine benchmark (BENCHMARKS.md B1 and the batch sweep), with HF transformers beside it.
 
     python -m hybridgen.benchmarks.engine_bench --model llama3-8b --out bench/results/engine.json
+    python -m hybridgen.benchmarks.engine_bench --model llama3-8b --weights-format int4 \
+        --batches 1 --out bench/results/engine_int4_h200.json      # B1 with int4 weights
 
 Runs our engine and HF transformers on the same synthetic weights in one process: TTFT and
 decode tok/s at batch 1, total tok/s over a batch sweep, and the bf16 logits check against
@@ -136,10 +138,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu-memory-mb", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--hot-codec", choices=("native", "int8", "int4"), default="native")
+    ap.add_argument(
+        "--weights-format",
+        choices=("native", "int8", "int4"),
+        default="native",
+        help="dense weights on the device (weights.format); --hf needs native",
+    )
     ap.add_argument("--hf", action="store_true", help="run HF transformers on the same weights")
     ap.add_argument("--hf-new-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = ap.parse_args(argv)
+    if args.hf and args.weights_format != "native":
+        ap.error("--hf loads our exact weights into transformers: use --weights-format native")
     hlog.configure()
     config = EngineConfig(
         model=args.model,
@@ -148,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         max_graph_batch=max(args.batches),
         hot_codec=args.hot_codec,
+        weights_format=args.weights_format,
         # Every timed run repeats the warm-up's prompts: a prefix cache would serve them and
         # TTFT would no longer time the prefill. Prefix reuse has its own benchmark.
         prefix_reuse=False,

@@ -111,9 +111,12 @@ def served_once(stub: Any, prompt: list[int], tokens: int) -> DecodeTiming:
     return _timing(start, stamps)
 
 
-def write_config(folder: Path, model: str, tokens: int, sample: str = "gpu") -> Path:
-    """One config for both sides: same model settings, a KV pool just big enough (two
-    engines share the device), no metrics port and a private runtime folder."""
+def write_config(
+    folder: Path, model: str, tokens: int, sample: str = "gpu", weights: str = "native"
+) -> Path:
+    """One config for both sides: same model settings (weights.format `weights`), a KV pool
+    just big enough (two engines share the device), no metrics port and a private runtime
+    folder."""
     from hybridgen.models.presets import PRESETS, preset_spec
     from hybridgen.models.spec import parse_config
 
@@ -125,7 +128,7 @@ def write_config(folder: Path, model: str, tokens: int, sample: str = "gpu") -> 
         f"model:\n  name_or_path: {model}\n  max_model_len: {max_len}\n  max_num_seqs: 4\n"
         f"kv_cache:\n  hot_region_mb: {pool_mb:.3f}\n"
         f"server:\n  metrics_port: 0\n  runtime_dir: {folder}/run\n"
-        f"placements:\n  sample: {sample}\n"
+        f"placements:\n  sample: {sample}\nweights:\n  format: {weights}\n"
     )
     return path
 
@@ -204,11 +207,13 @@ def _median(timings: list[DecodeTiming]) -> dict[str, Any]:
     }
 
 
-def measure_decode(model: str, device: str, tokens: int, runs: int) -> dict[str, Any]:
+def measure_decode(
+    model: str, device: str, tokens: int, runs: int, weights: str = "native"
+) -> dict[str, Any]:
     """In-process vs served decode; warm-up of each, then `runs` alternating pairs."""
     result: dict[str, Any] = {"tokens": tokens, "prompt_len": PROMPT_LEN}
     with tempfile.TemporaryDirectory(prefix="hg-b5-") as tmp:
-        config_path = write_config(Path(tmp), model, tokens)
+        config_path = write_config(Path(tmp), model, tokens, weights=weights)
         config = load_config(config_path).engine_config(device)
         result["engine_config"] = asdict(config)
         result["torch_threads"] = torch.get_num_threads()  # the daemons get the same default
@@ -320,7 +325,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "note": "absolute times count only on the H200 machine; on small noisy machines "
         "read the served/in-process ratio (both measured in this run, alternating)",
     }
-    result["decode"] = measure_decode(args.model, args.device, args.tokens, args.runs)
+    result["decode"] = measure_decode(
+        args.model, args.device, args.tokens, args.runs, args.weights_format
+    )
     paced = max(100, min(2000, args.tickets // 20))
     rings = sorted(
         (measure_ring(args.tickets, paced) for _ in range(args.runs)),
@@ -341,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tickets", type=int, default=200_000)
     ap.add_argument("--jitter-seconds", type=float, default=5.0)
+    ap.add_argument("--weights-format", choices=("native", "int8", "int4"), default="native")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serving_overhead.json"))
     args = ap.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv

@@ -257,30 +257,17 @@ def _request(args: argparse.Namespace) -> object:
     sampling = pb.SamplingParams(temperature=args.temperature, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
-    return pb.GenerateRequest(
+    request = pb.GenerateRequest(
         request_id=f"cli-{uuid.uuid4().hex[:12]}",
-        prompt=args.prompt,
         max_tokens=args.max_tokens,
         sampling=sampling,
         stop=args.stop,
-        # A chat template carries its own BOS; adding another one would change the output.
-        add_special_tokens=not args.chat,
     )
-
-
-def _chat_prompt(stub: object, prompt: str) -> str:
-    """The prompt in the served model's chat template, read from its checkpoint folder."""
-    from hybridgen.models.tokenizer import Tokenizer
-    from hybridgen.v1 import generation_pb2 as pb
-
-    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)  # type: ignore[attr-defined]
-    if not Path(info.model).is_dir():
-        raise ValueError(
-            f"--chat needs the model's tokenizer files, but the server's model '{info.model}' "
-            "is not a folder on this machine"
-        )
-    tokenizer = Tokenizer.from_dir(info.model)
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if args.chat:  # the server applies the model's chat template
+        request.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    return request
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -295,8 +282,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
-            if args.chat:
-                args.prompt = _chat_prompt(stub, args.prompt)
             for last in stub.Generate(_request(args), wait_for_ready=False):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
@@ -363,7 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="repeatable")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message: the server applies the model's chat template",
+    )
     gen.set_defaults(func=cmd_generate)
 
     check = sub.add_parser("config-check", help="validate a hybridgen_config.yaml")

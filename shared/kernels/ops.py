@@ -8,7 +8,7 @@ the CPU it allocates. Callers must treat `residual` as consumed.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -20,6 +20,7 @@ from hybridgen.kernels.reference import merge_attention_partials, paged_prefill_
 try:
     from hybridgen.kernels import (
         triton_activation,
+        triton_dense_quant,
         triton_gemv,
         triton_norm,
         triton_paged_decode,
@@ -32,6 +33,9 @@ try:
 except ImportError:  # CPU-only installs ship without triton
     HAS_TRITON = False
 
+if TYPE_CHECKING:
+    from hybridgen.models.dense_quant import QuantWeight
+
 __all__ = [
     "HAS_TRITON",
     "KvCache",
@@ -42,6 +46,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "prefill_attention",
+    "quant_dense_linear",
     "quant_int4_linear",
     "quant_int8_linear",
     "rope_and_cache",
@@ -83,6 +88,14 @@ def quant_int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor | None:
 def quant_int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor | None:
     """The same for int4 experts in expert_format's layout (codes q, scales and zeros sz)."""
     return triton_quant_gemv.int4_linear(x, q, sz, group) if _quant_fused(x) else None
+
+
+def quant_dense_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """x [T, K] @ dequant(w).T (+ bias) for a dense layer's int8 / int4 weight: the fused
+    Triton kernel on CUDA, else dequantize to x's dtype and multiply (the CPU path)."""
+    if _use_triton(x):
+        return triton_dense_quant.quant_linear(x, w.fmt, w.codes, w.scale, w.zero, w.group, bias)
+    return F.linear(x, w.dequantize(x.dtype), bias)
 
 
 def add_rms_norm(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybridgen.kernels import ops
+from hybridgen.models.dense_quant import project
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.spec import ModelSpec
 
@@ -63,10 +64,11 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.spec, self.layer = spec, layer
-        self.qkv_proj = nn.Linear(
+        # nn.Linear, or a QuantLinear (weights.format int8/int4, dense_quant.quantize_dense).
+        self.qkv_proj: nn.Module = nn.Linear(
             spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias
         )
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.o_proj: nn.Module = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
         self.scale = spec.head_dim**-0.5
 
     def forward(
@@ -78,7 +80,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
+        qkv = project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.reshape(t, s.num_heads, s.head_dim)
         k = k.reshape(t, s.num_kv_heads, s.head_dim)
@@ -124,18 +126,20 @@ class Attention(nn.Module):
                     warm.prefix(self.layer, i, q.dtype) for i in range(nd, len(batch.seq_lens_host))
                 ],
             )
-        return ops.linear(out.reshape(t, s.q_size), self.o_proj.weight)
+        return project(self.o_proj, out.reshape(t, s.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module = nn.Linear(
+            spec.hidden_size, 2 * spec.intermediate_size, bias=False
+        )
+        self.down_proj: nn.Module = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = project(self.gate_up_proj, x)
+        return project(self.down_proj, ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -183,7 +187,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -207,7 +211,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in float32 (the LM head runs in model dtype, as HF)."""
-        return ops.linear(hidden, self.lm_head.weight).float()
+        return project(self.lm_head, hidden).float()
 
 
 def empty_model(

@@ -1,11 +1,13 @@
-"""Load a model from an HF checkpoint directory or a synthetic preset.
+"""Load a model from an HF checkpoint directory, a GGUF file or a synthetic preset.
 
 HF tensors are copied one at a time straight into the (fused) parameters on the target
-device, so peak host memory is one tensor, not one model.
+device, so peak host memory is one tensor, not one model. A GGUF file's tensors come the same
+way, dequantized one at a time under their HF names (gguf_file.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -16,10 +18,19 @@ import torch
 from safetensors import safe_open
 
 from hybridgen.log import Progress
+from hybridgen.models.default_model import resolve_model
+from hybridgen.models.dense_quant import (
+    QuantWeight,
+    WeightFormat,
+    from_gguf_blocks,
+    quantize_dense,
+)
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.expert_arena import ExpertArena, arena_bytes
 from hybridgen.models.expert_format import Format, host_alloc, unsupported
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
+from hybridgen.models.gguf_file import GgufFile, is_gguf
+from hybridgen.models.gguf_tokenizer import gguf_tokenizer
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import moe_blocks
 from hybridgen.models.presets import build_synthetic, preset_spec
@@ -210,18 +221,57 @@ def copy_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         raise ModelLoadError(f"{source}: checkpoint lacks tensors for {missing[:5]}")
 
 
+def gguf_tensors(f: GgufFile, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a GGUF file under its HF name, dequantized to fp32, with progress."""
+    progress = Progress("loading_weights", sum(f.tensor_types().values()), unit="tensors")
+    for done, (name, tensor) in enumerate(f.tensors(spec), 1):
+        progress.update(min(done, progress.total), file=f.path.name)
+        yield name, tensor.dequantize()
+
+
+def gguf_stored(f: GgufFile, spec: ModelSpec) -> dict[str, QuantWeight]:
+    """The file's Q8_0 / Q4_0 / Q4_1 matrices repacked for QuantLinear, by HF name."""
+    out = {}
+    for name, tensor in f.tensors(spec):
+        if len(tensor.shape) == 2 and (packed := from_gguf_blocks(tensor.qtype, tensor.data)):
+            out[name] = packed
+    return out
+
+
+def open_gguf(model: str) -> GgufFile:
+    """The GGUF file `model`, opened once per process (gguf-py parses a 49K-token vocabulary
+    in seconds, and spec, tokenizer and weights all read it)."""
+    path = Path(model).resolve()
+    stat = path.stat() if path.is_file() else None
+    return _open_gguf(str(path), stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GgufFile:
+    del mtime_ns, size  # part of the cache key only: a rewritten file is opened again
+    return GgufFile(path)
+
+
 def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer of a checkpoint directory, or the byte-level one of a preset."""
+    """The tokenizer of a checkpoint directory or GGUF file, or the byte-level one of a
+    preset."""
+    model = resolve_model(model)
     path = Path(model)
     if path.is_dir():
         return Tokenizer.from_dir(path)
+    if is_gguf(model):
+        return gguf_tokenizer(open_gguf(model))
     return Tokenizer.synthetic(preset_spec(model).vocab_size)
 
 
 def model_spec(model: str) -> ModelSpec:
-    """The shape of `model` (a checkpoint directory's config.json, or a preset), unloaded."""
+    """The shape of `model` (a checkpoint directory's config.json, a GGUF file's metadata, or
+    a preset), unloaded."""
+    model = resolve_model(model)
     path = Path(model)
-    return parse_config(path / "config.json") if path.is_dir() else preset_spec(model)
+    if path.is_dir():
+        return parse_config(path / "config.json")
+    return open_gguf(model).spec() if is_gguf(model) else preset_spec(model)
 
 
 def load_model(
@@ -231,13 +281,16 @@ def load_model(
     seed: int = 0,
     host_experts: Format | None = None,
     shm_instance: str | None = None,
+    weights: WeightFormat = "native",
 ) -> LoadedModel:
-    """`model` is a checkpoint directory or a preset name (see presets.PRESETS).
+    """`model` is a checkpoint directory, a GGUF file or a preset name (see presets.PRESETS).
     `host_experts`: MoE expert weights stay in host memory in that format, each block's
     ExpertStore (Cold-Weights), converted here layer by layer (presets draw them in it
     directly): in the instance's shared expert arena when `shm_instance` is given (the CPU
     daemon computes with them), else in pinned memory on CUDA. Everything else goes to
-    `device`."""
+    `device`. `weights` int8 / int4: the dense projections become QuantLinear
+    (dense_quant.py), a GGUF's Q8_0 / Q4_0 / Q4_1 blocks repacked as they are."""
+    model = resolve_model(model)
     path = Path(model)
     spec = model_spec(model)
     if host_experts is not None and spec.num_local_experts:
@@ -255,12 +308,26 @@ def load_model(
         net = empty_model(spec, device, torch.device("cpu") if host_experts else None)
         copy_weights(net, checkpoint_tensors(path), str(path))
         generation = load_generation_defaults(path, tokenizer.eos_token_id)
+    elif is_gguf(model):
+        # Quantized files are dequantized to the model dtype: bf16 on a GPU, fp32 on a CPU.
+        spec = replace(
+            spec, dtype=dtype or (spec.dtype if device.type == "cuda" else torch.float32)
+        )
+        net = empty_model(spec, device, torch.device("cpu") if host_experts else None)
+        copy_weights(net, gguf_tensors(open_gguf(model), spec), model)
+        tokenizer = load_tokenizer(model)
+        generation = GenerationDefaults(
+            eos_token_ids=spec.eos_token_ids, bos_token_id=spec.bos_token_id
+        )
     else:
         preset_dtype = spec.dtype if device.type == "cuda" else torch.float32
         spec = replace(spec, dtype=dtype or preset_dtype)
         net = build_synthetic(spec, device, seed, host_experts, alloc)
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
+    if weights != "native":
+        stored = gguf_stored(open_gguf(model), spec) if is_gguf(model) else None
+        quantize_dense(net, weights, stored)
     if host_experts is not None:
         blocks = moe_blocks(net)
         progress = Progress("experts_to_host", len(blocks), unit="layers")

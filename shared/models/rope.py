@@ -102,6 +102,8 @@ def rope_tables(
         inv_freq, scaling = _yarn(rope, head_dim, max_position)
     else:
         raise ValueError(f"rope_type={rope.rope_type!r} is not supported")
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     # An outer product, like HF's K=1 matmul: each entry is one fp32 multiply.
     freqs = positions[:, None] * inv_freq.float()[None, :]
     return _table(freqs, scaling)

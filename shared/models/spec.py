@@ -51,6 +51,9 @@ class RopeSpec:
     """yarn (DeepSeek style): mscale denominator; None when absent."""
     truncate: bool = True
     """yarn: round the correction range to whole dimensions (HF default)."""
+    freq_factors: tuple[float, ...] | None = None
+    """Each rotary frequency divided by its factor (head_dim / 2 of them): a GGUF's
+    rope_freqs tensor, how llama.cpp stores Llama 3.1's scaling; None: none."""
 
 
 @dataclass(frozen=True)

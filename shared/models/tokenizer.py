@@ -246,7 +246,7 @@ class Tokenizer:
         """Byte tokenizer for synthetic presets: ids 0..255 are the bytes, 256 bos, 257 eos."""
         if vocab_size < 260:
             raise ValueError(f"synthetic tokenizer needs vocab_size >= 260, got {vocab_size}")
-        byte_chars = _bytes_to_unicode()
+        byte_chars = bytes_to_unicode()
         # BPE without merges over the byte alphabet: every byte is its own token, so any UTF-8
         # text round-trips exactly and ids equal byte values.
         backend = Backend(BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
@@ -377,7 +377,7 @@ _CLEAN_UP = (
 )  # fmt: skip
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet of the ByteLevel pre-tokenizer."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     printable += range(ord("®"), ord("ÿ") + 1)

@@ -1,0 +1,214 @@
+"""Weight-only int8 / int4 for a model's dense linear layers (weights.format), and QuantLinear,
+the module that replaces nn.Linear for them at load.
+
+Formats (value = code * scale + zero per group of `group` inputs of one output row):
+    int8  codes int8 [N, K]; scale fp32 [N, K / group]; symmetric (no zero). Quantized from
+          the model's weights per output channel (group = K); GGUF Q8_0 is repacked as is
+          (group 32, scale its fp16 d).
+    int4  codes in 0..15, two per byte, [N, K / 2] uint8 in GGUF's nibble order: each run of
+          32 inputs is 16 bytes, byte j holding input j (low nibble) and input j + 16 (high);
+          scale and zero fp16 [N, K / group]. Quantized from the model's weights in groups of
+          64 (asymmetric: zero is the group's minimum; 4.5 bits a weight); GGUF Q4_0
+          (zero = -8 d) and Q4_1 (zero = m) are repacked as they are (group 32), which is
+          exact: d * q + m computed in fp32 is what gguf-py (and transformers) dequantize to.
+
+The device multiplies with fused Triton kernels that read the codes once and dequantize in
+registers (kernels/triton_dense_quant.py); the CPU dequantizes and multiplies (torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from hybridgen.kernels import ops
+
+WeightFormat = Literal["native", "int8", "int4"]
+INT4_GROUP = 64
+"""Inputs per int4 scale and zero when quantizing a model's own weights."""
+GGUF_BLOCK = 32
+"""Inputs per block of GGUF's Q8_0, Q4_0 and Q4_1."""
+
+
+@dataclass
+class QuantWeight:
+    """One [N, K] matrix in int8 or int4 (see the module docstring)."""
+
+    fmt: Literal["int8", "int4"]
+    codes: Tensor
+    scale: Tensor
+    zero: Tensor | None
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self.codes.shape[0]
+        return n, self.scale.shape[1] * self.group
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        """[N, K] in `dtype`, computed in fp32 (the kernels' arithmetic)."""
+        n, k = self.shape
+        codes = self.codes if self.fmt == "int8" else unpack_int4(self.codes)
+        values = codes.float().view(n, -1, self.group) * self.scale.float()[..., None]
+        if self.zero is not None:
+            values = values + self.zero.float()[..., None]
+        return values.reshape(n, k).to(dtype)
+
+    def to(self, device: torch.device) -> QuantWeight:
+        zero = None if self.zero is None else self.zero.to(device)
+        return QuantWeight(self.fmt, self.codes.to(device), self.scale.to(device), zero, self.group)
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Row-wise concatenation (q, k, v -> qkv); the parts share format and group."""
+        first = parts[0]
+        assert all(p.fmt == first.fmt and p.group == first.group for p in parts)
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts])  # type: ignore[misc]
+        return QuantWeight(
+            first.fmt,
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            zero,
+            first.group,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.codes, self.scale] + ([] if self.zero is None else [self.zero])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def quantize(w: Tensor, fmt: Literal["int8", "int4"]) -> QuantWeight:
+    """A model's float weight [N, K] -> int8 per channel or int4 in groups of INT4_GROUP."""
+    x = w.float()
+    n, k = x.shape
+    if fmt == "int8":
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # [N, 1]
+        codes = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+        return QuantWeight("int8", codes, scale, None, k)
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs inputs in groups of {INT4_GROUP}; got K = {k}")
+    g = x.view(n, -1, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+    zero = lo.half()
+    codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    return QuantWeight("int4", pack_int4(codes.to(torch.uint8).view(n, k)), scale, zero, INT4_GROUP)
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """codes uint8 [N, K] in 0..15 -> [N, K / 2] bytes in GGUF's nibble order."""
+    n, k = codes.shape
+    runs = codes.view(n, k // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """[N, K / 2] bytes in GGUF's nibble order -> codes uint8 [N, K]."""
+    n, half = packed.shape
+    runs = packed.view(n, half // 16, 1, 16)
+    return torch.cat([runs & 15, runs >> 4], dim=2).reshape(n, 2 * half)
+
+
+def from_gguf_blocks(qtype: str, blocks: np.ndarray) -> QuantWeight | None:
+    """GGUF Q8_0 / Q4_0 / Q4_1 rows [N, bytes] as stored -> the same values, repacked; None
+    for another type (those are quantized from the dequantized values instead)."""
+    n = blocks.shape[0]
+    b = torch.from_numpy(np.array(blocks))
+    if qtype == "Q8_0":
+        b = b.view(n, -1, 34)
+        scale = b[..., :2].contiguous().view(torch.float16)[..., 0].float()
+        codes = b[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
+        return QuantWeight("int8", codes, scale, None, GGUF_BLOCK)
+    if qtype in ("Q4_0", "Q4_1"):
+        head = 2 if qtype == "Q4_0" else 4
+        b = b.view(n, -1, head + 16)
+        scale = b[..., :2].contiguous().view(torch.float16)[..., 0]
+        zero = (
+            -8 * scale if qtype == "Q4_0" else b[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        )
+        return QuantWeight(
+            "int4", b[..., head:].reshape(n, -1).contiguous(), scale, zero, GGUF_BLOCK
+        )
+    return None
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W as a QuantWeight; its tensors are frozen parameters, so
+    the memory accounting and device moves see them."""
+
+    def __init__(self, weight: QuantWeight, bias: Tensor | None) -> None:
+        super().__init__()
+        self.fmt, self.group = weight.fmt, weight.group
+        self.out_features, self.in_features = weight.shape
+        self.codes = nn.Parameter(weight.codes, requires_grad=False)
+        self.scale = nn.Parameter(weight.scale, requires_grad=False)
+        self.zero = None if weight.zero is None else nn.Parameter(weight.zero, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> QuantWeight:
+        return QuantWeight(self.fmt, self.codes, self.scale, self.zero, self.group)  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, K] -> [T, N]
+        return ops.quant_dense_linear(x, self.weight, self.bias)
+
+
+# Each fused projection and the HF weights it concatenates, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def quantize_dense(
+    model: nn.Module,
+    fmt: Literal["int8", "int4"],
+    stored: dict[str, QuantWeight] | None = None,
+) -> int:
+    """Replace the model's dense projections (qkv, o, gate_up, down, and an untied LM head)
+    by QuantLinear in `fmt`; returns the bytes the quantized weights take. `stored`: HF
+    weight name -> the file's own blocks repacked (GGUF Q8_0 for int8, Q4_0/Q4_1 for int4),
+    used when every part of a fused projection has them, else the float weight is quantized.
+    MoE experts are left to cold_weights.expert_format."""
+    stored = stored or {}
+    total = 0
+    layers = model.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleList)
+    for i, layer in enumerate(layers):
+        for fused, parts in _FUSED.items():
+            owner_name, attr = fused.rsplit(".", 1)
+            owner = layer.get_submodule(owner_name)
+            linear = getattr(owner, attr, None)
+            if not isinstance(linear, nn.Linear):  # a MoE block has no dense MLP
+                continue
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            found = [stored.get(n) for n in names]
+            if all(w is not None and w.fmt == fmt for w in found):
+                weight = QuantWeight.cat(found).to(linear.weight.device)  # type: ignore[arg-type]
+            else:
+                weight = quantize(linear.weight.detach(), fmt)
+            setattr(owner, attr, QuantLinear(weight, linear.bias))
+            total += weight.nbytes
+    head = model.get_submodule("lm_head").get_parameter("weight")
+    if head is not model.get_submodule("embed_tokens").get_parameter("weight"):
+        weight = quantize(head.detach(), fmt)
+        model.lm_head = QuantLinear(weight, None)
+        total += weight.nbytes
+    return total
+
+
+def project(layer: nn.Module, x: Tensor) -> Tensor:
+    """A model projection: nn.Linear through ops.linear (Triton GEMV at one row on CUDA), or
+    a QuantLinear."""
+    if isinstance(layer, QuantLinear):
+        return layer(x)
+    assert isinstance(layer, nn.Linear)
+    return ops.linear(x, layer.weight, layer.bias)
