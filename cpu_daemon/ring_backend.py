@@ -74,7 +74,12 @@ class RingBackend:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._heartbeat = CpuHeartbeat(
-            self._ch, self._post_result, self._post_info, self._post_dead, self._post_backpressure
+            self._ch,
+            self._post_result,
+            self._post_info,
+            self._post_dead,
+            self._post_backpressure,
+            self._post_lost,
         )
         self._heartbeat.start()
         self._heartbeat.send(Op.STATS, 0)
@@ -213,6 +218,15 @@ class RingBackend:
             # (server.max_queue over queued requests) answers RESOURCE_EXHAUSTED when it fills.
             log.warning("gpu_backpressure", reasons=reasons, waiting=waiting)
             self._backpressure = reasons
+
+        self._call(apply)
+
+    def _post_lost(self, request_id: int, reason: str) -> None:
+        def apply() -> None:
+            q = self._queues.get(request_id)
+            if q is not None:
+                message = f"request {request_id} failed: {reason}; retry it"
+                q.put_nowait(StepFailed(ErrorCode.DATA_LOSS, message))
 
         self._call(apply)
 

@@ -98,6 +98,8 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:
         return BackendUnavailable(f"the upstream is unavailable ({code.name}): {details}")
     if code == grpc.StatusCode.INTERNAL:  # the request's step failed upstream
         return StepFailed(ErrorCode.INTERNAL, details)
+    if code == grpc.StatusCode.DATA_LOSS:  # a ticket of it was corrupted upstream
+        return StepFailed(ErrorCode.DATA_LOSS, details)
     return UpstreamFailed(f"upstream answered {code.name}: {details}")
 
 
