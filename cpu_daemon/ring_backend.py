@@ -29,7 +29,7 @@ from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.heartbeat import p99
 from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.gpu_daemon.sequence import FinishReason
-from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.gpu_daemon.validation import InvalidRequest, check_text_size, validate_request
 from hybridgen.ipc.channels import Channels
 from hybridgen.ipc.messages import StepResult, encode_append, encode_new_seq
 from hybridgen.ipc.ticket import Op
@@ -115,13 +115,16 @@ class RingBackend:
         }
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        self._check_alive()
+        max_len = self._info["max_model_len"]
+        check_text_size("text", text, self._tokenizer.max_text_bytes(max_len), max_len)
+        # On a worker thread, with the GIL released (Tokenizer.encode): the event loop keeps
+        # streaming and the heartbeat keeps beating while a long prompt is tokenized.
+        return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_alive()
-        validate_request(
-            list(prompt_ids), params, self._info["vocab_size"], self._info["max_model_len"]
-        )
+        validate_request(prompt_ids, params, self._info["vocab_size"], self._info["max_model_len"])
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]

@@ -33,6 +33,7 @@ from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info, moe_info
 from hybridgen.gpu_daemon.request_output import RequestOutput
+from hybridgen.gpu_daemon.validation import check_text_size, validate_request
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
@@ -62,7 +63,8 @@ class Backend(Protocol):
         """Model and pool facts, keyed by GetModelInfoResponse field names."""
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`."""
+        """Token ids of `text`, tokenized off the event loop; InvalidRequest naming `text`
+        when it is too long for the context (checked before any tokenizing)."""
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field."""
@@ -185,15 +187,19 @@ class EngineBackend:
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self._check_alive()
-        assert self._tokenizer is not None
+        assert self._tokenizer is not None and self._engine is not None
+        max_len = self._engine.max_model_len
+        check_text_size("text", text, self._tokenizer.max_text_bytes(max_len), max_len)
         # The tokenizer is separate from the engine's mutable state and the Rust tokenizer is
-        # thread-safe, so it runs here rather than queueing behind a step.
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # thread-safe, so it runs on a worker rather than queueing behind a step.
+        return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_alive()
         assert self._engine is not None
-        self._engine.validate(list(prompt_ids), params)  # reads only fixed model limits
+        # Engine.validate's check, which reads only fixed model limits.
+        engine = self._engine
+        validate_request(prompt_ids, params, engine.spec.vocab_size, engine.max_model_len)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]

@@ -21,12 +21,16 @@ import grpc
 import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
-from hybridgen.cpu_daemon.stop_strings import StopStringError, validate_stops
+from hybridgen.cpu_daemon.stop_strings import MAX_STOP_STRINGS, StopStringError, validate_stops
 from hybridgen.gateway.backend import Backend, BackendUnavailable
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gpu_daemon.engine import InvalidRequest
-from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+from hybridgen.sampling.params import (
+    MAX_STOP_TOKEN_IDS,
+    InvalidSamplingParameter,
+    SamplingParams,
+)
 from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
@@ -83,8 +87,9 @@ class GenerateInput:
     """Client's id, or a generated one."""
     prompt: str | None
     """Text prompt, or None when token ids were given."""
-    prompt_token_ids: tuple[int, ...]
-    """Token-id prompt (empty when text was given)."""
+    prompt_token_ids: Sequence[int]
+    """Token-id prompt (empty when text was given); the request's own container, not copied
+    before its length is checked."""
     add_special_tokens: bool
     """Tokenize a text prompt with BOS and the like."""
     params: SamplingParams
@@ -165,6 +170,17 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
         )
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID_LEN} characters")
+    # Counts are checked before the repeated fields are copied: a message of millions of
+    # entries is refused in O(1).
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise StopStringError(
+            f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(req.stop)}"
+        )
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            "stop_token_ids",
+            f"has {len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
     stop = validate_stops(list(req.stop))  # StopStringError names stop[i] and the limits
     sampling = {f: getattr(req.sampling, f) for f in _SAMPLING_FIELDS if req.sampling.HasField(f)}
     params = SamplingParams(
@@ -176,7 +192,7 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
     return GenerateInput(
         request_id=req.request_id or f"req-{uuid.uuid4().hex}",
         prompt=req.prompt or None,
-        prompt_token_ids=tuple(req.prompt_token_ids),
+        prompt_token_ids=req.prompt_token_ids,
         add_special_tokens=req.add_special_tokens if req.HasField("add_special_tokens") else True,
         params=params,
         stop=tuple(stop),
@@ -263,10 +279,16 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         req = from_pb(request)
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         self._check_available()
-        prompt_ids = list(req.prompt_token_ids)
+        await self._generate(req, arrival, context)
+
+    async def _generate(
+        self, req: GenerateInput, arrival: float, context: grpc.aio.ServicerContext
+    ) -> None:
+        prompt_ids = req.prompt_token_ids
         if req.prompt is not None:
-            prompt_ids = await self.backend.tokenize(req.prompt, req.add_special_tokens)
+            prompt_ids = await self._tokenize_prompt(req.prompt, req.add_special_tokens)
         await self.backend.validate(prompt_ids, req.params)
+        prompt_ids = list(prompt_ids)  # a copy of what is now known to fit the context
         # No await between this check and generate's first step, which counts the request.
         if self.backend.queue_depth() >= self.max_queue:
             raise QueueFull(
@@ -274,6 +296,15 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             )
         log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
         await self._stream(req, prompt_ids, arrival, context)
+
+    async def _tokenize_prompt(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        """The prompt's ids; the backend's errors about its `text` name the prompt field."""
+        try:
+            return await self.backend.tokenize(prompt, add_special_tokens)
+        except InvalidRequest as exc:
+            if exc.field != "text":
+                raise
+            raise InvalidRequest("prompt", str(exc).partition(": ")[2]) from None
 
     async def _stream(
         self,
