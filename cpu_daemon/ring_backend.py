@@ -21,7 +21,6 @@ from typing import Any
 
 import structlog
 
-from hybridgen import sd_notify
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.gateway.backend import BackendUnavailable
 from hybridgen.gateway.delta import Delta, to_delta
@@ -84,7 +83,6 @@ class RingBackend:
         self._heartbeat.start()
         self._heartbeat.send(Op.STATS, 0)
         await self._info_ready.wait()
-        sd_notify.ready(f"serving {self._info.get('model')}")
 
     async def stop(self) -> None:
         if self._heartbeat is not None:

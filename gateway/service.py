@@ -54,12 +54,17 @@ class QueueFull(RuntimeError):
     """The admission queue is full."""
 
 
+class RequestTimedOut(RuntimeError):
+    """The call ran past server.request_timeout_s; it was aborted and its KV freed."""
+
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidSamplingParameter, grpc.StatusCode.INVALID_ARGUMENT),
     (StopStringError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackendUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (RequestTimedOut, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 _STEP_STATUS = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
@@ -261,10 +266,14 @@ def grpc_errors(method: Handler[R]) -> Handler[R]:
 class GenerationService(pb_grpc.GenerationServiceServicer):
     """hybridgen.v1.GenerationService over a Backend."""
 
-    def __init__(self, backend: Backend, metrics: Metrics, max_queue: int) -> None:
+    def __init__(
+        self, backend: Backend, metrics: Metrics, max_queue: int, request_timeout_s: float = 0.0
+    ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.max_queue = max_queue
+        self.request_timeout_s = request_timeout_s
+        """Longest a Generate call may run (DEADLINE_EXCEEDED, KV freed); 0: no limit."""
         self.draining = False
         """Set on shutdown: new calls get UNAVAILABLE while running ones finish."""
 
@@ -279,7 +288,17 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         req = from_pb(request)
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         self._check_available()
-        await self._generate(req, arrival, context)
+        limit = self.request_timeout_s
+        try:
+            async with asyncio.timeout(limit or None) as deadline:
+                await self._generate(req, arrival, context)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise RequestTimedOut(
+                f"the request ran longer than {limit:g} s (server.request_timeout_s); "
+                "it was stopped and its KV freed"
+            ) from None
 
     async def _generate(
         self, req: GenerateInput, arrival: float, context: grpc.aio.ServicerContext
