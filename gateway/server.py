@@ -71,7 +71,7 @@ class ServerConfig:
     """Requests that may wait for the engine before Generate answers RESOURCE_EXHAUSTED."""
     max_message_bytes: int = 16 * 2**20
     """Largest request or response message, counted after decompression."""
-    max_streams_per_connection: int = 100
+    max_streams_per_connection: int = 1024
     """Concurrent calls per client connection (HTTP/2 max_concurrent_streams)."""
     keepalive_s: float = 30.0
     """Ping idle connections this often; close one whose ping is unanswered as long again."""

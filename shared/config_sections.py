@@ -227,9 +227,10 @@ class ServerConfig:
     max_message_mb: int = between(16, 1, 2047)
     """Largest gRPC message either way, counted after decompression: a request beyond it
     (or a compressed one that inflates beyond it) gets RESOURCE_EXHAUSTED."""
-    max_streams_per_connection: int = between(100, 1, 1_000_000)
+    max_streams_per_connection: int = between(1024, 1, 1_000_000)
     """Concurrent calls one client connection may have open (HTTP/2 max_concurrent_streams);
-    more wait for a free stream."""
+    more wait for a free stream or are refused (UNAVAILABLE, which clients may retry). The
+    default is above max_queue + model.max_num_seqs, so that a full queue is answered first."""
     keepalive_s: float = checked(30.0, *_POSITIVE)
     """The server pings an idle connection this often and closes it when a ping goes
     unanswered for as long again, so dead clients free their sequences; clients may ping
