@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import subprocess
 import time
 import zlib
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from hybridgen.ipc.messages import (
 )
 from hybridgen.ipc.meta_buffer import HEADER_SIZE as META_HEADER
 from hybridgen.ipc.meta_buffer import MetaBuffer
+from hybridgen.ipc.peer import STALL_TIMEOUT_S, pid_alive
 from hybridgen.ipc.ring import HEADER_SIZE, SLOT_SIZE, SLOT_TICKET_OFFSET, Ring
 from hybridgen.ipc.ticket import CorruptPayload, Op, Ticket
 from hybridgen.sampling.params import SamplingParams
@@ -241,3 +243,19 @@ def test_a_lost_step_result_fails_its_request_with_data_loss(
     last = results[9][-1]
     assert last.error is not None and last.error_code is ErrorCode.DATA_LOSS, last
     assert "corrupted" in last.error
+
+
+# -- when a peer is dead --------------------------------------------------------------------
+
+
+def test_a_peer_is_dead_by_its_process_state_not_by_a_short_stall() -> None:
+    zombie = subprocess.Popen(["true"])  # exits, and stays a zombie until waited for
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{zombie.pid}") and pid_alive(zombie.pid):
+        assert time.monotonic() < deadline, "a zombie counted as alive"
+        time.sleep(0.01)
+    assert os.path.exists(f"/proc/{zombie.pid}"), "not reaped yet: its state said it is dead"
+    zombie.wait()
+    assert pid_alive(os.getpid())
+    # One busy request (a long prompt, a kernel compiling) must not pass for a dead peer.
+    assert STALL_TIMEOUT_S >= 10.0
