@@ -64,7 +64,7 @@ def start(
     checkpoint: Path, tmp: Path, instance: str | None = None, port: int | None = None
 ) -> Server:
     """`hybridgen serve` on the llama3 test checkpoint, with room for SEQS full sequences."""
-    server = "  max_queue: 64\n  request_timeout_s: 30\n"
+    server = "  max_queue: 64\n  request_timeout_s: 300\n"
     tmp.mkdir(exist_ok=True)
     return Server(checkpoint, tmp, server, engine_config(checkpoint), None, instance, port)
 
@@ -314,8 +314,10 @@ PROMPTS = [[(7 * i + j) % 400 + 1 for j in range(12 + i)] for i in range(8)]
 
 
 def _streams(server: Server, started: threading.Barrier | None) -> list[list[int]]:
-    """The 8 streams' tokens; `started` is passed once every stream has its first token."""
+    """The 8 streams' tokens, each complete; `started` is passed once every stream has its
+    first token."""
     tokens: list[list[int]] = [[] for _ in PROMPTS]
+    errors: list[BaseException] = []
 
     def run(i: int) -> None:
         request = pb.GenerateRequest(
@@ -324,18 +326,21 @@ def _streams(server: Server, started: threading.Barrier | None) -> list[list[int
             ignore_eos=True,
             sampling=pb.SamplingParams(temperature=0.0),
         )
-        for reply in server.stub.Generate(request, timeout=300):
-            if not tokens[i] and started is not None:
+        try:
+            for reply in server.stub.Generate(request, timeout=300):
+                first = not tokens[i]
                 tokens[i].extend(reply.token_ids)
-                started.wait(timeout=120)
-                continue
-            tokens[i].extend(reply.token_ids)
+                if first and tokens[i] and started is not None:
+                    started.wait(timeout=120)
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert errors == [] and [len(t) for t in tokens] == [96] * len(PROMPTS), errors
     return tokens
 
 
