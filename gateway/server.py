@@ -1,6 +1,8 @@
-"""The gateway process: grpc.aio server with GenerationService, health, reflection and a
-Prometheus endpoint, over a Backend: EngineBackend (the model in this process) or, with
---upstream, ProxyBackend (forwards to a daemon serving the same API, e.g. the CPU daemon).
+"""The gateway's server: grpc.aio with GenerationService, health, reflection, a Prometheus
+endpoint, the server.* settings (limits, keepalive, TLS, API keys), over a Backend:
+EngineBackend (the model in this process) or ProxyBackend (forwards to a daemon serving the
+same API, e.g. the CPU daemon). gateway/main.py runs it as the product's gateway process;
+this module's command line runs it standalone (development, tests):
 
     python -m hybridgen.gateway.server --model tiny-llama --port 50051
     python -m hybridgen.gateway.server --model tiny-llama --listen unix:/run/hybridgen/cpu.sock
