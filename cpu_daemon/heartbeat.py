@@ -6,11 +6,15 @@ request within one tick), hands each to the callback, bumps the c2g heartbeat an
 systemd watchdog. A full ring or arena is backpressure: commands wait here, in order. If the
 GPU daemon dies (its pid is gone or its heartbeat stalls for `peer_timeout_s`), `on_dead`
 is called once and the loop ends.
+
+A bad ticket from the GPU daemon (a corrupt slot, or a payload that fails its CRC or does
+not decode) is answered with CORRUPT naming its seq; the GPU daemon then fails that request
+with DATA_LOSS. When the GPU daemon answers CORRUPT to one of ours, the request it carried
+fails here (`on_lost`), or a command without payload is sent again.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -23,9 +27,9 @@ import structlog
 
 from hybridgen import sd_notify
 from hybridgen.ipc.channels import Channels, Message, Outbox, take_payload
-from hybridgen.ipc.messages import StepResult, decode_step_result
-from hybridgen.ipc.peer import PeerWatch
-from hybridgen.ipc.ticket import Op, Ticket
+from hybridgen.ipc.messages import StepResult, decode_stats, decode_step_result
+from hybridgen.ipc.peer import STALL_TIMEOUT_S, PeerWatch
+from hybridgen.ipc.ticket import CorruptPayload, Op, Ticket
 
 log = structlog.get_logger()
 
@@ -48,12 +52,13 @@ class CpuHeartbeat:
         on_info: Callable[[dict[str, Any]], None],
         on_dead: Callable[[str], None],
         on_backpressure: Callable[[int, int], None],
+        on_lost: Callable[[int, str], None],
         period_s: float = 0.002,
-        peer_timeout_s: float = 2.0,
+        peer_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         self.ch = channels
         self.on_result, self.on_info, self.on_dead = on_result, on_info, on_dead
-        self.on_backpressure = on_backpressure
+        self.on_backpressure, self.on_lost = on_backpressure, on_lost
         self.period = period_s
         self.commands: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.stats = CpuHeartbeatStats()
@@ -111,6 +116,8 @@ class CpuHeartbeat:
             self.stats.jitter_ms.append(max(0.0, late * 1e3))
         for t in ([ticket] if ticket else []) + self.ch.g2c.drain(256):
             self._receive(t)
+        for seq in self.ch.g2c.take_lost():
+            self._reject(seq, "corrupt ticket (CRC, torn slot or unknown op)")
         self.stats.ticks += 1
         self.ch.c2g.heartbeat()
         now = time.monotonic()
@@ -127,14 +134,40 @@ class CpuHeartbeat:
 
     def _receive(self, ticket: Ticket) -> None:
         self.stats.received += 1
-        payload = take_payload(self.ch.g2c_meta, ticket)
+        try:
+            self._dispatch(ticket, take_payload(self.ch.g2c_meta, ticket))
+        except CorruptPayload as exc:
+            log.warning("corrupt_payload", ring="g2c", seq=ticket.seq, error=str(exc))
+            self._reject(ticket.seq, str(exc))
+
+    def _dispatch(self, ticket: Ticket, payload: bytes) -> None:
         if ticket.op is Op.STEP_RESULT:
             self.on_result(
                 decode_step_result(ticket.request_id, ticket.flags, ticket.shape, payload)
             )
         elif ticket.op is Op.STATS:
-            self.on_info(json.loads(payload))
+            self.on_info(decode_stats(payload))
         elif ticket.op is Op.BACKPRESSURE:
             self.on_backpressure(ticket.flags, ticket.shape[0])
+        elif ticket.op is Op.CORRUPT:
+            self._lost_on_peer(ticket.request_id, payload.decode(errors="replace"))
         else:
             log.warning("unexpected_ticket", op=ticket.op.name)
+
+    def _reject(self, seq: int, why: str) -> None:
+        """Tell the GPU daemon that its g2c ticket `seq` was bad."""
+        self._outbox.append((Op.CORRUPT, seq, why[:256].encode(), 0, (0, 0, 0, 0)))
+
+    def _lost_on_peer(self, seq: int, why: str) -> None:
+        """The GPU daemon found our c2g ticket `seq` bad: fail its request, or send a
+        command without payload again."""
+        sent = self._outbox.sent_at(seq)
+        log.warning("ticket_lost", ring="c2g", seq=seq, why=why, known=sent is not None)
+        if sent is None:
+            return
+        op, rid, flags, shape, _ = sent
+        if op in (Op.NEW_SEQ, Op.APPEND_TOKENS):
+            self.on_lost(rid, f"its {op.name} ticket was corrupted on the way to the GPU daemon")
+            self._outbox.append((Op.ABORT, rid, b"", 0, (0, 0, 0, 0)))  # it may hold KV
+        else:  # ABORT, STATS, BACKPRESSURE, CORRUPT: idempotent, their payload optional
+            self._outbox.append((op, rid, b"", flags, shape))

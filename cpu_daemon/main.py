@@ -19,6 +19,7 @@ import sys
 
 import structlog
 
+from hybridgen import config_sections
 from hybridgen import log as hlog
 from hybridgen.affinity import bind
 from hybridgen.config import ConfigError, load_config
@@ -55,15 +56,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-async def run(backend: RingBackend, listen: str, max_queue: int) -> int:
+async def run(backend: RingBackend, listen: str, server: config_sections.ServerConfig) -> int:
     async def watch_peer() -> None:
         while backend.dead is None:
             await asyncio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)  # drain and stop: the streams already failed
 
     watcher = asyncio.create_task(watch_peer())
-    config = ServerConfig(listen=listen, metrics_port=0, max_queue=max_queue, grace_s=2.0)
-    await serve(backend, config, Metrics())
+    # The gateway in front enforces the public limits (keys, timeouts); this socket is the
+    # daemons' own (mode 0660), and takes whatever message size the gateway lets through.
+    config = ServerConfig(
+        listen=listen,
+        metrics_port=0,
+        max_queue=server.max_queue,
+        max_message_bytes=server.max_message_bytes,
+        grace_s=2.0,
+    )
+    await serve(backend, config, Metrics(), watchdog=False)  # the heartbeat pings it
     watcher.cancel()
     return PEER_DEAD if backend.dead is not None else 0
 
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.start()
     try:
         backend = RingBackend(channels, tokenizer)
-        return asyncio.run(run(backend, listen, config.server.max_queue))
+        return asyncio.run(run(backend, listen, config.server))
     finally:
         for worker in workers:
             worker.stop()

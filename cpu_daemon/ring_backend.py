@@ -21,7 +21,6 @@ from typing import Any
 
 import structlog
 
-from hybridgen import sd_notify
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.gateway.backend import BackendUnavailable
 from hybridgen.gateway.delta import Delta, to_delta
@@ -29,7 +28,7 @@ from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.heartbeat import p99
 from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.gpu_daemon.sequence import FinishReason
-from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.gpu_daemon.validation import InvalidRequest, check_text_size, validate_request
 from hybridgen.ipc.channels import Channels
 from hybridgen.ipc.messages import StepResult, encode_append, encode_new_seq
 from hybridgen.ipc.ticket import Op
@@ -75,12 +74,16 @@ class RingBackend:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._heartbeat = CpuHeartbeat(
-            self._ch, self._post_result, self._post_info, self._post_dead, self._post_backpressure
+            self._ch,
+            self._post_result,
+            self._post_info,
+            self._post_dead,
+            self._post_backpressure,
+            self._post_lost,
         )
         self._heartbeat.start()
         self._heartbeat.send(Op.STATS, 0)
         await self._info_ready.wait()
-        sd_notify.ready(f"serving {self._info.get('model')}")
 
     async def stop(self) -> None:
         if self._heartbeat is not None:
@@ -111,18 +114,27 @@ class RingBackend:
         }
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        self._check_alive()
+        max_len = self._info["max_model_len"]
+        check_text_size("text", text, self._tokenizer.max_text_bytes(max_len), max_len)
+        # On a worker thread, with the GIL released (Tokenizer.encode): the event loop keeps
+        # streaming and the heartbeat keeps beating while a long prompt is tokenized.
+        return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
 
     async def tokenize_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool
     ) -> list[int]:
-        return chat_prompt_ids(self._tokenizer, messages, add_generation_prompt)
+        self._check_alive()
+        max_len = self._info["max_model_len"]
+        text = "".join(m.content for m in messages)
+        check_text_size("messages", text, self._tokenizer.max_text_bytes(max_len), max_len)
+        return await asyncio.to_thread(
+            chat_prompt_ids, self._tokenizer, messages, add_generation_prompt
+        )
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_alive()
-        validate_request(
-            list(prompt_ids), params, self._info["vocab_size"], self._info["max_model_len"]
-        )
+        validate_request(prompt_ids, params, self._info["vocab_size"], self._info["max_model_len"])
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
@@ -219,6 +231,15 @@ class RingBackend:
             # (server.max_queue over queued requests) answers RESOURCE_EXHAUSTED when it fills.
             log.warning("gpu_backpressure", reasons=reasons, waiting=waiting)
             self._backpressure = reasons
+
+        self._call(apply)
+
+    def _post_lost(self, request_id: int, reason: str) -> None:
+        def apply() -> None:
+            q = self._queues.get(request_id)
+            if q is not None:
+                message = f"request {request_id} failed: {reason}; retry it"
+                q.put_nowait(StepFailed(ErrorCode.DATA_LOSS, message))
 
         self._call(apply)
 

@@ -33,6 +33,7 @@ from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info, moe_info
 from hybridgen.gpu_daemon.request_output import RequestOutput
+from hybridgen.gpu_daemon.validation import check_text_size, validate_request
 from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
@@ -63,7 +64,8 @@ class Backend(Protocol):
         """Model and pool facts, keyed by GetModelInfoResponse field names."""
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`."""
+        """Token ids of `text`, tokenized off the event loop; InvalidRequest naming `text`
+        when it is too long for the context (checked before any tokenizing)."""
 
     async def tokenize_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool
@@ -192,22 +194,31 @@ class EngineBackend:
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         self._check_alive()
-        assert self._tokenizer is not None
+        assert self._tokenizer is not None and self._engine is not None
+        max_len = self._engine.max_model_len
+        check_text_size("text", text, self._tokenizer.max_text_bytes(max_len), max_len)
         # The tokenizer is separate from the engine's mutable state and the Rust tokenizer is
-        # thread-safe, so it runs here rather than queueing behind a step.
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # thread-safe, so it runs on a worker rather than queueing behind a step.
+        return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
 
     async def tokenize_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool
     ) -> list[int]:
         self._check_alive()
-        assert self._tokenizer is not None
-        return chat_prompt_ids(self._tokenizer, messages, add_generation_prompt)
+        assert self._tokenizer is not None and self._engine is not None
+        max_len = self._engine.max_model_len
+        text = "".join(m.content for m in messages)
+        check_text_size("messages", text, self._tokenizer.max_text_bytes(max_len), max_len)
+        return await asyncio.to_thread(
+            chat_prompt_ids, self._tokenizer, messages, add_generation_prompt
+        )
 
     async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._check_alive()
         assert self._engine is not None
-        self._engine.validate(list(prompt_ids), params)  # reads only fixed model limits
+        # Engine.validate's check, which reads only fixed model limits.
+        engine = self._engine
+        validate_request(prompt_ids, params, engine.spec.vocab_size, engine.max_model_len)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]

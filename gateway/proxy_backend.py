@@ -57,8 +57,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 _SAMPLING_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _FINISH = {
@@ -99,6 +97,8 @@ def upstream_error(exc: grpc.aio.AioRpcError) -> Exception:
         return BackendUnavailable(f"the upstream is unavailable ({code.name}): {details}")
     if code == grpc.StatusCode.INTERNAL:  # the request's step failed upstream
         return StepFailed(ErrorCode.INTERNAL, details)
+    if code == grpc.StatusCode.DATA_LOSS:  # a ticket of it was corrupted upstream
+        return StepFailed(ErrorCode.DATA_LOSS, details)
     return UpstreamFailed(f"upstream answered {code.name}: {details}")
 
 
@@ -182,9 +182,17 @@ def _task_cancelling() -> bool:
 class ProxyBackend:
     """Backend that forwards to an upstream GenerationService at `target`."""
 
-    def __init__(self, target: str, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, target: str, metrics: Metrics | None = None, max_message_bytes: int = 64 * 2**20
+    ) -> None:
+        """`max_message_bytes`: the largest message either way (the gateway's own limit)."""
         self.target = target
         self._metrics = metrics
+        self._options = [
+            *_CHANNEL_OPTIONS,
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GenerationServiceStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
@@ -197,7 +205,7 @@ class ProxyBackend:
         self._waiting = 0
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
         self._stub = pb_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         await self._poll(timeouts=0, tick=0)  # so that ready() is right on return

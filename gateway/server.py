@@ -1,6 +1,8 @@
-"""The gateway process: grpc.aio server with GenerationService, health, reflection and a
-Prometheus endpoint, over a Backend: EngineBackend (the model in this process) or, with
---upstream, ProxyBackend (forwards to a daemon serving the same API, e.g. the CPU daemon).
+"""The gateway's server: grpc.aio with GenerationService, health, reflection, a Prometheus
+endpoint, the server.* settings (limits, keepalive, TLS, API keys), over a Backend:
+EngineBackend (the model in this process) or ProxyBackend (forwards to a daemon serving the
+same API, e.g. the CPU daemon). gateway/main.py runs it as the product's gateway process;
+this module's command line runs it standalone (development, tests):
 
     python -m hybridgen.gateway.server --model tiny-llama --port 50051
     python -m hybridgen.gateway.server --model tiny-llama --listen unix:/run/hybridgen/cpu.sock
@@ -16,20 +18,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import errno
 import os
 import signal
 import socket
 import stat
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hybridgen import config_sections, sd_notify
 from hybridgen import log as hlog
+from hybridgen.config_sections import TlsConfig
 from hybridgen.engine_config import ConfigError, EngineConfig
+from hybridgen.gateway.auth import ApiKeys, AuthInterceptor
 from hybridgen.gateway.backend import Backend, EngineBackend
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.proxy_backend import ProxyBackend
@@ -52,23 +62,52 @@ class ServerConfig:
     """How the gateway listens (the `server` section of the configuration)."""
 
     host: str = "127.0.0.1"
-    """Address to bind; loopback unless asked, since the API has no authentication."""
+    """Address to bind; loopback unless asked."""
     port: int = 50051
     """gRPC port; 0 picks a free one."""
     metrics_port: int = 9400
     """Prometheus /metrics port; 0 disables the endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the /metrics endpoint (it has no authentication)."""
     max_queue: int = 64
     """Requests that may wait for the engine before Generate answers RESOURCE_EXHAUSTED."""
-    max_message_bytes: int = 64 * 1024 * 1024
-    """Largest request or response message (long token-id prompts)."""
-    keepalive_time_ms: int = 30_000
-    """Server pings an idle connection this often."""
-    keepalive_timeout_ms: int = 10_000
-    """A ping unanswered this long closes the connection."""
+    max_message_bytes: int = 16 * 2**20
+    """Largest request or response message, counted after decompression."""
+    max_streams_per_connection: int = 1024
+    """Concurrent calls per client connection (HTTP/2 max_concurrent_streams)."""
+    keepalive_s: float = 30.0
+    """Ping idle connections this often; close one whose ping is unanswered as long again."""
+    request_timeout_s: float = 0.0
+    """Longest a Generate call may run before DEADLINE_EXCEEDED; 0: no limit."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS (and mutual TLS) on the port; off by default."""
+    api_key_file: str | None = None
+    """API keys (gateway/auth.py); None: every caller is let in."""
+    reflection: bool = True
+    """Serve gRPC server reflection."""
     grace_s: float = 10.0
     """On shutdown, how long running streams may finish before they are cancelled."""
     listen: str | None = None
     """gRPC address, host:port or unix:/path; None listens on host:port."""
+
+    @classmethod
+    def from_section(cls, server: config_sections.ServerConfig, **overrides: Any) -> ServerConfig:
+        """The gateway's settings from hybridgen_config.yaml's server section."""
+        settings: dict[str, Any] = {
+            "host": server.host,
+            "port": server.port,
+            "metrics_port": server.metrics_port,
+            "metrics_host": server.metrics_host,
+            "max_queue": server.max_queue,
+            "max_message_bytes": server.max_message_bytes,
+            "max_streams_per_connection": server.max_streams_per_connection,
+            "keepalive_s": server.keepalive_s,
+            "request_timeout_s": server.request_timeout_s,
+            "tls": server.tls,
+            "api_key_file": server.api_key_file,
+            "reflection": server.reflection,
+        }
+        return cls(**(settings | overrides))
 
     @property
     def address(self) -> str:
@@ -76,16 +115,30 @@ class ServerConfig:
         return self.listen if self.listen is not None else f"{self.host}:{self.port}"
 
 
+# Clients may ping (without calls in flight) at most this often, or keepalive_s if shorter;
+# more often is a strike, and _PING_STRIKES of them get GOAWAY (too_many_pings).
+_MIN_CLIENT_PING_MS = 10_000
+_PING_STRIKES = 2
+
+
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    keepalive_ms = round(config.keepalive_s * 1000)
     return [
+        # One server per port: a second one must fail to bind, not share the port silently.
+        ("grpc.so_reuseport", 0),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms),
+        # What closes the connection of an unanswered ping (grpcio 1.85: the line above alone
+        # does not).
+        ("grpc.http2.ping_timeout_ms", keepalive_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        # Accept client keepalive pings down to 10 s apart instead of answering GOAWAY.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.max_pings_without_data", 0),  # the server's own pings are not capped
+        # The least time between two client pings (grpc's name for the *received* interval).
+        ("grpc.http2.min_ping_interval_without_data_ms", min(keepalive_ms, _MIN_CLIENT_PING_MS)),
+        ("grpc.http2.max_ping_strikes", _PING_STRIKES),
     ]
 
 
@@ -106,19 +159,25 @@ class Gateway:
 
 
 async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gateway:
-    """Create the server with every service registered and the port bound."""
-    server = grpc.aio.server(options=grpc_options(config))
-    service = GenerationService(backend, metrics, config.max_queue)
+    """Create the server with every service registered and the port bound; ConfigError for
+    an unreadable key or certificate file, OSError when the address cannot be bound."""
+    interceptors = []
+    if config.api_key_file is not None:
+        interceptors.append(AuthInterceptor(ApiKeys.load(config.api_key_file)))
+    credentials = _credentials(config.tls) if config.tls.enabled else None
+    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
+    service = GenerationService(backend, metrics, config.max_queue, config.request_timeout_s)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await _set_health(health_servicer, _NOT_SERVING)
-    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    if config.reflection:
+        names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
     path = unix_path(config.address)
     if path is not None:
         remove_stale_socket(path)
-    port = server.add_insecure_port(config.address)
+    port = _bind(server, config.address, credentials)
     if path is not None:
         os.chmod(path, _UNIX_SOCKET_MODE)  # bound above: the file exists now
         address = config.address
@@ -126,6 +185,47 @@ async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gat
         address = f"{config.address.rsplit(':', 1)[0]}:{port}"
     metrics.queue_depth.set_function(backend.queue_depth)
     return Gateway(server, service, health_servicer, port, address)
+
+
+def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """Server credentials from the PEM files; mutual TLS when client_ca_file is set."""
+    files = {k: v for k, v in dataclasses.asdict(tls).items() if v is not None}
+    pem: dict[str, bytes] = {}
+    for name, path in files.items():
+        try:
+            pem[name] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"server.tls.{name}={path!r}: cannot read it: {exc}") from exc
+    ca = pem.get("client_ca_file")
+    return grpc.ssl_server_credentials(
+        [(pem["key_file"], pem["cert_file"])],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind `address`; OSError saying why when it cannot be (grpc says only "Failed to bind")."""
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {_bind_problem(address) or exc}") from exc
+
+
+def _bind_problem(address: str) -> str | None:
+    """Why a TCP address cannot be bound, asked of the OS (None: it can, or not TCP)."""
+    host, _, port = address.rpartition(":")
+    if unix_path(address) is not None or not port.isdigit():
+        return None
+    try:
+        with socket.create_server((host.strip("[]"), int(port))):
+            return None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return "the port is in use (another gateway?); stop that program or pick another port"
+        return exc.strerror
 
 
 def unix_path(address: str) -> str | None:
@@ -159,9 +259,13 @@ async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
         await servicer.set(name, status)
 
 
-async def _follow_backend(gateway: Gateway, backend: Backend, serving: bool) -> None:
-    """Keep health in step with the backend: NOT_SERVING while it is dead, down or draining."""
+async def _follow_backend(
+    gateway: Gateway, backend: Backend, serving: bool, watchdog: float | None
+) -> None:
+    """Keep health in step with the backend: NOT_SERVING while it is dead, down or draining;
+    ping systemd's watchdog every `watchdog` seconds (None: no watchdog)."""
     current = _SERVING if serving else _NOT_SERVING
+    pinged = 0.0
     while True:
         await asyncio.sleep(_HEALTH_POLL_S)
         wanted = _SERVING if backend.ready() and not gateway.service.draining else _NOT_SERVING
@@ -169,16 +273,36 @@ async def _follow_backend(gateway: Gateway, backend: Backend, serving: bool) -> 
             log.warning("health_changed", serving=wanted == _SERVING)
             await _set_health(gateway.health, wanted)
             current = wanted
+        now = time.monotonic()
+        if watchdog is not None and now - pinged >= watchdog:
+            sd_notify.watchdog()
+            pinged = now
 
 
-async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> None:
+def _serve_metrics(metrics: Metrics, config: ServerConfig) -> None:
+    try:
+        metrics.serve(config.metrics_port, config.metrics_host)
+    except OSError as exc:
+        log.error(
+            "cannot_serve_metrics",
+            address=f"{config.metrics_host}:{config.metrics_port}",
+            error=str(exc),
+            hint="free the port, or set server.metrics_port (0: no metrics endpoint)",
+        )
+        raise
+
+
+async def serve(
+    backend: Backend, config: ServerConfig, metrics: Metrics, watchdog: bool = True
+) -> None:
     """Run until SIGTERM/SIGINT, then drain. `metrics` is shared with the backend, which
-    sets its own gauges."""
+    sets its own gauges. Tells systemd READY once serving; `watchdog`: ping its watchdog from
+    the event loop (a process whose own loop pings it passes False)."""
     if config.metrics_port:
-        metrics.serve(config.metrics_port, config.host)
+        _serve_metrics(metrics, config)
     try:
         gateway = await build(backend, config, metrics)
-    except (RuntimeError, OSError) as exc:  # address in use, stale-socket refusal
+    except (ConfigError, OSError) as exc:  # address in use, stale-socket refusal, bad files
         log.error("cannot_listen", address=config.address, error=str(exc))
         raise
     await gateway.server.start()
@@ -197,9 +321,12 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
     serving = backend.ready()
     await _set_health(gateway.health, _SERVING if serving else _NOT_SERVING)
     log.info("gateway_serving" if serving else "gateway_waiting", address=gateway.address)
-    watcher = asyncio.create_task(_follow_backend(gateway, backend, serving))
+    sd_notify.ready(f"{'serving' if serving else 'waiting for the model'} on {gateway.address}")
+    interval = sd_notify.watchdog_interval_s() if watchdog else None
+    watcher = asyncio.create_task(_follow_backend(gateway, backend, serving, interval))
     await stop.wait()
     log.info("gateway_draining", grace_s=config.grace_s)
+    sd_notify.stopping()
     gateway.service.draining = True
     watcher.cancel()
     await _set_health(gateway.health, _NOT_SERVING)

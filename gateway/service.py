@@ -21,13 +21,17 @@ import grpc
 import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
-from hybridgen.cpu_daemon.stop_strings import StopStringError, validate_stops
+from hybridgen.cpu_daemon.stop_strings import MAX_STOP_STRINGS, StopStringError, validate_stops
 from hybridgen.gateway.backend import Backend, BackendUnavailable
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gpu_daemon.engine import InvalidRequest
 from hybridgen.models.chat import ChatMessage, InvalidChat
-from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+from hybridgen.sampling.params import (
+    MAX_STOP_TOKEN_IDS,
+    InvalidSamplingParameter,
+    SamplingParams,
+)
 from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
@@ -51,6 +55,10 @@ class QueueFull(RuntimeError):
     """The admission queue is full."""
 
 
+class RequestTimedOut(RuntimeError):
+    """The call ran past server.request_timeout_s; it was aborted and its KV freed."""
+
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidChat, grpc.StatusCode.INVALID_ARGUMENT),
@@ -58,6 +66,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (StopStringError, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackendUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (RequestTimedOut, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 _STEP_STATUS = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
@@ -85,8 +94,9 @@ class GenerateInput:
     """Client's id, or a generated one."""
     prompt: str | None
     """Text prompt, or None when token ids were given."""
-    prompt_token_ids: tuple[int, ...]
-    """Token-id prompt (empty when text or messages were given)."""
+    prompt_token_ids: Sequence[int]
+    """Token-id prompt (empty when text or messages were given); the request's own container,
+    not copied before its length is checked."""
     messages: tuple[ChatMessage, ...]
     """A chat to render with the model's template (empty when a prompt was given)."""
     add_generation_prompt: bool
@@ -176,6 +186,17 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
         )
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID_LEN} characters")
+    # Counts are checked before the repeated fields are copied: a message of millions of
+    # entries is refused in O(1).
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise StopStringError(
+            f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(req.stop)}"
+        )
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            "stop_token_ids",
+            f"has {len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
     stop = validate_stops(list(req.stop))  # StopStringError names stop[i] and the limits
     sampling = {f: getattr(req.sampling, f) for f in _SAMPLING_FIELDS if req.sampling.HasField(f)}
     params = SamplingParams(
@@ -187,7 +208,7 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
     return GenerateInput(
         request_id=req.request_id or f"req-{uuid.uuid4().hex}",
         prompt=req.prompt or None,
-        prompt_token_ids=tuple(req.prompt_token_ids),
+        prompt_token_ids=req.prompt_token_ids,
         messages=tuple(ChatMessage(m.role, m.content) for m in req.messages),
         add_generation_prompt=(
             req.add_generation_prompt if req.HasField("add_generation_prompt") else True
@@ -260,10 +281,14 @@ def grpc_errors(method: Handler[R]) -> Handler[R]:
 class GenerationService(pb_grpc.GenerationServiceServicer):
     """hybridgen.v1.GenerationService over a Backend."""
 
-    def __init__(self, backend: Backend, metrics: Metrics, max_queue: int) -> None:
+    def __init__(
+        self, backend: Backend, metrics: Metrics, max_queue: int, request_timeout_s: float = 0.0
+    ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.max_queue = max_queue
+        self.request_timeout_s = request_timeout_s
+        """Longest a Generate call may run (DEADLINE_EXCEEDED, KV freed); 0: no limit."""
         self.draining = False
         """Set on shutdown: new calls get UNAVAILABLE while running ones finish."""
 
@@ -278,12 +303,28 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         req = from_pb(request)
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         self._check_available()
-        prompt_ids = list(req.prompt_token_ids)
+        limit = self.request_timeout_s
+        try:
+            async with asyncio.timeout(limit or None) as deadline:
+                await self._generate(req, arrival, context)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise RequestTimedOut(
+                f"the request ran longer than {limit:g} s (server.request_timeout_s); "
+                "it was stopped and its KV freed"
+            ) from None
+
+    async def _generate(
+        self, req: GenerateInput, arrival: float, context: grpc.aio.ServicerContext
+    ) -> None:
+        prompt_ids = req.prompt_token_ids
         if req.prompt is not None:
-            prompt_ids = await self.backend.tokenize(req.prompt, req.add_special_tokens)
+            prompt_ids = await self._tokenize_prompt(req.prompt, req.add_special_tokens)
         elif req.messages:
             prompt_ids = await self.backend.tokenize_chat(req.messages, req.add_generation_prompt)
         await self.backend.validate(prompt_ids, req.params)
+        prompt_ids = list(prompt_ids)  # a copy of what is now known to fit the context
         # No await between this check and generate's first step, which counts the request.
         if self.backend.queue_depth() >= self.max_queue:
             raise QueueFull(
@@ -291,6 +332,15 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             )
         log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
         await self._stream(req, prompt_ids, arrival, context)
+
+    async def _tokenize_prompt(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        """The prompt's ids; the backend's errors about its `text` name the prompt field."""
+        try:
+            return await self.backend.tokenize(prompt, add_special_tokens)
+        except InvalidRequest as exc:
+            if exc.field != "text":
+                raise
+            raise InvalidRequest("prompt", str(exc).partition(": ")[2]) from None
 
     async def _stream(
         self,

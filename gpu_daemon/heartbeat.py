@@ -7,8 +7,10 @@ waiting requests (no free KV blocks, or every sequence slot busy), a BACKPRESSUR
 tells the CPU side, and another one when that ends. A full ring or arena holds results here
 in order; nothing is dropped. If the CPU daemon dies (its pid is gone or its heartbeat
 stalls), every request is aborted and the loop exits non-zero so that systemd restarts both.
+A bad ticket (corrupt slot or payload) is answered with CORRUPT naming its seq; a CORRUPT
+for one of ours aborts the request it carried (DATA_LOSS) or sends the message again.
 
-One step can take longer than the peers' 2 s heartbeat timeout: a kernel compiled for a new
+One step can take longer than the peers' heartbeat timeout: a kernel compiled for a new
 shape, a prefill chunk over a long Warm prefix, a swap of thousands of blocks. While a step
 runs, a side thread keeps the heartbeat and the systemd watchdog going, for up to
 MAX_STEP_S; a step stuck beyond that stops the beats, and the CPU daemon (and systemd)
@@ -37,8 +39,8 @@ from hybridgen.ipc.messages import (
     decode_new_seq,
     encode_step_result,
 )
-from hybridgen.ipc.peer import PeerWatch
-from hybridgen.ipc.ticket import Op, Ticket
+from hybridgen.ipc.peer import STALL_TIMEOUT_S, PeerWatch
+from hybridgen.ipc.ticket import CorruptPayload, Op, Ticket
 from hybridgen.sampling.params import InvalidSamplingParameter
 from hybridgen.step_errors import ErrorCode
 
@@ -110,7 +112,7 @@ class GpuHeartbeat:
         engine: Engine,
         channels: Channels,
         period_s: float = 0.016,
-        peer_timeout_s: float = 2.0,
+        peer_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         self.engine, self.ch = engine, channels
         self.period = period_s
@@ -152,6 +154,8 @@ class GpuHeartbeat:
         tickets = ([first] if first else []) + self.ch.c2g.drain(256)
         for ticket in tickets:
             self._handle(ticket)
+        for seq in self.ch.c2g.take_lost():
+            self._reject(seq, "corrupt ticket (CRC, torn slot or unknown op)")
         if self.engine.has_unfinished():
             # Each decode step's tokens leave as soon as they are on the host, not at the end
             # of a multi-step batch: the CPU daemon streams them while the device goes on.
@@ -168,7 +172,13 @@ class GpuHeartbeat:
 
     def _handle(self, ticket: Ticket) -> None:
         self.stats.tickets_in += 1
-        payload = take_payload(self.ch.c2g_meta, ticket)
+        try:
+            self._apply(ticket, take_payload(self.ch.c2g_meta, ticket))
+        except CorruptPayload as e:
+            log.warning("corrupt_payload", ring="c2g", seq=ticket.seq, error=str(e))
+            self._reject(ticket.seq, str(e))
+
+    def _apply(self, ticket: Ticket, payload: bytes) -> None:
         rid = ticket.request_id
         if ticket.op is Op.NEW_SEQ:
             prompt, params = decode_new_seq(payload)
@@ -188,22 +198,50 @@ class GpuHeartbeat:
         elif ticket.op is Op.BACKPRESSURE:  # the CPU daemon's degrade command (flags: on)
             self.engine.degrade.set(bool(ticket.flags))
         elif ticket.op is Op.STATS:
-            info = dict(
-                engine_info(self.engine),
-                **self.engine.tier_stats(),
-                **moe_info(self.engine),
-                **memory_info(self.engine.device),
-                **self.engine.degrade.info(),
-                kv_blocks_used=self.engine.pool.num_used,
-                running_requests=len(self.engine.seqs),
-                ring_occupancy_c2g=self.ch.c2g.occupancy() / self.ch.c2g.capacity,
-                gpu_heartbeat_jitter_p99_ms=p99(self.stats.jitter_ms),
-            )
-            self.outbox.append((Op.STATS, 0, json.dumps(info).encode(), 0, (0, 0, 0, 0)))
+            self._send_stats()
+        elif ticket.op is Op.CORRUPT:
+            self._lost_on_peer(rid, payload.decode(errors="replace"))
         elif ticket.op is Op.SHUTDOWN:
             self.stopping = True
         else:
             log.warning("unexpected_ticket", op=ticket.op.name, request_id=rid)
+
+    def _send_stats(self) -> None:
+        info = dict(
+            engine_info(self.engine),
+            **self.engine.tier_stats(),
+            **moe_info(self.engine),
+            **memory_info(self.engine.device),
+            **self.engine.degrade.info(),
+            kv_blocks_used=self.engine.pool.num_used,
+            running_requests=len(self.engine.seqs),
+            ring_occupancy_c2g=self.ch.c2g.occupancy() / self.ch.c2g.capacity,
+            gpu_heartbeat_jitter_p99_ms=p99(self.stats.jitter_ms),
+        )
+        self.outbox.append((Op.STATS, 0, json.dumps(info).encode(), 0, (0, 0, 0, 0)))
+
+    def _reject(self, seq: int, why: str) -> None:
+        """Tell the CPU daemon that its c2g ticket `seq` was bad."""
+        self.outbox.append((Op.CORRUPT, seq, why[:256].encode(), 0, (0, 0, 0, 0)))
+
+    def _lost_on_peer(self, seq: int, why: str) -> None:
+        """The CPU daemon found our g2c ticket `seq` bad: abort the request it carried and
+        say so (DATA_LOSS), or send the message again."""
+        sent = self.outbox.sent_at(seq)
+        log.warning("ticket_lost", ring="g2c", seq=seq, why=why, known=sent is not None)
+        if sent is None:
+            return
+        op, rid, flags, shape, _ = sent
+        if op is Op.STEP_RESULT:
+            self.engine.abort(str(rid))
+            lost = "its STEP_RESULT ticket was corrupted on the way to the CPU daemon"
+            prompt, output = shape[1], shape[2]
+            data_loss = StepResult(rid, [], None, None, prompt, output, lost, ErrorCode.DATA_LOSS)
+            self._send_result(data_loss)
+        elif op is Op.STATS:
+            self._send_stats()
+        else:  # BACKPRESSURE, CORRUPT: idempotent, their payload optional
+            self.outbox.append((op, rid, b"", flags, shape))
 
     def _signal_backpressure(self) -> None:
         """Tell the CPU daemon when requests wait because the engine cannot take them (no

@@ -26,7 +26,7 @@ from hybridgen.cpu_daemon.warm_link import WarmLinkClient
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.heartbeat import GpuHeartbeat
 from hybridgen.ipc import shm
-from hybridgen.ipc.channels import Channels
+from hybridgen.ipc.channels import Channels, InstanceInUse
 
 log = structlog.get_logger()
 
@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     config = config.with_model(args.model)
     instance = args.instance or config.server.instance
     structlog.contextvars.bind_contextvars(process="gpu_daemon", instance=instance)
-    channels = Channels.create(instance)
+    try:
+        channels = Channels.create(instance)
+    except InstanceInUse as e:
+        log.error("instance_in_use", error=str(e))
+        return 2  # not retried: the other process keeps the instance until it stops
     try:
         sd_notify.status("loading model")
         engine_config = config.engine_config(args.device)

@@ -225,8 +225,28 @@ def load_config(path: str | Path | None) -> HybridGenConfig:
         config = parse_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
+    # Relative paths are relative to the file, not to the working directory (systemd starts
+    # units in /).
     profile = config.profile_path
-    if profile is not None and not Path(profile).is_absolute():
-        # Relative to the file, not to the working directory (systemd starts units in /).
-        config = dataclasses.replace(config, profile_path=str(path.parent / profile))
-    return config
+    if profile is not None:
+        config = dataclasses.replace(config, profile_path=_beside(path, profile))
+    return dataclasses.replace(config, server=_server_files_beside(path, config.server))
+
+
+def _beside(config_path: Path, file: str) -> str:
+    return file if Path(file).is_absolute() else str(config_path.parent / file)
+
+
+def _server_files_beside(config_path: Path, server: ServerConfig) -> ServerConfig:
+    """server's TLS and API key files, relative ones taken relative to the config file."""
+    tls = {
+        name: _beside(config_path, value)
+        for name, value in dataclasses.asdict(server.tls).items()
+        if value is not None
+    }
+    keys = server.api_key_file
+    return dataclasses.replace(
+        server,
+        tls=dataclasses.replace(server.tls, **tls),
+        api_key_file=None if keys is None else _beside(config_path, keys),
+    )

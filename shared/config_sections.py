@@ -194,6 +194,36 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS on the public gRPC port; off (plaintext) unless cert_file and key_file are set."""
+
+    cert_file: str | None = checked(None, *NONEMPTY)
+    """PEM certificate chain the server presents, relative to this file; null: plaintext."""
+    key_file: str | None = checked(None, *NONEMPTY)
+    """PEM private key of cert_file."""
+    client_ca_file: str | None = checked(None, *NONEMPTY)
+    """PEM CA bundle; set: a client must present a certificate it signed (mutual TLS)."""
+
+    def _validate(self, prefix: str) -> None:
+        for given, missing in (("cert_file", "key_file"), ("key_file", "cert_file")):
+            if getattr(self, given) is not None and getattr(self, missing) is None:
+                raise ConfigError(
+                    f"{prefix}{missing}=None is out of range: allowed a PEM file when "
+                    f"{prefix}{given} is set (TLS needs both)"
+                )
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ConfigError(
+                f"{prefix}client_ca_file={self.client_ca_file!r} is out of range: allowed "
+                f"null without {prefix}cert_file and {prefix}key_file (mutual TLS is TLS)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the port speaks TLS."""
+        return self.cert_file is not None
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The gateway's public endpoint and the processes' shared names."""
 
@@ -203,16 +233,33 @@ class ServerConfig:
     """gRPC API port."""
     metrics_port: int = between(9400, 0, 65535)
     """Prometheus /metrics port; 0: no metrics endpoint."""
+    metrics_host: str = checked("127.0.0.1", *NONEMPTY)
+    """Address of the /metrics endpoint, which has no authentication: loopback unless asked."""
     instance: str = checked("default", _INSTANCE.fullmatch, "1-32 of [A-Za-z0-9_-]")
     """Instance name; shared memory segments are /hybridgen-<instance>-*."""
     max_queue: int = at_least(256, 1)
     """Requests waiting for admission; beyond it the gateway answers RESOURCE_EXHAUSTED."""
     max_message_mb: int = between(16, 1, 2047)
-    """Largest gRPC message either way."""
+    """Largest gRPC message either way, counted after decompression: a request beyond it
+    (or a compressed one that inflates beyond it) gets RESOURCE_EXHAUSTED."""
+    max_streams_per_connection: int = between(1024, 1, 1_000_000)
+    """Concurrent calls one client connection may have open (HTTP/2 max_concurrent_streams);
+    more wait for a free stream or are refused (UNAVAILABLE, which clients may retry). The
+    default is above max_queue + model.max_num_seqs, so that a full queue is answered first."""
     keepalive_s: float = checked(30.0, *_POSITIVE)
-    """gRPC keepalive ping period, so dead clients free their sequences."""
+    """The server pings an idle connection this often and closes it when a ping goes
+    unanswered for as long again, so dead clients free their sequences; clients may ping
+    no more often than every min(keepalive_s, 10) s (GOAWAY too_many_pings otherwise)."""
     request_timeout_s: float = at_least(600.0, 0)
-    """Longest a request may run before DEADLINE_EXCEEDED; 0: no limit."""
+    """Longest a Generate call may run before DEADLINE_EXCEEDED (its KV is freed); 0: no
+    limit."""
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    """TLS, and mutual TLS, on the gRPC port."""
+    api_key_file: str | None = checked(None, *NONEMPTY)
+    """File of API keys, one a line (# comments); set: every call but health and reflection
+    needs the header `authorization: Bearer KEY`, else UNAUTHENTICATED. null: no keys."""
+    reflection: bool = True
+    """Serve gRPC server reflection (grpcurl list/describe without proto files)."""
     runtime_dir: str = checked("/run/hybridgen", lambda v: v.startswith("/"), "an absolute path")
     """Folder of the daemons' unix sockets (systemd's RuntimeDirectory=hybridgen)."""
 
@@ -222,6 +269,11 @@ class ServerConfig:
                 f"{prefix}metrics_port={self.metrics_port} is out of range: "
                 f"allowed a port other than {prefix}port"
             )
+
+    @property
+    def max_message_bytes(self) -> int:
+        """max_message_mb in bytes."""
+        return self.max_message_mb * 2**20
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ class ErrorCode(enum.IntEnum):
     """Its step ran out of device memory."""
     INTERNAL = 3
     """Its step failed for another reason (a bug; the GPU daemon's log has the traceback)."""
+    DATA_LOSS = 4
+    """A ticket of it was corrupted between the daemons (ipc/channels.py: CORRUPT); its KV
+    is freed and a retry may succeed."""
 
 
 class StepFailed(RuntimeError):

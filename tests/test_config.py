@@ -62,6 +62,15 @@ FULL: dict[str, Any] = {
         "keepalive_s": 10,
         "request_timeout_s": 0,
         "runtime_dir": "/run/hg",
+        "metrics_host": "0.0.0.0",
+        "max_streams_per_connection": 8,
+        "tls": {
+            "cert_file": "/etc/hg/cert.pem",
+            "key_file": "/etc/hg/key.pem",
+            "client_ca_file": "/etc/hg/ca.pem",
+        },
+        "api_key_file": "/etc/hg/api_keys",
+        "reflection": False,
     },
     "mode": "hybrid",
 }
@@ -221,6 +230,10 @@ def test_unknown_key_suggests_the_close_one() -> None:
         ("server.max_message_mb", 4096, "1..2047"),
         ("server.keepalive_s", 0, "> 0"),
         ("server.request_timeout_s", -1, ">= 0"),
+        ("server.max_streams_per_connection", 0, "1..1000000"),
+        ("server.metrics_host", "", "a non-empty string"),
+        ("server.api_key_file", " ", "a non-empty string"),
+        ("server.tls.cert_file", "", "a non-empty string"),
         ("server.runtime_dir", "run/hybridgen", "an absolute path"),
         ("mode", "pure_cpu", "one of hybrid, pure_gpu"),
     ],
@@ -315,6 +328,31 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
         "kv_cache:\n  <<: {hot_region_mb: 1024}\n  hot_region_mb: 2048\n"
     )
     assert load_config(path).kv_cache.hot_region_mb == 2048
+
+
+def test_tls_needs_both_files_and_mutual_tls_needs_tls() -> None:
+    with pytest.raises(ConfigError, match=r"^server\.tls\.key_file=None .*server\.tls\.cert_file"):
+        parse_config(_with("server.tls", {"cert_file": "c.pem"}))
+    with pytest.raises(ConfigError, match=r"^server\.tls\.cert_file=None .*server\.tls\.key_file"):
+        parse_config(_with("server.tls", {"key_file": "k.pem"}))
+    with pytest.raises(ConfigError, match=r"^server\.tls\.client_ca_file='ca\.pem' .*TLS"):
+        parse_config(_with("server.tls", {"client_ca_file": "ca.pem"}))
+    both = parse_config(_with("server.tls", {"cert_file": "c.pem", "key_file": "k.pem"}))
+    assert both.server.tls.enabled and not HybridGenConfig().server.tls.enabled
+
+
+def test_server_files_are_relative_to_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "etc" / "hybridgen_config.yaml"
+    path.parent.mkdir()
+    path.write_text(
+        "server:\n  api_key_file: keys\n"
+        "  tls: {cert_file: c.pem, key_file: /abs/k.pem, client_ca_file: ca/ca.pem}\n"
+    )
+    server = load_config(path).server
+    assert server.api_key_file == str(path.parent / "keys")
+    assert server.tls.cert_file == str(path.parent / "c.pem")
+    assert server.tls.key_file == "/abs/k.pem"
+    assert server.tls.client_ca_file == str(path.parent / "ca" / "ca.pem")
 
 
 def test_relative_profile_path_is_relative_to_the_file(tmp_path: Path) -> None:

@@ -74,11 +74,14 @@ class Server:
         extra_config: str = "",
         engine_config: str = "",
         env: dict[str, str] | None = None,
+        instance: str | None = None,
+        port: int | None = None,
     ) -> None:
         """`engine_config` replaces the default model and kv_cache sections; `env` is added
-        to the server's environment."""
-        self.instance = f"s{uuid.uuid4().hex[:10]}"
-        self.port = free_port()
+        to the server's environment; `instance` and `port` serve an instance again (by
+        default, new ones)."""
+        self.instance = instance or f"s{uuid.uuid4().hex[:10]}"
+        self.port = port or free_port()
         config = tmp / "hybridgen_config.yaml"
         spec = parse_config(checkpoint / "config.json")
         pool_mb = 2 * MAX_LEN * spec.kv_bytes_per_token(torch.float32) / 2**20

@@ -46,7 +46,8 @@ RANGES = [
     ("request_id", 0, 2**64 - 1),
     ("payload_offset", 0, 2**32 - 1),
     ("payload_len", 0, 2**32 - 1),
-    ("layer", -1, 2**31 - 1),
+    ("payload_crc", 0, 2**32 - 1),
+    ("layer", -1, 2**15 - 1),
     ("dtype", 0, 255),
     ("flags", 0, 65535),
     ("device", -1, 32767),
@@ -68,7 +69,7 @@ def test_shape_and_op_ranges() -> None:
     for bad_shape in [(-1, 0, 0, 0), (0, 0, 0, 2**32), (1, 2, 3)]:
         with pytest.raises(ValueError, match="shape"):
             _full_ticket(shape=bad_shape).pack()
-    for bad_op in (0, 16, 255):
+    for bad_op in (0, 17, 255):
         with pytest.raises(ValueError, match="op must be an Op value"):
             _full_ticket(op=bad_op).pack()
 
@@ -91,7 +92,7 @@ def test_unpack_reports_length_and_unknown_op() -> None:
     import zlib
 
     body = bytearray(raw[:60])
-    body[52] = 99
+    body[54] = 99  # the op byte
     forged = bytes(body) + struct.pack("<I", zlib.crc32(body))
     with pytest.raises(CorruptTicket, match="unknown op 99"):
         Ticket.unpack(forged)

@@ -98,7 +98,14 @@ def measure_jitter(seconds: float) -> dict[str, Any]:
     channels = Channels.create(instance, capacity=1024, meta_bytes=1 << 20)
     try:
         dead: list[str] = []
-        hb = CpuHeartbeat(channels, lambda r: None, lambda i: None, dead.append, lambda f, n: None)
+        hb = CpuHeartbeat(
+            channels,
+            lambda r: None,
+            lambda i: None,
+            dead.append,
+            lambda f, n: None,
+            lambda r, w: None,
+        )
         hb.stats.jitter_ms = deque()  # unbounded: keep every tick of a long run
         hb.start()
         time.sleep(seconds)

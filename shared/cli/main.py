@@ -15,11 +15,9 @@ import contextlib
 import fcntl
 import os
 import re
-import socket
 import stat
 import sys
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
 
@@ -32,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["main", "runtime_dir"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-_SERVICE = "hybridgen.v1.GenerationService"
 
 
 def _err(message: str) -> None:
@@ -79,36 +76,6 @@ def runtime_dir(configured: str, instance: str) -> Path:
     raise OSError(f"no writable runtime folder among {[str(b) for b in bases]}")
 
 
-def _unix_probe(path: Path) -> Callable[[], bool]:
-    def probe() -> bool:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(0.5)
-            s.connect(str(path))
-        return True
-
-    return probe
-
-
-def _health_probe(host: str, port: int) -> Callable[[], bool]:
-    """SERVING from grpc.health.v1 for GenerationService; one channel kept across polls."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    channel: list[grpc.Channel] = []
-
-    def probe() -> bool:
-        if not channel:
-            channel.append(grpc.insecure_channel(f"{_connect_host(host)}:{port}"))
-        stub = health_pb2_grpc.HealthStub(channel[0])
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=_SERVICE), timeout=0.5)
-        serving = bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-        if serving:
-            channel.pop().close()
-        return serving
-
-    return probe
-
-
 def _connect_host(host: str) -> str:
     """Where a local client reaches a server bound to `host` (wildcards mean loopback)."""
     return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
@@ -119,16 +86,13 @@ def child_specs(config: HybridGenConfig, args: argparse.Namespace, rt: Path) -> 
     from hybridgen.cli.supervisor import ChildSpec
 
     py = sys.executable
-    common = ["--model", args.model, "--instance", args.instance]
-    if args.config is not None:
-        common += ["--config", str(args.config)]
+    config_flag = [] if args.config is None else ["--config", str(args.config)]
+    common = ["--model", args.model, "--instance", args.instance, *config_flag]
     cpu_sock = rt / "cpu.sock"
-    srv = config.server
-    gateway = [
-        *(py, "-m", "hybridgen.gateway.server", "--upstream", f"unix:{cpu_sock}"),
-        *("--host", srv.host, "--port", str(args.port)),
-        *("--metrics-port", str(srv.metrics_port), "--max-queue", str(srv.max_queue)),
-    ]
+    gateway = (
+        *(py, "-m", "hybridgen.gateway.main", "--upstream", f"unix:{cpu_sock}"),
+        *("--port", str(args.port), *config_flag),
+    )
     return [
         ChildSpec(
             "gpu",
@@ -139,28 +103,31 @@ def child_specs(config: HybridGenConfig, args: argparse.Namespace, rt: Path) -> 
             "cpu",
             (py, "-m", "hybridgen.cpu_daemon.main", *common, "--listen", f"unix:{cpu_sock}"),
             depends_on=("gpu",),  # the GPU daemon re-creates the rings the CPU daemon maps
-            probe=_unix_probe(cpu_sock),
             log_path=rt / "cpu.log",
         ),
         # Not restarted with the CPU daemon: its channel to cpu.sock reconnects by itself and
         # clients meanwhile get UNAVAILABLE instead of a refused public port.
-        ChildSpec(
-            "gateway",
-            tuple(gateway),
-            probe=_health_probe(srv.host, args.port),
-            log_path=rt / "gateway.log",
-        ),
+        ChildSpec("gateway", gateway, log_path=rt / "gateway.log"),
     ]
 
 
 def _lock_instance(rt: Path, instance: str) -> IO[bytes] | None:
-    """An exclusive lock held while serving: two supervisors would share one set of rings."""
-    f = open(rt / "serve.lock", "ab")  # noqa: SIM115 - held open for the life of the process
+    """An exclusive lock held while any process of the instance lives (the children inherit
+    it): a second supervisor, or one started beside orphans of a killed one, would share
+    their rings and ports."""
+    from hybridgen.cli.supervisor import lock_holders
+
+    path = rt / "serve.lock"
+    f = open(path, "ab")  # noqa: SIM115 - held open for the life of the process
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        _err(f"instance '{instance}' is already being served ({rt}); pick another --instance")
+        pids = " ".join(str(p) for p in lock_holders(path)) or "unknown: another user"
+        _err(
+            f"instance '{instance}' is still running (pids {pids}, lock {path}); stop it "
+            "(kill those pids) or pick another --instance"
+        )
         return None
     return f
 
@@ -214,6 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         Policy(progress_every_s=5.0),
         report=_err,
         on_all_ready=announce,
+        inherit_fds=(lock.fileno(),),
     )
     with lock:
         status = supervisor.run()

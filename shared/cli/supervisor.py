@@ -2,8 +2,9 @@
 
 Rules (the same for stand-in commands in tests and for `hybridgen serve`):
 - Children start in list order, each once every child before it is ready. Ready means
-  READY=1 on its private sd_notify socket ($NOTIFY_SOCKET) or its `probe` answering True,
-  whichever comes first; a child with neither is ready once spawned.
+  READY=1 on its private sd_notify socket ($NOTIFY_SOCKET), sent by that child's own pid
+  (the kernel's SCM_CREDENTIALS say who sent it, so a leftover process of an earlier run can
+  never pass for a new child); a child without a notify socket is ready once spawned.
 - A child that exits without being asked to is restarted together with every child that
   depends on it, directly or not (dependents are stopped first, in reverse order).
 - Restarts wait min(backoff_initial_s * 2**k, backoff_max_s), k = restarts in the crash
@@ -11,15 +12,21 @@ Rules (the same for stand-in commands in tests and for `hybridgen serve`):
   exit 1. Exit status 2 (bad arguments or config) is never retried: it would only fail again.
 - SIGINT/SIGTERM: stop every child in reverse start order (SIGTERM, SIGKILL after
   `stop_timeout_s`), exit 0.
+- The children die with the supervisor: each is spawned with PR_SET_PDEATHSIG = SIGKILL, so
+  a supervisor killed with SIGKILL leaves nothing running. They also inherit `inherit_fds`
+  (the instance lock of `hybridgen serve`), which therefore stays locked while any process
+  of the instance lives, the supervisor or one of its children.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import signal
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["EXIT_USAGE", "ChildSpec", "Policy", "Supervisor"]
+__all__ = ["EXIT_USAGE", "ChildSpec", "Policy", "Supervisor", "lock_holders"]
 
 EXIT_USAGE = 2
 """A child's exit status for bad arguments or config: restarting cannot help."""
@@ -43,8 +50,6 @@ class ChildSpec:
     """Command line, argv[0] included."""
     depends_on: tuple[str, ...] = ()
     """Earlier children whose restart restarts this one too (shared state, e.g. shm rings)."""
-    probe: Callable[[], bool] | None = None
-    """Readiness check polled while starting (e.g. a gRPC health check); None: notify only."""
     notify: bool = True
     """Give the child a private $NOTIFY_SOCKET and take READY=1 / STATUS= from it."""
     log_path: Path | None = None
@@ -65,8 +70,9 @@ class Policy:
     """Restarts allowed within crash_window_s; one more gives up."""
     crash_window_s: float = 60.0
     """Window of the crash-loop count."""
-    stop_timeout_s: float = 10.0
-    """SIGTERM grace before SIGKILL."""
+    stop_timeout_s: float = 15.0
+    """SIGTERM grace before SIGKILL; longer than a child's own drain (the gateway gives
+    running streams 10 s)."""
     poll_s: float = 0.05
     """Main-loop tick."""
     progress_every_s: float = 10.0
@@ -102,6 +108,7 @@ class Supervisor:
         policy: Policy | None = None,
         report: Callable[[str], None] = print,
         on_all_ready: Callable[[], None] | None = None,
+        inherit_fds: tuple[int, ...] = (),
     ) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -114,6 +121,7 @@ class Supervisor:
         self.report = report
         self.on_all_ready = on_all_ready
         self.children = [_Child(s, runtime_dir) for s in specs]
+        self.inherit_fds = inherit_fds
         self.restarts: collections.deque[float] = collections.deque()
         self._stop_signal: int | None = None
         self._announced = False
@@ -227,12 +235,8 @@ class Supervisor:
         for child in self.children:
             if child.proc is None or child.ready:
                 continue
-            probe = child.spec.probe
-            if (not child.spec.notify and probe is None) or (
-                probe is not None and _safe_probe(probe)
-            ):
+            if not child.spec.notify:
                 child.ready = True
-            if child.ready:
                 self.report(f"{child.spec.name} ready after {now - child.started_at:.1f} s")
             elif now - child.last_progress >= self.policy.progress_every_s:
                 child.last_progress = now
@@ -258,7 +262,13 @@ class Supervisor:
             # A session of its own: Ctrl-C reaches only the supervisor, which then stops the
             # children in order instead of all of them at once.
             child.proc = subprocess.Popen(
-                spec.argv, env=env, stdout=out, stderr=out, start_new_session=True
+                spec.argv,
+                env=env,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                pass_fds=self.inherit_fds,
+                preexec_fn=_die_with(os.getpid()),
             )
         finally:
             if out is not None:
@@ -285,6 +295,7 @@ class Supervisor:
         if child.sock is None:
             child.sock_path.unlink(missing_ok=True)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the sender's pid
             sock.bind(str(child.sock_path))
             sock.setblocking(False)
             child.sock = sock
@@ -302,11 +313,15 @@ class Supervisor:
             return
         while True:
             try:
-                data = child.sock.recv(4096)
+                data, ancillary, _, _ = child.sock.recvmsg(4096, _CREDENTIALS_SPACE)
             except (BlockingIOError, InterruptedError):
                 return
             if child.proc is None:
                 continue  # a message from a child already reaped or stopped
+            sender = _sender_pid(ancillary)
+            if sender != child.proc.pid:
+                self.report(f"{child.spec.name}: ignored a notification from pid {sender}")
+                continue
             for line in data.decode(errors="replace").splitlines():
                 key, _, value = line.partition("=")
                 if key == "READY" and value == "1" and not child.ready:
@@ -330,11 +345,43 @@ class Supervisor:
             self.report(f"  (full log: {path})")
 
 
-def _safe_probe(probe: Callable[[], bool]) -> bool:
-    try:
-        return bool(probe())
-    except Exception:
-        return False  # not up yet; a probe must never take the supervisor down
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CREDENTIALS_SPACE = socket.CMSG_SPACE(_CREDENTIALS.size)
+_PR_SET_PDEATHSIG = 1
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The pid in a datagram's SCM_CREDENTIALS (the kernel fills it in: it cannot be forged)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            return int(_CREDENTIALS.unpack(data[: _CREDENTIALS.size])[0])
+    return None
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child is sent SIGKILL when `parent` dies (PR_SET_PDEATHSIG), and
+    exits at once when `parent` died between fork and this call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def tie() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return tie
+
+
+def lock_holders(path: Path) -> list[int]:
+    """Pids of this user's processes with `path` open (those that hold its lock)."""
+    target = str(path.resolve())
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # another user's, or gone meanwhile
+            if any(os.readlink(fd) == target for fd in (proc / "fd").iterdir()):
+                pids.append(int(proc.name))
+    return sorted(pids)
 
 
 def _describe(code: int | None) -> str:

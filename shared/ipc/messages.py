@@ -12,21 +12,31 @@ tokens a step produced, ABORT carries nothing.
                           or with ERROR the step_errors.ErrorCode)
                  flags:   FINISHED | HAS_LOGPROBS | ERROR | CANDIDATES
     APPEND_TOKENS  payload: int32 token | float32 logprob  (the CPU's pick for CANDIDATES)
+    STATS        payload: a JSON object (GPU -> CPU), none (CPU -> GPU: a request for one)
+    CORRUPT      payload: UTF-8 reason; request_id: the seq of the bad ticket
+
+The decoders trust nothing: a payload whose size, encoding or fields do not match its op
+raises CorruptPayload saying what is wrong, never another exception.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
+from hybridgen.ipc.ticket import CorruptPayload
 from hybridgen.sampling.candidates import Candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.step_errors import ErrorCode
 
 FINISHED, HAS_LOGPROBS, ERROR, CANDIDATES = 1, 2, 4, 8
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_ERROR_CODES = frozenset(int(code) for code in ErrorCode)
 FINISH_CODES = {None: 0, "stop": 1, "length": 2, "aborted": 3}
 FINISH_NAMES = {code: name for name, code in FINISH_CODES.items()}
 _U32 = struct.Struct("<I")
@@ -41,12 +51,40 @@ def encode_new_seq(prompt_ids: list[int], params: SamplingParams) -> bytes:
 
 def decode_new_seq(payload: bytes | memoryview) -> tuple[list[int], SamplingParams]:
     buf = bytes(payload)
+    if len(buf) < _U32.size:
+        raise CorruptPayload(f"NEW_SEQ payload of {len(buf)} bytes has no parameter header")
     (n,) = _U32.unpack_from(buf, 0)
-    fields = json.loads(buf[_U32.size : _U32.size + n])
-    fields["stop_token_ids"] = tuple(fields.get("stop_token_ids", ()))
     start = _U32.size + n + (-(_U32.size + n) % 4)
+    if start > len(buf) or (len(buf) - start) % 4:
+        raise CorruptPayload(
+            f"NEW_SEQ payload of {len(buf)} bytes does not hold {n} bytes of parameters "
+            "followed by whole int32 token ids"
+        )
+    fields = _json_object("NEW_SEQ parameters", buf[_U32.size : _U32.size + n])
+    unknown = set(fields) - _PARAM_FIELDS
+    if unknown:
+        raise CorruptPayload(f"NEW_SEQ parameters have unknown fields {sorted(unknown)}")
+    stops = fields.get("stop_token_ids", [])
+    if not isinstance(stops, list):
+        raise CorruptPayload(f"NEW_SEQ stop_token_ids is a {type(stops).__name__}, not a list")
+    fields["stop_token_ids"] = tuple(stops)
     ids = np.frombuffer(buf, dtype=np.int32, offset=start).tolist()
-    return ids, SamplingParams(**fields)
+    return ids, SamplingParams(**fields)  # value types and ranges: SamplingParams.validate
+
+
+def _json_object(what: str, data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise CorruptPayload(f"{what} are not UTF-8 JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CorruptPayload(f"{what} are a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def decode_stats(payload: bytes | memoryview) -> dict[str, Any]:
+    """The GPU daemon's STATS payload: a JSON object of GetModelInfo fields."""
+    return _json_object("STATS fields", bytes(payload))
 
 
 @dataclass(frozen=True)
@@ -100,11 +138,19 @@ def decode_step_result(
 ) -> StepResult:
     n, prompt_tokens, output_tokens, code = shape
     if flags & ERROR:
-        message = bytes(payload).decode()
+        if code not in _ERROR_CODES:
+            raise CorruptPayload(f"STEP_RESULT error code {code} is not an ErrorCode")
+        try:
+            message = bytes(payload).decode()
+        except UnicodeDecodeError as exc:
+            raise CorruptPayload(f"STEP_RESULT error message is not UTF-8: {exc}") from None
         return StepResult(
             request_id, [], None, "aborted", prompt_tokens, output_tokens, message, ErrorCode(code)
         )
+    if code not in FINISH_NAMES:
+        raise CorruptPayload(f"STEP_RESULT finish reason code {code} is not one of 0..3")
     if flags & CANDIDATES:
+        _expect_size(payload, 4 * n + 4 * (n + 2), f"{n} candidates")
         logits = np.frombuffer(payload, dtype=np.float32, count=n + 2, offset=4 * n)
         cands = Candidates(
             np.frombuffer(payload, dtype=np.int32, count=n).copy(),
@@ -115,11 +161,17 @@ def decode_step_result(
         return StepResult(
             request_id, [], None, None, prompt_tokens, output_tokens, candidates=cands
         )
-    ids = np.frombuffer(payload, dtype=np.int32, count=n).tolist()
     logprobs = None
+    _expect_size(payload, (8 if flags & HAS_LOGPROBS else 4) * n, f"{n} tokens")
+    ids = np.frombuffer(payload, dtype=np.int32, count=n).tolist()
     if flags & HAS_LOGPROBS:
         logprobs = np.frombuffer(payload, dtype=np.float32, count=n, offset=4 * n).tolist()
     return StepResult(request_id, ids, logprobs, FINISH_NAMES[code], prompt_tokens, output_tokens)
+
+
+def _expect_size(payload: bytes | memoryview, size: int, what: str) -> None:
+    if len(payload) != size:
+        raise CorruptPayload(f"STEP_RESULT of {what} needs {size} bytes, got {len(payload)}")
 
 
 _APPEND = struct.Struct("<if")
@@ -130,5 +182,7 @@ def encode_append(token_id: int, logprob: float) -> bytes:
 
 
 def decode_append(payload: bytes | memoryview) -> tuple[int, float]:
+    if len(payload) != _APPEND.size:
+        raise CorruptPayload(f"APPEND_TOKENS needs {_APPEND.size} bytes, got {len(payload)}")
     token_id, logprob = _APPEND.unpack(bytes(payload))
     return token_id, logprob

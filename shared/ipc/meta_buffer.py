@@ -26,8 +26,10 @@ Invariants:
   written with single 8-byte loads/stores (a 'Q' memoryview), never torn or zero-filled.
 * Allocations are ALIGN-aligned and never split across the end of the data area: if a
   payload does not fit before the end, the rest of the lap is skipped and it starts at
-  offset 0. The consumer recognises that skip when a release names offset 0 while its
-  tail is elsewhere. Releases must therefore follow write order (FIFO).
+  offset 0. A release frees its payload and every older one still live (a wrap skip, or
+  the payload of a ticket the consumer found corrupt and dropped), so a lost ticket never
+  blocks the arena; a span that is not live (released already, or never written) is
+  refused with ValueError and changes nothing.
 * A payload may be at most capacity // 2 bytes, which guarantees it fits in an empty arena
   wherever the head stands.
 * Payloads become visible to the consumer through the ticket ring, whose semaphore post is
@@ -225,27 +227,24 @@ class MetaBuffer:
         )
 
     def release(self, offset: int, length: int) -> None:
-        """Free the oldest live payload; must be called in write (FIFO) order."""
+        """Free the payload at [offset, offset + length) and every older one still live;
+        ValueError (nothing freed) when that span is not a live payload."""
         if length == 0:
             return
-        start = self._words[_TAIL_W]
+        self._check_span(offset, length)
+        tail = self._words[_TAIL_W]
         head = self._words[_HEAD_W]
-        tail = start
         pos = tail % self.capacity
-        if offset != pos:
-            if offset != 0:
-                raise ValueError(
-                    f"release out of FIFO order: expected offset {pos} (or 0 after a wrap), "
-                    f"got {offset}"
-                )
-            tail += self.capacity - pos  # the producer skipped the rest of the lap
-        tail += _aligned(length)
-        if tail > head:
+        # The one place at or after the tail where a payload at `offset` can start: later
+        # in this lap, or in the next one (after a wrap skip); any other lies beyond head.
+        start = tail + (offset - pos if offset >= pos else self.capacity - pos + offset)
+        end = start + _aligned(length)
+        if end > head:
             raise ValueError(
-                f"release of [{offset}, {offset + length}) goes past what was written "
-                f"({head - start} bytes live)"
+                f"release of [{offset}, {offset + length}) is not a live payload "
+                f"({head - tail} bytes live from offset {pos})"
             )
-        self._words[_TAIL_W] = tail
+        self._words[_TAIL_W] = end
 
     # ---- both sides ----------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ Invariants:
   before writing, so a concurrent reader could see 0 (a "reset" heartbeat).
 * A full ring is backpressure: `try_put` returns False at once and `put` waits at most its
   timeout; nothing is ever dropped or overwritten.
+* A slot that fails validation is skipped, and its seq is kept for `take_lost`, so the
+  consumer can tell the producer which ticket was lost (channels.py: CORRUPT).
 
 A Ring object is for one thread: head/tail are cached in it without locking. A process
 that both produces and consumes on one ring (tests) may use one object for both roles.
@@ -63,6 +65,7 @@ re-creates the ring (create unlinks the stale segment and semaphores) when it re
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import struct
@@ -76,7 +79,7 @@ from hybridgen.ipc import shm
 from hybridgen.ipc.ticket import TICKET_SIZE, CorruptTicket, Ticket
 
 MAGIC = b"HGRING01"
-RING_VERSION = 1
+RING_VERSION = 2
 HEADER_SIZE = 256
 SLOT_SIZE = 128
 SLOT_STAMP_OFFSET = 0
@@ -135,6 +138,7 @@ class Ring:
         self._head: int | None = None  # cached once this object acts as producer
         self._tail: int | None = None  # cached once this object acts as consumer
         self._put = self._got = self._full = self._corrupt = 0
+        self._lost: collections.deque[int] = collections.deque(maxlen=capacity)
 
     def _check_header(
         self, magic: bytes, version: int, capacity: int, slot: int, ticket: int, size: int
@@ -201,6 +205,21 @@ class Ring:
             mm.close()
             raise
 
+    @classmethod
+    def owner(cls, instance: str, name: str) -> tuple[int, int] | None:
+        """(owner pid, epoch in time_ns) of an existing ring; None when there is none."""
+        try:
+            mm = shm.attach_segment(shm.segment_name(instance, name))
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            if len(mm) < _FIXED.size:
+                return None
+            magic, _, _, _, _, epoch, pid = _FIXED.unpack_from(mm)
+        finally:
+            mm.close()
+        return (int(pid), int(epoch)) if magic == MAGIC else None
+
     # ---- producer side -------------------------------------------------------------------
 
     def _claim_producer(self) -> int:
@@ -209,6 +228,11 @@ class Ring:
         self._words[_PRODUCER_PID_W] = self._pid
         self._head = head
         return int(head)
+
+    def next_seq(self) -> int:
+        """Producer: the seq the next committed ticket will carry."""
+        head = self._head if self._head is not None else self._words[_HEAD_W]
+        return int(head) + 1
 
     def try_put(self, ticket: Ticket) -> bool:
         """Commit `ticket` if a slot is free; False (backpressure) when full. Never blocks."""
@@ -332,6 +356,7 @@ class Ring:
 
     def _report(self, position: int, stamp: int, reason: str) -> None:
         self._corrupt += 1
+        self._lost.append(position + 1)
         n = self._corrupt
         if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
             _log.warning(
@@ -343,6 +368,13 @@ class Ring:
                 reason=reason,
                 corrupt_total=n,
             )
+
+    def take_lost(self) -> list[int]:
+        """Consumer: the seqs of slots skipped as corrupt since the last call (the last
+        `capacity` of them, oldest first)."""
+        lost = list(self._lost)
+        self._lost.clear()
+        return lost
 
     # ---- both sides ----------------------------------------------------------------------
 

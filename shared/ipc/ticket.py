@@ -10,16 +10,18 @@ A ticket is 64 bytes (one cache line), little-endian, CRC32-protected::
         24   16 shape[4]        u32   0 .. 2**32-1 each
         40    4 payload_offset  u32   0 .. 2**32-1 (byte offset in the Meta-Buffer)
         44    4 payload_len     u32   0 .. 2**32-1
-        48    4 layer           i32   -1 (none) .. 2**31-1
-        52    1 op              u8    an `Op` value
-        53    1 dtype           u8    0 .. 255 (a `DType` value by convention)
-        54    2 flags           u16   0 .. 65535
-        56    2 device          i16   -1 (CPU / none) .. 32767
-        58    2 (reserved)      u16   always 0
+        48    4 payload_crc     u32   zlib.crc32 of the payload bytes (0 for none)
+        52    2 layer           i16   -1 (none) .. 32767
+        54    1 op              u8    an `Op` value
+        55    1 dtype           u8    0 .. 255 (a `DType` value by convention)
+        56    2 flags           u16   0 .. 65535
+        58    2 device          i16   -1 (CPU / none) .. 32767
         60    4 crc             u32   zlib.crc32 of bytes 0..59
 
 `Ticket.unpack` raises `CorruptTicket` (a ValueError) on a wrong length, a CRC mismatch
-or an unknown op, and the message says which; it never returns a half-valid ticket.
+or an unknown op, and the message says which; it never returns a half-valid ticket. The
+ticket's CRC covers the payload's CRC, so a payload read through `channels.take_payload`
+is checked end to end; the bulk links (warm attention, experts) leave payload_crc 0.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Op(IntEnum):
     STATS = 13
     SHUTDOWN = 14
     HEARTBEAT = 15
+    CORRUPT = 16
+    """The sender found the ticket of seq `request_id` on the other ring bad (payload: why)."""
 
 
 class DType(IntEnum):
@@ -65,7 +69,7 @@ class DType(IntEnum):
 
 
 # Body (everything the CRC covers) and the trailing CRC; see the table in the docstring.
-_BODY = struct.Struct("<QQQ4IIIiBBHhH")
+_BODY = struct.Struct("<QQQ4IIIIhBBHh")
 _CRC = struct.Struct("<I")
 _BODY_SIZE = _BODY.size
 TICKET_SIZE = _BODY_SIZE + _CRC.size
@@ -85,7 +89,8 @@ _RANGES: tuple[tuple[str, int, int], ...] = (
     ("request_id", *_U64),
     ("payload_offset", *_U32),
     ("payload_len", *_U32),
-    ("layer", -1, 2**31 - 1),
+    ("payload_crc", *_U32),
+    ("layer", -1, 2**15 - 1),
     ("dtype", 0, 255),
     ("flags", 0, 2**16 - 1),
     ("device", -1, 2**15 - 1),
@@ -98,6 +103,11 @@ _new = object.__new__
 
 class CorruptTicket(ValueError):
     """Bytes that are not a valid ticket: wrong length, CRC mismatch or unknown op."""
+
+
+class CorruptPayload(ValueError):
+    """A valid ticket whose payload is not: its span is not a live payload of the arena, its
+    bytes fail the ticket's payload_crc, or they do not decode as the op's payload."""
 
 
 @dataclass(frozen=True, init=False)
@@ -119,11 +129,13 @@ class Ticket:
     shape: tuple[int, int, int, int] = (0, 0, 0, 0)
     """Up to four dimensions of the payload or tensor (u32 each); unused ones are 0."""
     layer: int = -1
-    """Model layer (i32); -1 means none."""
+    """Model layer (i16); -1 means none."""
     payload_offset: int = 0
     """Byte offset of the payload in the Meta-Buffer (u32)."""
     payload_len: int = 0
     """Payload length in bytes (u32); 0 means no payload."""
+    payload_crc: int = 0
+    """zlib.crc32 of the payload bytes (u32), checked by the consumer's take_payload."""
     timestamp_ns: int = 0
     """Sender's time.monotonic_ns() (u64), for latency accounting."""
 
@@ -141,6 +153,7 @@ class Ticket:
         layer: int = -1,
         payload_offset: int = 0,
         payload_len: int = 0,
+        payload_crc: int = 0,
         timestamp_ns: int = 0,
     ) -> None:
         """Same signature as the generated one; filling __dict__ at once is ~4x faster than
@@ -160,6 +173,7 @@ class Ticket:
                 "layer": layer,
                 "payload_offset": payload_offset,
                 "payload_len": payload_len,
+                "payload_crc": payload_crc,
                 "timestamp_ns": timestamp_ns,
             },
         )
@@ -184,17 +198,17 @@ class Ticket:
                 *self.shape,
                 self.payload_offset,
                 self.payload_len,
+                self.payload_crc,
                 self.layer,
                 self.op,
                 self.dtype,
                 self.flags,
                 self.device,
-                0,
             )
         except (struct.error, TypeError) as exc:
             # Only the failing (cold) path pays for finding out which field is wrong.
             raise self._range_error(seq) from exc
-        # struct accepts the full i32/i16 range; -1 is the only negative these fields allow.
+        # struct accepts the full i16 range; -1 is the only negative these fields allow.
         if not _MIN_OP <= self.op <= _MAX_OP or self.layer < -1 or self.device < -1:
             raise self._range_error(seq)
         body_end = offset + _BODY_SIZE
@@ -236,9 +250,23 @@ class Ticket:
         computed = zlib.crc32(view[offset : offset + _BODY_SIZE])
         if stored != computed:
             raise CorruptTicket(f"CRC mismatch: stored {stored:#010x}, computed {computed:#010x}")
-        (seq, ts, rid, s0, s1, s2, s3, p_off, p_len, layer, op_code, dtype, flags, device, _) = (
-            _BODY.unpack_from(buf, offset)
-        )
+        (
+            seq,
+            ts,
+            rid,
+            s0,
+            s1,
+            s2,
+            s3,
+            p_off,
+            p_len,
+            p_crc,
+            layer,
+            op_code,
+            dtype,
+            flags,
+            device,
+        ) = _BODY.unpack_from(buf, offset)
         op = _OPS.get(op_code)
         if op is None:
             raise CorruptTicket(f"unknown op {op_code}: known ops are 1..{len(_OPS)}")
@@ -258,6 +286,7 @@ class Ticket:
                 "layer": layer,
                 "payload_offset": p_off,
                 "payload_len": p_len,
+                "payload_crc": p_crc,
                 "timestamp_ns": ts,
             },
         )

@@ -223,6 +223,7 @@ class Tokenizer:
         self._special_ids = {
             k: backend.token_to_id(t.content) for k, t in settings.special_tokens.items()
         }
+        self._longest_token_bytes: int | None = None  # max_text_bytes' vocabulary scan
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -299,7 +300,28 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`, with the post-processor's BOS/EOS when add_special_tokens."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: seconds for
+        # megabytes), so the daemons' heartbeat threads keep beating meanwhile.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def max_text_bytes(self, max_tokens: int) -> int | None:
+        """UTF-8 bytes beyond which no text can encode to at most `max_tokens` tokens, so that
+        a prompt too long for the context is refused before it is tokenized; None when one
+        token can stand for text of any length (not BPE, or BPE fusing unknown characters).
+
+        BPE never drops text: each token covers at most its own string's UTF-8 bytes of the
+        normalized text (a byte-level token one byte per character, a byte-fallback or
+        SentencePiece token fewer). A normalizer maps each character (at most 4 bytes) to at
+        least one byte, so it can shrink text at most 4-fold.
+        """
+        model = self._backend.model
+        if not isinstance(model, BPE) or (model.unk_token is not None and model.fuse_unk):
+            return None
+        if self._longest_token_bytes is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._longest_token_bytes = max(len(t.encode()) for t in vocab)
+        shrink = 1 if self._backend.normalizer is None else 4
+        return max_tokens * self._longest_token_bytes * shrink
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text for `ids`; clean-up follows tokenizer_config (and is skipped for BPE)."""

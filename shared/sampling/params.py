@@ -7,6 +7,8 @@ Ranges follow the OpenAI / vLLM conventions where those exist. Caps chosen here:
   to near zero; larger values are almost certainly a confusion with another scale.
 - logprobs <= 20: OpenAI's limit for top log-probabilities.
 - seed <= 2**63 - 1: seeds are held in int64 tensors on the device.
+- at most 1024 stop_token_ids: a model's stop set is a handful of ids (EOS variants, end of
+  turn); the cap keeps a request's parameters a few KB, checked before they are copied.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ MAX_LOGPROBS = 20
 """Largest number of top log-probabilities a request may ask for."""
 MAX_SEED = 2**63 - 1
 """Largest seed: seeds must fit in int64."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids a request may give."""
 
 
 class InvalidSamplingParameter(ValueError):
@@ -121,6 +125,13 @@ class SamplingParams:
         else:
             allowed = f"1 <= max_tokens <= {max_model_len} (max_model_len)"
             _check_int("max_tokens", self.max_tokens, 1, max_model_len, allowed)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidSamplingParameter(
+                "stop_token_ids",
+                f"{len(self.stop_token_ids)} ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids",
+                "has too many ids",
+            )
         allowed_id = f"0 <= stop_token_ids[i] < {vocab_size}"
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, vocab_size - 1, allowed_id)
