@@ -39,13 +39,13 @@ def test_a_step_longer_than_the_peer_timeout_keeps_the_daemon_alive() -> None:
     instance = f"t{uuid.uuid4().hex[:12]}"
     ch = Channels.create(instance)
     engine = Engine(EngineConfig(model="tiny-llama", device="cpu"))
-    step = engine.step
+    steps = engine.steps
 
-    def slow_step(defer_sampling: bool = False):  # type: ignore[no-untyped-def]
+    def slow_steps(defer_sampling: bool = False):  # type: ignore[no-untyped-def]
         time.sleep(SLOW_STEP_S)  # a kernel compiling for a new shape, say
-        return step(defer_sampling)
+        yield from steps(defer_sampling)
 
-    engine.step = slow_step  # type: ignore[method-assign]
+    engine.steps = slow_steps  # type: ignore[method-assign]
     loop = GpuHeartbeat(engine, ch, peer_timeout_s=PEER_TIMEOUT_S)
     status: list[int] = []
     thread = threading.Thread(target=lambda: status.append(loop.run()), daemon=True)
