@@ -49,7 +49,7 @@ def _as_output(r: StepResult) -> RequestOutput:
         reason is not None,
         reason,
         r.logprobs,
-        None,
+        r.top_logprobs,
         r.prompt_tokens,
         r.output_tokens,
     )

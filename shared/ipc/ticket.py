@@ -49,6 +49,7 @@ class Op(IntEnum):
     STATS = 13
     SHUTDOWN = 14
     HEARTBEAT = 15
+    APPEND_PROMPT = 16
 
 
 class DType(IntEnum):
