@@ -1,9 +1,13 @@
 """GenerationService over grpc.aio: protobuf in, Backend calls, protobuf out.
 
 A Generate call's path: the lenient deserializer (`_lenient`) -> `from_pb` (protobuf to a
-GenerateInput, first checks) -> availability, tokenization, `backend.validate`, admission ->
-`backend.generate` Deltas -> `to_pb` -> the client. `grpc_errors` turns exceptions into
-status codes: bad input is INVALID_ARGUMENT naming the field, never UNKNOWN or INTERNAL.
+GenerateInput, first checks) -> `admit` (availability, tokenization, `backend.validate`,
+the admission queue) -> `backend.generate` Deltas -> `deltas` (metrics; a client that
+leaves aborts the request) -> `to_pb` -> the client. The HTTP API (gateway/openai_http.py)
+takes the same path from `admit` on. StreamGenerate (streaming input) admits its start and
+hands the rest of the prompt to `backend.stream_generate` (gateway/stream_input.py).
+`grpc_errors` turns exceptions into status codes: bad input is INVALID_ARGUMENT naming the
+field, never UNKNOWN or INTERNAL.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,6 +29,7 @@ from hybridgen.cpu_daemon.stop_strings import StopStringError, validate_stops
 from hybridgen.gateway.backend import Backend, BackendUnavailable
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.stream_input import PartReader, PromptPart
 from hybridgen.gpu_daemon.engine import InvalidRequest
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 from hybridgen.step_errors import ErrorCode, StepFailed
@@ -153,13 +158,19 @@ def _parsed(request: Any) -> Any:
     return request
 
 
-def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
+async def _parsed_all(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _parsed(request)
+
+
+def from_pb(request: pb.GenerateRequest | Undecodable, partial: bool = False) -> GenerateInput:
     """GenerateRequest -> GenerateInput; raises InvalidRequest for what only the API defines
-    (ranges of the sampling values are left to backend.validate)."""
+    (ranges of the sampling values are left to backend.validate). `partial`: StreamGenerate's
+    start, whose prompt may be empty."""
     req: pb.GenerateRequest = _parsed(request)
     if req.prompt and req.prompt_token_ids:
         raise InvalidRequest("prompt", "give either prompt or prompt_token_ids, not both")
-    if not req.prompt and not req.prompt_token_ids:
+    if not req.prompt and not req.prompt_token_ids and not partial:
         raise InvalidRequest(
             "prompt", "is empty: give prompt (text) or prompt_token_ids (at least one token)"
         )
@@ -257,48 +268,72 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
         arrival = time.monotonic()
-        structlog.contextvars.clear_contextvars()  # each RPC runs in its own task and context
-        if not isinstance(request, Undecodable) and request.request_id:
-            structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        req = from_pb(request)
-        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        req = _bound(from_pb, request)
+        prompt_ids = await self.admit(req)
+        stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
+        await _write(req.request_id, self.deltas(req.request_id, stream, lambda: arrival), context)
+
+    @grpc_errors
+    async def StreamGenerate(
+        self, requests: AsyncIterator[object], context: grpc.aio.ServicerContext
+    ) -> None:
+        messages = _parsed_all(requests)
+        first = await anext(messages, None)
+        if first is None or not first.HasField("start"):
+            raise InvalidRequest("start", "the first message must be start (a GenerateRequest)")
+        req = _bound(functools.partial(from_pb, partial=True), first.start)
+        self._check_available()
+        await self.backend.validate(req.prompt_token_ids, req.params, partial=True)
+        self._check_queue()
+        log.info("request_admitted", streamed=True, **_summary(req.params))
+        text = True if req.prompt else (False if req.prompt_token_ids else None)
+        reader = PartReader(messages, text)
+        start = PromptPart(req.prompt or "", req.prompt_token_ids)
+        stream = self.backend.stream_generate(req, start, reader.parts())
+        # TTFT counts from the last part: what a speaker waits for.
+        deltas = self.deltas(req.request_id, stream, lambda: reader.last_at)
+        await _write(req.request_id, deltas, context)
+
+    async def admit(self, req: GenerateInput, count: int = 1) -> list[int]:
+        """What every front end does before a request streams: availability, the prompt's
+        ids, the backend's checks and the admission queue, with room for `count` requests
+        (n samples of one prompt). Returns the prompt's ids."""
         self._check_available()
         prompt_ids = list(req.prompt_token_ids)
         if req.prompt is not None:
             prompt_ids = await self.backend.tokenize(req.prompt, req.add_special_tokens)
         await self.backend.validate(prompt_ids, req.params)
-        # No await between this check and generate's first step, which counts the request.
-        if self.backend.queue_depth() >= self.max_queue:
+        # No await between this check and the stream's first step, which counts the request.
+        self._check_queue(count)
+        log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
+        return prompt_ids
+
+    def _check_queue(self, count: int = 1) -> None:
+        if self.backend.queue_depth() + count > self.max_queue:
             raise QueueFull(
                 f"admission queue is full ({self.max_queue} requests waiting); retry later"
             )
-        log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
-        await self._stream(req, prompt_ids, arrival, context)
 
-    async def _stream(
-        self,
-        req: GenerateInput,
-        prompt_ids: Sequence[int],
-        arrival: float,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        """Write the backend's Deltas to the client; a cancel or error aborts the request."""
-        outcome, last, tokens = "error", arrival, 0
-        stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
+    async def deltas(
+        self, request_id: str, stream: AsyncIterator[Delta], arrival: Callable[[], float]
+    ) -> AsyncIterator[Delta]:
+        """A backend's stream on its way to a client, measured; a client that goes away
+        (this iterator closed early, or its task cancelled) aborts the request at once."""
+        outcome, last, tokens = "error", 0.0, 0
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:
-                    last = self._observe(delta, arrival, last, first=tokens == 0)
+                    last = self._observe(delta, arrival(), last, first=tokens == 0)
                     tokens += len(delta.token_ids)
                     if delta.finish_reason is not None:
                         outcome = delta.finish_reason.value
-                    await context.write(to_pb(req.request_id, delta))
-        except asyncio.CancelledError:
+                    yield delta
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"  # the client went away or its deadline passed
             raise
         finally:
             if outcome in ("error", "cancelled"):
-                await self.backend.abort(req.request_id)  # frees the KV now, not at GC
+                await self.backend.abort(request_id)  # frees the KV now, not at GC
             self.metrics.requests.labels(finish_reason=outcome).inc()
             log.info("request_finished", finish_reason=outcome, completion_tokens=tokens)
 
@@ -345,12 +380,36 @@ def _summary(params: SamplingParams) -> dict[str, Any]:
     return {"max_tokens": params.max_tokens, "temperature": params.temperature}
 
 
+def _bound(parse: Callable[[Any], GenerateInput], request: Any) -> GenerateInput:
+    """Parse a request with its id bound to the log lines (each RPC runs in its own task and
+    context), the client's before parsing, so that a refusal names it too."""
+    structlog.contextvars.clear_contextvars()
+    if not isinstance(request, Undecodable) and request.request_id:
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+    req = parse(request)
+    structlog.contextvars.bind_contextvars(request_id=req.request_id)
+    return req
+
+
+async def _write(
+    request_id: str, deltas: AsyncIterator[Delta], context: grpc.aio.ServicerContext
+) -> None:
+    async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+        async for delta in deltas:
+            await context.write(to_pb(request_id, delta))
+
+
 def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
     """Register the service with lenient request deserializers (see `_lenient`)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate,
             request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "StreamGenerate": grpc.stream_stream_rpc_method_handler(
+            service.StreamGenerate,
+            request_deserializer=_lenient(pb.StreamGenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(

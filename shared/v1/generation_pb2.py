@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhybridgen/v1/generation.proto\x12\x0chybridgen.v1\"\x99\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.hybridgen.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\x15\n\x13_add_special_tokens\"\xf6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"\xc8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x01(\x0b\x32\x16.hybridgen.v1.Logprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.hybridgen.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.hybridgen.v1.Usage\"6\n\x08Logprobs\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.hybridgen.v1.TokenLogprob\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.hybridgen.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xcb\x08\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tsynthetic\x18\x03 \x01(\x08\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x17\n\x0fqueued_requests\x18\r \x01(\r\x12\x11\n\tmax_queue\x18\x0e \x01(\r\x12\x0e\n\x06\x66\x61mily\x18\x0f \x01(\t\x12\x15\n\reos_token_ids\x18\x10 \x03(\r\x12\x1a\n\x12ring_occupancy_c2g\x18\x11 \x01(\x01\x12\x1a\n\x12ring_occupancy_g2c\x18\x12 \x01(\x01\x12#\n\x1bgpu_heartbeat_jitter_p99_ms\x18\x13 \x01(\x01\x12#\n\x1b\x63pu_heartbeat_jitter_p99_ms\x18\x14 \x01(\x01\x12\x18\n\x10gpu_backpressure\x18\x15 \x01(\r\x12\x1c\n\x14prefix_cached_tokens\x18\x16 \x01(\x04\x12\x19\n\x11warm_blocks_total\x18\x17 \x01(\r\x12\x18\n\x10warm_blocks_used\x18\x18 \x01(\r\x12\x14\n\x0chot_hit_rate\x18\x19 \x01(\x01\x12\x1e\n\x16warm_decompress_p50_ms\x18\x1a \x01(\x01\x12\x1e\n\x16warm_decompress_p95_ms\x18\x1b \x01(\x01\x12\x18\n\x10\x63pu_attention_ms\x18\x1c \x01(\x01\x12\x16\n\x0epcie_h2d_bytes\x18\x1d \x01(\x04\x12\x16\n\x0epcie_d2h_bytes\x18\x1e \x01(\x04\x12\x0c\n\x04mode\x18\x1f \x01(\t\x12 \n\x18gpu_mem_peak_reserved_mb\x18  \x01(\x01\x12*\n\nop_regions\x18! \x03(\x0b\x32\x16.hybridgen.v1.OpRegion\x12\x10\n\x08\x64\x65graded\x18\" \x01(\x08\x12\x17\n\x0f\x64\x65grade_entries\x18# \x01(\x04\x12\x16\n\x0e\x64\x65graded_steps\x18$ \x01(\x04\x12\x1d\n\x15\x65xpert_cache_hit_rate\x18% \x01(\x01\x12\x13\n\x0b\x63pu_experts\x18& \x01(\x04\x12\x1a\n\x12\x63pu_daemon_experts\x18\' \x01(\x04\x12\x13\n\x0bgpu_experts\x18( \x01(\x04\x12\x18\n\x10\x65xpert_bytes_h2d\x18) \x01(\x04\x12\x1b\n\x13warm_drafted_tokens\x18* \x01(\x04\x12\x1c\n\x14warm_accepted_drafts\x18+ \x01(\x04\"\xc2\x01\n\x08OpRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x11\n\tplacement\x18\x04 \x01(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x36\n\x08measured\x18\x06 \x03(\x0b\x32$.hybridgen.v1.OpRegion.MeasuredEntry\x1a/\n\rMeasuredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x9d\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x82\x02\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.hybridgen.v1.GenerateRequest\x1a\x1e.hybridgen.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.hybridgen.v1.TokenizeRequest\x1a\x1e.hybridgen.v1.TokenizeResponse\x12U\n\x0cGetModelInfo\x12!.hybridgen.v1.GetModelInfoRequest\x1a\".hybridgen.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhybridgen/v1/generation.proto\x12\x0chybridgen.v1\"\x99\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.hybridgen.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\x15\n\x13_add_special_tokens\"{\n\x15StreamGenerateRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.hybridgen.v1.GenerateRequestH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.hybridgen.v1.PromptChunkH\x00\x42\x06\n\x04kind\"<\n\x0bPromptChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04last\x18\x03 \x01(\x08\"\xf6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"\xc8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x01(\x0b\x32\x16.hybridgen.v1.Logprobs\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.hybridgen.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.hybridgen.v1.Usage\"6\n\x08Logprobs\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.hybridgen.v1.TokenLogprob\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.hybridgen.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xcb\x08\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tsynthetic\x18\x03 \x01(\x08\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x17\n\x0fqueued_requests\x18\r \x01(\r\x12\x11\n\tmax_queue\x18\x0e \x01(\r\x12\x0e\n\x06\x66\x61mily\x18\x0f \x01(\t\x12\x15\n\reos_token_ids\x18\x10 \x03(\r\x12\x1a\n\x12ring_occupancy_c2g\x18\x11 \x01(\x01\x12\x1a\n\x12ring_occupancy_g2c\x18\x12 \x01(\x01\x12#\n\x1bgpu_heartbeat_jitter_p99_ms\x18\x13 \x01(\x01\x12#\n\x1b\x63pu_heartbeat_jitter_p99_ms\x18\x14 \x01(\x01\x12\x18\n\x10gpu_backpressure\x18\x15 \x01(\r\x12\x1c\n\x14prefix_cached_tokens\x18\x16 \x01(\x04\x12\x19\n\x11warm_blocks_total\x18\x17 \x01(\r\x12\x18\n\x10warm_blocks_used\x18\x18 \x01(\r\x12\x14\n\x0chot_hit_rate\x18\x19 \x01(\x01\x12\x1e\n\x16warm_decompress_p50_ms\x18\x1a \x01(\x01\x12\x1e\n\x16warm_decompress_p95_ms\x18\x1b \x01(\x01\x12\x18\n\x10\x63pu_attention_ms\x18\x1c \x01(\x01\x12\x16\n\x0epcie_h2d_bytes\x18\x1d \x01(\x04\x12\x16\n\x0epcie_d2h_bytes\x18\x1e \x01(\x04\x12\x0c\n\x04mode\x18\x1f \x01(\t\x12 \n\x18gpu_mem_peak_reserved_mb\x18  \x01(\x01\x12*\n\nop_regions\x18! \x03(\x0b\x32\x16.hybridgen.v1.OpRegion\x12\x10\n\x08\x64\x65graded\x18\" \x01(\x08\x12\x17\n\x0f\x64\x65grade_entries\x18# \x01(\x04\x12\x16\n\x0e\x64\x65graded_steps\x18$ \x01(\x04\x12\x1d\n\x15\x65xpert_cache_hit_rate\x18% \x01(\x01\x12\x13\n\x0b\x63pu_experts\x18& \x01(\x04\x12\x1a\n\x12\x63pu_daemon_experts\x18\' \x01(\x04\x12\x13\n\x0bgpu_experts\x18( \x01(\x04\x12\x18\n\x10\x65xpert_bytes_h2d\x18) \x01(\x04\x12\x1b\n\x13warm_drafted_tokens\x18* \x01(\x04\x12\x1c\n\x14warm_accepted_drafts\x18+ \x01(\x04\"\xc2\x01\n\x08OpRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05scope\x18\x02 \x01(\t\x12\r\n\x05label\x18\x03 \x01(\t\x12\x11\n\tplacement\x18\x04 \x01(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x36\n\x08measured\x18\x06 \x03(\x0b\x32$.hybridgen.v1.OpRegion.MeasuredEntry\x1a/\n\rMeasuredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x9d\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xdd\x02\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.hybridgen.v1.GenerateRequest\x1a\x1e.hybridgen.v1.GenerateResponse0\x01\x12Y\n\x0eStreamGenerate\x12#.hybridgen.v1.StreamGenerateRequest\x1a\x1e.hybridgen.v1.GenerateResponse(\x01\x30\x01\x12I\n\x08Tokenize\x12\x1d.hybridgen.v1.TokenizeRequest\x1a\x1e.hybridgen.v1.TokenizeResponse\x12U\n\x0cGetModelInfo\x12!.hybridgen.v1.GetModelInfoRequest\x1a\".hybridgen.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPREGION_MEASUREDENTRY']._loaded_options = None
   _globals['_OPREGION_MEASUREDENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2616
-  _globals['_FINISHREASON']._serialized_end=2773
+  _globals['_FINISHREASON']._serialized_start=2803
+  _globals['_FINISHREASON']._serialized_end=2960
   _globals['_GENERATEREQUEST']._serialized_start=48
   _globals['_GENERATEREQUEST']._serialized_end=329
-  _globals['_SAMPLINGPARAMS']._serialized_start=332
-  _globals['_SAMPLINGPARAMS']._serialized_end=706
-  _globals['_GENERATERESPONSE']._serialized_start=709
-  _globals['_GENERATERESPONSE']._serialized_end=909
-  _globals['_LOGPROBS']._serialized_start=911
-  _globals['_LOGPROBS']._serialized_end=965
-  _globals['_TOKENLOGPROB']._serialized_start=967
-  _globals['_TOKENLOGPROB']._serialized_end=1055
-  _globals['_TOPLOGPROB']._serialized_start=1057
-  _globals['_TOPLOGPROB']._serialized_end=1104
-  _globals['_USAGE']._serialized_start=1106
-  _globals['_USAGE']._serialized_end=1163
-  _globals['_TOKENIZEREQUEST']._serialized_start=1165
-  _globals['_TOKENIZEREQUEST']._serialized_end=1252
-  _globals['_TOKENIZERESPONSE']._serialized_start=1254
-  _globals['_TOKENIZERESPONSE']._serialized_end=1291
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1293
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1314
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1317
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2416
-  _globals['_OPREGION']._serialized_start=2419
-  _globals['_OPREGION']._serialized_end=2613
-  _globals['_OPREGION_MEASUREDENTRY']._serialized_start=2566
-  _globals['_OPREGION_MEASUREDENTRY']._serialized_end=2613
-  _globals['_GENERATIONSERVICE']._serialized_start=2776
-  _globals['_GENERATIONSERVICE']._serialized_end=3034
+  _globals['_STREAMGENERATEREQUEST']._serialized_start=331
+  _globals['_STREAMGENERATEREQUEST']._serialized_end=454
+  _globals['_PROMPTCHUNK']._serialized_start=456
+  _globals['_PROMPTCHUNK']._serialized_end=516
+  _globals['_SAMPLINGPARAMS']._serialized_start=519
+  _globals['_SAMPLINGPARAMS']._serialized_end=893
+  _globals['_GENERATERESPONSE']._serialized_start=896
+  _globals['_GENERATERESPONSE']._serialized_end=1096
+  _globals['_LOGPROBS']._serialized_start=1098
+  _globals['_LOGPROBS']._serialized_end=1152
+  _globals['_TOKENLOGPROB']._serialized_start=1154
+  _globals['_TOKENLOGPROB']._serialized_end=1242
+  _globals['_TOPLOGPROB']._serialized_start=1244
+  _globals['_TOPLOGPROB']._serialized_end=1291
+  _globals['_USAGE']._serialized_start=1293
+  _globals['_USAGE']._serialized_end=1350
+  _globals['_TOKENIZEREQUEST']._serialized_start=1352
+  _globals['_TOKENIZEREQUEST']._serialized_end=1439
+  _globals['_TOKENIZERESPONSE']._serialized_start=1441
+  _globals['_TOKENIZERESPONSE']._serialized_end=1478
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1480
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1501
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1504
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2603
+  _globals['_OPREGION']._serialized_start=2606
+  _globals['_OPREGION']._serialized_end=2800
+  _globals['_OPREGION_MEASUREDENTRY']._serialized_start=2753
+  _globals['_OPREGION_MEASUREDENTRY']._serialized_end=2800
+  _globals['_GENERATIONSERVICE']._serialized_start=2963
+  _globals['_GENERATIONSERVICE']._serialized_end=3312
 # @@protoc_insertion_point(module_scope)
