@@ -31,7 +31,9 @@ from grpc_reflection.v1alpha import reflection
 from hybridgen import log as hlog
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gateway.backend import Backend, EngineBackend
+from hybridgen.gateway.http_server import HttpServer
 from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.openai_http import OpenAIApi
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.gateway.service import SERVICE_NAME, GenerationService, add_to_server
 
@@ -69,6 +71,8 @@ class ServerConfig:
     """On shutdown, how long running streams may finish before they are cancelled."""
     listen: str | None = None
     """gRPC address, host:port or unix:/path; None listens on host:port."""
+    http_port: int = 0
+    """OpenAI-compatible HTTP API port on host (gateway/openai_http.py); 0: none."""
 
     @property
     def address(self) -> str:
@@ -182,6 +186,7 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
         log.error("cannot_listen", address=config.address, error=str(exc))
         raise
     await gateway.server.start()
+    http = await _start_http(gateway, config)
     log.info("gateway_listening", address=gateway.address, metrics=config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -192,6 +197,8 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
     except Exception:
         log.exception("backend_failed_to_start")
         await gateway.server.stop(0)
+        if http is not None:
+            await http.stop()
         raise
     # A proxy's upstream may not be up yet; the watcher turns health SERVING when it is.
     serving = backend.ready()
@@ -203,13 +210,30 @@ async def serve(backend: Backend, config: ServerConfig, metrics: Metrics) -> Non
     gateway.service.draining = True
     watcher.cancel()
     await _set_health(gateway.health, _NOT_SERVING)
-    await gateway.server.stop(config.grace_s)
+    stopping = [gateway.server.stop(config.grace_s), *([http.stop()] if http else [])]
+    await asyncio.gather(*stopping)
     await backend.stop()
     path = unix_path(gateway.address)
     if path is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     log.info("gateway_stopped")
+
+
+async def _start_http(gateway: Gateway, config: ServerConfig) -> HttpServer | None:
+    """The OpenAI API on config.http_port, over the gRPC service's admission and backend."""
+    if not config.http_port:
+        return None
+    app = OpenAIApi(gateway.service).app()
+    http = HttpServer(app, config.host, config.http_port, config.grace_s)
+    try:
+        port = await http.start()
+    except OSError as exc:
+        log.error("cannot_listen", address=f"{config.host}:{config.http_port}", error=str(exc))
+        await gateway.server.stop(0)
+        raise
+    log.info("http_listening", address=f"{config.host}:{port}")
+    return http
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -225,6 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "instead of loading --model here",
     )
     p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="0: off")
+    p.add_argument("--http-port", type=int, default=0, help="OpenAI HTTP API port; 0: off")
     p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto")
@@ -271,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         max_queue=args.max_queue,
         listen=args.listen,
     )

@@ -262,6 +262,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self.max_queue = max_queue
         self.draining = False
         """Set on shutdown: new calls get UNAVAILABLE while running ones finish."""
+        self._reserved = 0
+        """Admitted requests whose stream has not started yet (see `admit`)."""
 
     @grpc_errors
     async def Generate(
@@ -284,7 +286,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         req = _bound(functools.partial(from_pb, partial=True), first.start)
         self._check_available()
         await self.backend.validate(req.prompt_token_ids, req.params, partial=True)
-        self._check_queue()
+        self._reserve()
         log.info("request_admitted", streamed=True, **_summary(req.params))
         text = True if req.prompt else (False if req.prompt_token_ids else None)
         reader = PartReader(messages, text)
@@ -303,22 +305,32 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         if req.prompt is not None:
             prompt_ids = await self.backend.tokenize(req.prompt, req.add_special_tokens)
         await self.backend.validate(prompt_ids, req.params)
-        # No await between this check and the stream's first step, which counts the request.
-        self._check_queue(count)
+        self._reserve(count)
         log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
         return prompt_ids
 
-    def _check_queue(self, count: int = 1) -> None:
-        if self.backend.queue_depth() + count > self.max_queue:
+    def _reserve(self, count: int = 1) -> None:
+        """Take `count` places in the admission queue or raise QueueFull. Each is held until
+        its stream starts in `deltas` (then the backend counts it), or is given back with
+        `release` by a front end whose request ended before."""
+        if self.backend.queue_depth() + self._reserved + count > self.max_queue:
             raise QueueFull(
                 f"admission queue is full ({self.max_queue} requests waiting); retry later"
             )
+        self._reserved += count
+
+    def release(self, count: int = 1) -> None:
+        """Give back admitted places whose streams will not start."""
+        self._reserved -= count
 
     async def deltas(
         self, request_id: str, stream: AsyncIterator[Delta], arrival: Callable[[], float]
     ) -> AsyncIterator[Delta]:
         """A backend's stream on its way to a client, measured; a client that goes away
-        (this iterator closed early, or its task cancelled) aborts the request at once."""
+        (this iterator closed early, or its task cancelled) aborts the request at once. Its
+        first step hands the admission's place to the backend, which counts the request as
+        it starts (no await between)."""
+        self._reserved -= 1
         outcome, last, tokens = "error", 0.0, 0
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]

@@ -1,5 +1,6 @@
 """`hybridgen serve` on the built-in default model (no --model), for tests that must hold for
-whatever that model is: they take its ids and texts from the server, never assume them."""
+whatever that model is: they take its ids and texts from the server, never assume them; or
+on a given checkpoint."""
 
 from __future__ import annotations
 
@@ -19,20 +20,23 @@ MAX_MODEL_LEN = 512
 
 
 class DefaultServer:
-    """The three processes of one instance, serving the default model on the CPU."""
+    """The three processes of one instance, serving the default model (or `model`) on the
+    CPU, with the OpenAI HTTP API on `http_port`."""
 
-    def __init__(self, tmp: Path, server_config: str = "") -> None:
+    def __init__(self, tmp: Path, server_config: str = "", model: Path | None = None) -> None:
         self.instance = f"d{uuid.uuid4().hex[:10]}"
-        self.port = free_port()
+        self.port, self.http_port = free_port(), free_port()
         config = tmp / "hybridgen_config.yaml"
         config.write_text(
             f"model:\n  max_model_len: {MAX_MODEL_LEN}\n  max_num_seqs: 8\n"
             "kv_cache:\n  hot_region_mb: 64\n"
-            f"server:\n  metrics_port: 0\n  runtime_dir: {tmp}/run\n{server_config}"
+            f"server:\n  metrics_port: 0\n  http_port: {self.http_port}\n"
+            f"  runtime_dir: {tmp}/run\n{server_config}"
         )
         cmd = [
             *(sys.executable, "-m", "hybridgen.cli.main", "serve", "--config", str(config)),
             *("--port", str(self.port), "--device", "cpu", "--instance", self.instance),
+            *(("--model", str(model)) if model is not None else ()),
         ]
         self.log_path = tmp / "serve.log"
         self._log = self.log_path.open("wb")
