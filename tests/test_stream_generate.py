@@ -5,6 +5,7 @@ and frees the KV."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -194,3 +195,23 @@ def test_a_cancel_mid_prompt_frees_the_kv(server: DefaultServer) -> None:
     assert server.info().running_requests == 0
     expected = tokens(server.stub.Generate(greedy(prompt=TEXT), timeout=120))
     assert len(expected[0]) == NEW  # and it still serves
+
+
+def test_the_speech_benchmark_runs_both_ways(server: DefaultServer) -> None:
+    """speech_bench on tiny shapes: both prompts have the asked shape, and both TTFTs and
+    their ratio are reported."""
+    from hybridgen.benchmarks import speech_bench
+
+    args = speech_bench.build_parser().parse_args(
+        ["--system-tokens", "40", "--transcript-tokens", "120", "--speech-s", "0.6",
+         "--chunk-ms", "100", "--sessions", "2", "--max-tokens", "4"]
+    )  # fmt: skip
+    result = asyncio.run(speech_bench.bench(f"127.0.0.1:{server.port}", args))
+    assert result["chunks"] == 6 and len(result["runs"]) == 2
+    for run in result["runs"]:
+        streamed, whole = run["streamed"], run["whole"]
+        assert abs(streamed["prompt_tokens"] - whole["prompt_tokens"]) <= 4
+        # 40 + 120, each up to a word more, with BOS and a newline
+        assert 160 <= streamed["prompt_tokens"] <= 185
+    assert result["ttft_after_last_chunk_ms"]["p50"] > 0
+    assert result["ratio_p50_whole_over_streamed"] > 0
