@@ -348,7 +348,11 @@ class OpenAIApi:
                     self._model = (info["model"], tokenizer, int(info["max_model_len"]))
         model = self._model
         named = body.get("model") if isinstance(body, dict) else None
-        if named is not None and named not in (model[0], Path(model[0]).name):
+        if named is not None and not isinstance(named, str):
+            raise InvalidRequest("model", f"must be a string, got {named!r}")
+        # The served name, or a path to a folder of that name (tools load the tokenizer
+        # from the path they name the model with).
+        if named is not None and named != model[0] and Path(named).name != Path(model[0]).name:
             raise ApiError(
                 404, f"the model {named!r} does not exist; this server serves {model[0]!r}",
                 "invalid_request_error", "model", "model_not_found",

@@ -69,6 +69,8 @@ class OpenAIRequest:
     """Answer with server-sent events."""
     include_usage: bool
     """stream_options.include_usage: a last event with the usage."""
+    continuous_usage: bool
+    """stream_options.continuous_usage_stats (vLLM's): the usage so far in every event."""
     logprobs: bool
     """Each token's logprob (and params.logprobs alternatives) are returned."""
     aliases: dict[str, str]
@@ -108,6 +110,7 @@ def parse(body: Any, chat: bool, prompts: list[str | list[int]]) -> OpenAIReques
         n=_int(body, "n", 1, 1, MAX_N),
         stream=_get(body, "stream", bool, False),
         include_usage=_get(options, "include_usage", bool, False, "stream_options."),
+        continuous_usage=_get(options, "continuous_usage_stats", bool, False, "stream_options."),
         logprobs=params.logprobs is not None,
         aliases=aliases,
         to_context_end=chat and _max_tokens(body, chat) is None,

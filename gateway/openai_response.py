@@ -78,12 +78,12 @@ class Responder:
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
         """The stream's chunk for a Delta of choice `index` (recorded too); None when it
-        carries nothing to send."""
+        carries nothing (no token, no text, not the end)."""
         offset = len(self._choices[index].text)
         self.add(index, delta)
         finish = self._choices[index].finish if delta.finished else None
-        if not delta.text and not delta.logprobs and finish is None:
-            return None
+        if not delta.text and not delta.token_ids and finish is None:
+            return None  # tokens still come as empty text: clients time each of them
         logprobs = None
         if self._req.logprobs and delta.logprobs is not None:
             logprobs = self._logprobs(list(delta.logprobs), offset)
@@ -111,7 +111,9 @@ class Responder:
     def _chunk(self, index: int, fields: dict[str, Any]) -> dict[str, Any]:
         kind = f"{self._object}.chunk" if self._req.chat else self._object
         chunk = {**self._head(kind), "choices": [{"index": index, **fields}]}
-        if self._req.include_usage:
+        if self._req.continuous_usage:
+            chunk["usage"] = self.usage()
+        elif self._req.include_usage:
             chunk["usage"] = None
         return chunk
 

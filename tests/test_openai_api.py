@@ -6,6 +6,7 @@ token), and the admission places given back whatever way a request ends."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -269,3 +270,39 @@ def test_a_client_gone_before_the_first_token_gives_back_every_place() -> None:
 
     assert run(backend, scenario) == 0
     assert [what for what, _ in backend.events] == ["start", "end"]
+
+
+def test_every_token_is_a_chunk_even_without_text() -> None:
+    """Tokens whose text is held back (or empty: skipped special tokens) still stream a
+    chunk, so that clients time each token; continuous_usage_stats counts them."""
+    backend = ScriptedBackend(tokens=3)
+    real_generate = backend.generate
+
+    async def textless(*args: Any) -> AsyncIterator[Delta]:
+        async for delta in real_generate(*args):
+            yield dataclasses.replace(delta, text="")
+
+    backend.generate = textless  # type: ignore[method-assign]
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        stream = await client(port).completions.create(
+            model="/some/folder/tiny-llama",  # a path to a folder of the served name
+            prompt="hi",
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = run(backend, scenario)
+    assert [c.choices[0].text for c in chunks[:3]] == ["", "", ""]
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 3]
+    assert chunks[-1].choices == []
+
+
+def test_another_model_name_is_404() -> None:
+    async def scenario(port: int, service: GenerationService) -> Any:
+        with pytest.raises(openai.NotFoundError) as err:
+            await client(port).completions.create(model="/x/other-model", prompt="hi")
+        return err.value.body
+
+    assert run(ScriptedBackend(), scenario)["param"] == "model"
