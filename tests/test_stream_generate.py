@@ -154,7 +154,7 @@ def test_a_chunk_after_the_last_is_invalid_and_frees_the_kv(server: DefaultServe
         ),
         (
             pb.StreamGenerateRequest(start=greedy(prompt="hi")),
-            [pb.PromptChunk(text="x" * 600, last=True)],
+            [pb.PromptChunk(text=" ".join(map(str, range(600))), last=True)],  # > 512 tokens
             "chunk",
         ),
         (pb.StreamGenerateRequest(start=greedy()), [pb.PromptChunk(last=True)], "prompt"),
