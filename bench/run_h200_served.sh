@@ -6,6 +6,8 @@
 #          80 % of the measured capacity), llama3-8b
 #   b3a    one 131,072-token prompt, int4 Hot, 24 GB budget
 #   b4a    mixtral-8x7b, int4 experts, 24 GB budget: 1 stream (in-process beside it), 4 streams
+#   speech issue 22's speech benchmark: 16 spoken transcripts (1K + 4K tokens, 200 ms chunks
+#          over 20 s) through StreamGenerate against the same prompts sent whole, llama3-8b
 # Invoked through the device tool from the repo root with `.whl` carried; HYBRIDGEN_COMMIT
 # names the commit being measured. Results land in $OUT as JSON; a table is printed last.
 source scripts/device_setup.sh
@@ -29,6 +31,10 @@ for what in "$@"; do
       load --config bench/served/b1_b2.yaml --requests 128 --concurrency 64 --prompt-len 512 \
         --max-new-tokens 256 --arrival poisson --rate "$(rate "$OUT/b2_all.json")" \
         --name b2_poisson --out "$OUT/b2_poisson.json"
+      ;;
+    speech)
+      python3 -m hybridgen.benchmarks.speech_bench --config bench/served/speech.yaml \
+        --device cuda --sessions 16 --out "$OUT" 2>>"$OUT/speech_stderr.log"
       ;;
     b3a)
       load --config bench/served/b3a.yaml --requests 1 --prompt-len 131072 --max-new-tokens 64 \

@@ -16,27 +16,37 @@ import contextlib
 import dataclasses
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.gateway.backend import BackendUnavailable
 from hybridgen.gateway.delta import Delta, to_delta
+from hybridgen.gateway.stream_input import PromptFeed, PromptPart, start_feeding
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.heartbeat import p99
 from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.gpu_daemon.sequence import FinishReason
 from hybridgen.gpu_daemon.validation import InvalidRequest, check_text_size, validate_request
 from hybridgen.ipc.channels import Channels
-from hybridgen.ipc.messages import StepResult, encode_append, encode_new_seq
+from hybridgen.ipc.messages import (
+    PROMPT_OPEN,
+    StepResult,
+    encode_append,
+    encode_new_seq,
+    encode_prompt_chunk,
+)
 from hybridgen.ipc.ticket import Op
 from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.candidates import sample_candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.step_errors import ErrorCode, StepFailed
+
+if TYPE_CHECKING:
+    from hybridgen.gateway.service import GenerateInput
 
 log = structlog.get_logger()
 
@@ -49,7 +59,7 @@ def _as_output(r: StepResult) -> RequestOutput:
         reason is not None,
         reason,
         r.logprobs,
-        None,
+        r.top_logprobs,
         r.prompt_tokens,
         r.output_tokens,
     )
@@ -132,58 +142,123 @@ class RingBackend:
             chat_prompt_ids, self._tokenizer, messages, add_generation_prompt
         )
 
-    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    async def validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, partial: bool = False
+    ) -> None:
         self._check_alive()
-        validate_request(prompt_ids, params, self._info["vocab_size"], self._info["max_model_len"])
+        info = self._info
+        validate_request(prompt_ids, params, info["vocab_size"], info["max_model_len"], partial)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
     ) -> AsyncIterator[Delta]:
         self._check_alive()
+        prompt = list(prompt_ids)
+        async with contextlib.aclosing(self._run(prompt, params, stop, None)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def stream_generate(
+        self, req: GenerateInput, start: PromptPart, parts: AsyncIterator[PromptPart]
+    ) -> AsyncIterator[Delta]:
+        self._check_alive()
+        info, params = self._info, req.params
+        feed = PromptFeed(
+            self._tokenizer,
+            req.add_special_tokens,
+            info["vocab_size"],
+            info["max_model_len"],
+            params.max_tokens,
+        )
+        feed.push(start)
+        prompt = list(feed.token_ids)
+        stream = self._run(prompt, params, list(req.stop), (feed, parts))
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _run(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        streamed: tuple[PromptFeed, AsyncIterator[PromptPart]] | None,
+    ) -> AsyncGenerator[Delta, None]:
+        """NEW_SEQ, then step results to Deltas until the request ends. `streamed`: the prompt
+        is open, and its parts go to the GPU daemon as APPEND_PROMPT meanwhile."""
         assert self._heartbeat is not None
         rid = next(self._ids)
         q: asyncio.Queue[StepResult | BaseException] = asyncio.Queue()
         self._queues[rid] = q
-        text = TextStream(self._tokenizer, prompt_ids, stop)
         self._waiting += 1
         started = done = False
         if params.seed is None:  # drawn here, so that a CPU-side pick uses the same seed
             params = dataclasses.replace(params, seed=secrets.randbits(63))
-        payload = encode_new_seq(list(prompt_ids), params)
-        self._heartbeat.send(Op.NEW_SEQ, rid, payload, (len(prompt_ids), 0, 0, 0))
+        feeding = self._submit(rid, prompt, params, streamed, q)
+        text: TextStream | None = None
         try:
             while not done:
                 item = await q.get()
                 if isinstance(item, BaseException):
-                    done = True
-                    raise item
+                    raise item  # the GPU daemon died (nothing to abort then), or a bad part
                 if item.error is not None:
-                    done = True
+                    done = True  # the GPU daemon refused or failed it, and dropped it
                     if item.error_code is not ErrorCode.INVALID_ARGUMENT:
                         raise StepFailed(item.error_code, item.error)
                     field, _, message = item.error.partition(": ")
                     raise InvalidRequest(field, message)
                 if item.candidates is not None:  # placements.sample: cpu, the pick is ours
-                    assert params.seed is not None
-                    token, logprob = sample_candidates(
-                        item.candidates, params, params.seed, item.output_tokens
-                    )
-                    self._heartbeat.send(Op.APPEND_TOKENS, rid, encode_append(token, logprob))
+                    self._pick(rid, params, item)
                     continue
                 if not started:
                     started = True
                     self._waiting -= 1
+                if text is None:  # a streamed prompt is complete by its first token
+                    ids = streamed[0].token_ids if streamed else prompt
+                    text = TextStream(self._tokenizer, ids, stop)
                 done = item.finish_reason is not None
                 delta = to_delta(_as_output(item), text)
                 yield delta
                 if delta.finished:
                     break
         finally:
+            if feeding is not None:
+                feeding.cancel()
             if not started:
                 self._waiting -= 1
             self._queues.pop(rid, None)
             if not done and self._dead is None:
                 self._heartbeat.send(Op.ABORT, rid)
+
+    def _submit(
+        self,
+        rid: int,
+        prompt: list[int],
+        params: SamplingParams,
+        streamed: tuple[PromptFeed, AsyncIterator[PromptPart]] | None,
+        q: asyncio.Queue[StepResult | BaseException],
+    ) -> asyncio.Task[None] | None:
+        """Send NEW_SEQ; for a streamed prompt, start the task that sends its parts."""
+        heartbeat = self._heartbeat
+        assert heartbeat is not None
+        payload = encode_new_seq(prompt, params)
+        flags = PROMPT_OPEN if streamed else 0
+        heartbeat.send(Op.NEW_SEQ, rid, payload, (len(prompt), 0, 0, 0), flags)
+        if streamed is None:
+            return None
+
+        def send(keep: int, ids: list[int], last: bool) -> None:
+            chunk = encode_prompt_chunk(ids)
+            heartbeat.send(Op.APPEND_PROMPT, rid, chunk, (len(ids), keep, 0, 0), last)
+
+        return start_feeding(streamed[1], streamed[0], send, q.put_nowait)
+
+    def _pick(self, rid: int, params: SamplingParams, item: StepResult) -> None:
+        """Pick the token from a step's candidates and send it back (APPEND_TOKENS)."""
+        assert params.seed is not None and item.candidates is not None
+        assert self._heartbeat is not None
+        token, logprob = sample_candidates(item.candidates, params, params.seed, item.output_tokens)
+        self._heartbeat.send(Op.APPEND_TOKENS, rid, encode_append(token, logprob))
 
     async def abort(self, request_id: str) -> None:
         """Requests are aborted by closing their stream (generate's finally)."""

@@ -20,15 +20,16 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gateway.delta import Delta, to_delta
 from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.stream_input import PromptFeed, PromptPart, start_feeding
 from hybridgen.gateway.text import TextStream
 from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
 from hybridgen.gpu_daemon.info import MIB, engine_info, memory_info, moe_info
@@ -37,6 +38,9 @@ from hybridgen.gpu_daemon.validation import check_text_size, validate_request
 from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+
+if TYPE_CHECKING:
+    from hybridgen.gateway.service import GenerateInput
 
 log = structlog.get_logger()
 
@@ -73,14 +77,24 @@ class Backend(Protocol):
         """Token ids of a chat in the model's template (models.chat.chat_prompt_ids); raises
         InvalidChat naming the bad field."""
 
-    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field."""
+    async def validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, partial: bool = False
+    ) -> None:
+        """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field.
+        `partial`: the prompt's first part (streaming input; may be empty)."""
 
     def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
     ) -> AsyncIterator[Delta]:
         """Stream the request's Deltas; the last has finished=True. Closing the iterator
         early aborts the request."""
+
+    def stream_generate(
+        self, req: GenerateInput, start: PromptPart, parts: AsyncIterator[PromptPart]
+    ) -> AsyncIterator[Delta]:
+        """generate with streaming input: `start` is the prompt's first part, `parts` the
+        rest as the client sends them (up to the one with last); each is tokenized and its
+        KV computed as it comes, decoding starts after the last."""
 
     async def abort(self, request_id: str) -> None:
         """Stop the request and free its KV; unknown or finished ids are ignored."""
@@ -101,6 +115,22 @@ class _Submit:
     """Its sampling parameters."""
     sink: Callable[[RequestOutput | BaseException], None]
     """Hands an output (or the request's error) to the request's asyncio queue."""
+    prompt_open: bool = False
+    """Streaming input: _Extend commands bring the rest of the prompt."""
+
+
+@dataclass(frozen=True)
+class _Extend:
+    """Extend an open prompt (engine thread command; Engine.extend_prompt's arguments)."""
+
+    request_id: str
+    """The request's id."""
+    keep: int
+    """Prompt tokens kept."""
+    token_ids: list[int]
+    """Tokens after them."""
+    last: bool
+    """The prompt is complete."""
 
 
 @dataclass(frozen=True)
@@ -213,21 +243,56 @@ class EngineBackend:
             chat_prompt_ids, self._tokenizer, messages, add_generation_prompt
         )
 
-    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    async def validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, partial: bool = False
+    ) -> None:
         self._check_alive()
         assert self._engine is not None
-        # Engine.validate's check, which reads only fixed model limits.
-        engine = self._engine
-        validate_request(prompt_ids, params, engine.spec.vocab_size, engine.max_model_len)
+        engine = self._engine  # only its fixed model limits are read
+        validate_request(prompt_ids, params, engine.spec.vocab_size, engine.max_model_len, partial)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
     ) -> AsyncIterator[Delta]:
+        stream = self._request(request_id, list(prompt_ids), params, stop, None)
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def stream_generate(
+        self, req: GenerateInput, start: PromptPart, parts: AsyncIterator[PromptPart]
+    ) -> AsyncIterator[Delta]:
+        self._check_alive()
+        engine = self._engine
+        assert self._tokenizer is not None and engine is not None
+        feed = PromptFeed(
+            self._tokenizer,
+            req.add_special_tokens,
+            engine.spec.vocab_size,
+            engine.max_model_len,
+            req.params.max_tokens,
+        )
+        feed.push(start)
+        prompt = list(feed.token_ids)
+        stream = self._request(req.request_id, prompt, req.params, list(req.stop), (feed, parts))
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        streamed: tuple[PromptFeed, AsyncIterator[PromptPart]] | None,
+    ) -> AsyncGenerator[Delta, None]:
+        """Submit, then the engine's outputs as Deltas. `streamed`: the prompt is open, and
+        its parts go to the engine thread as _Extend commands meanwhile."""
         self._check_alive()
         if request_id in self._active:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         assert self._tokenizer is not None
-        text = TextStream(self._tokenizer, prompt_ids, stop)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         sink = _post(asyncio.get_running_loop(), q)
         # Counted before the first await, so that the service's queue check and this
@@ -235,7 +300,15 @@ class EngineBackend:
         self._active.add(request_id)
         self._waiting += 1
         started = engine_done = False
-        self._commands.put(_Submit(request_id, list(prompt_ids), params, sink))
+        self._commands.put(_Submit(request_id, prompt_ids, params, sink, streamed is not None))
+        feeding = None
+        if streamed is not None:
+
+            def send(keep: int, ids: list[int], last: bool) -> None:
+                self._commands.put(_Extend(request_id, keep, ids, last))
+
+            feeding = start_feeding(streamed[1], streamed[0], send, q.put_nowait)
+        text: TextStream | None = None
         try:
             # The engine may have died between the first check and the put; if it died after
             # this check, its thread fails the queued submit itself (_fail_all).
@@ -243,17 +316,21 @@ class EngineBackend:
             while not engine_done:
                 item = await q.get()
                 if isinstance(item, BaseException):
-                    engine_done = True  # the engine refused or lost it: nothing to abort
-                    raise item
+                    raise item  # the engine refused or lost it (a late abort is ignored)
                 if not started:
                     started = True
                     self._waiting -= 1
+                if text is None:  # a streamed prompt is complete by its first token
+                    ids = streamed[0].token_ids if streamed else prompt_ids
+                    text = TextStream(self._tokenizer, ids, stop)
                 engine_done = item.finished
                 delta = to_delta(item, text)
                 yield delta
                 if delta.finished:
                     break  # a stop string ended it before the engine did
         finally:
+            if feeding is not None:
+                feeding.cancel()
             if not started:
                 self._waiting -= 1
             self._active.discard(request_id)
@@ -331,11 +408,21 @@ class EngineBackend:
     def _apply(self, engine: Engine, command: object) -> None:
         if isinstance(command, _Submit):
             try:
-                engine.add_request(command.request_id, command.prompt_ids, command.params)
+                engine.add_request(
+                    command.request_id, command.prompt_ids, command.params, command.prompt_open
+                )
             except (InvalidRequest, InvalidSamplingParameter) as exc:
                 command.sink(exc)
                 return
             self._sinks[command.request_id] = command.sink
+        elif isinstance(command, _Extend) and command.request_id in self._sinks:
+            try:
+                engine.extend_prompt(
+                    command.request_id, command.keep, command.token_ids, command.last
+                )
+            except InvalidRequest as exc:
+                self._sinks.pop(command.request_id)(exc)
+                engine.abort(command.request_id)
         # A late abort (the request already finished) finds no sink; that is fine.
         elif isinstance(command, _Abort) and command.request_id in self._sinks:
             del self._sinks[command.request_id]

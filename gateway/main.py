@@ -2,10 +2,11 @@
 it too): the public gRPC API in front of the CPU daemon's unix socket.
 
     python -m hybridgen.gateway.main --config C [--upstream unix:PATH] [--host H] [--port N]
-        [--metrics-port N] [--api-key-file F]
+        [--metrics-port N] [--http-port N] [--api-key-file F]
 
 Every setting comes from the config's `server` section: TLS, API keys, message and stream
-limits, keepalive, request timeout, reflection, metrics. The flags override what `hybridgen
+limits, keepalive, request timeout, reflection, metrics, and the OpenAI HTTP port (with the
+same TLS and keys). The flags override what `hybridgen
 serve` and the systemd unit set from outside (the unit passes the key file that systemd's
 LoadCredential= copies into $CREDENTIALS_DIRECTORY). The upstream defaults to
 <server.runtime_dir>/cpu.sock, where the CPU daemon listens.
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", default=None, help="override server.host")
     ap.add_argument("--port", type=int, default=None, help="override server.port")
     ap.add_argument("--metrics-port", type=int, default=None, help="override server.metrics_port")
+    ap.add_argument("--http-port", type=int, default=None, help="override server.http_port")
     ap.add_argument("--api-key-file", default=None, help="override server.api_key_file")
     return ap.parse_args(argv)
 
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": args.host,
         "port": args.port,
         "metrics_port": args.metrics_port,
+        "http_port": args.http_port,
         "api_key_file": args.api_key_file,
     }
     server = ServerConfig.from_section(section, **{k: v for k, v in flags.items() if v is not None})

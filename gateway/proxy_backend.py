@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -30,12 +30,16 @@ from hybridgen.gateway.backend import BackendUnavailable
 from hybridgen.gateway.delta import Delta, Finish, TokenLogprob
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.service import SERVICE_NAME, QueueFull
+from hybridgen.gateway.stream_input import PromptPart
 from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
 from hybridgen.models.chat import ChatMessage
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.step_errors import ErrorCode, StepFailed
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from hybridgen.gateway.service import GenerateInput
 
 log = structlog.get_logger()
 
@@ -172,6 +176,28 @@ class _Call:
     """The grpc.aio UnaryStreamCall."""
     cut: str | None = None
     """Why this side cancelled it (_ABORTED, or why the upstream is taken as lost)."""
+    failed: BaseException | None = None
+    """Why forwarding a streamed prompt's parts failed (this side cancelled the call)."""
+
+
+async def _forward(
+    entry: _Call, first: pb.GenerateRequest, parts: AsyncIterator[PromptPart]
+) -> None:
+    """Write a streamed prompt to the upstream call: the start, then each part as it comes;
+    the upstream's side closes after the last. A bad part (InvalidRequest from the reader)
+    cancels the call and is what the request fails with."""
+    try:
+        await entry.call.write(pb.StreamGenerateRequest(start=first))
+        async for part in parts:
+            chunk = pb.PromptChunk(text=part.text, token_ids=part.token_ids, last=part.last)
+            await entry.call.write(pb.StreamGenerateRequest(chunk=chunk))
+            if part.last:
+                await entry.call.done_writing()
+    except InvalidRequest as exc:
+        entry.failed = exc
+        entry.call.cancel()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass  # the call ended (its reader reports why)
 
 
 def _task_cancelling() -> bool:
@@ -251,9 +277,11 @@ class ProxyBackend:
             raise upstream_error(exc) from exc
         return list(resp.token_ids)
 
-    async def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    async def validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, partial: bool = False
+    ) -> None:
         info = self._info if self._info is not None else await self._fetch_info()
-        validate_request(prompt_ids, params, info["vocab_size"], info["max_model_len"])
+        validate_request(prompt_ids, params, info["vocab_size"], info["max_model_len"], partial)
 
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
@@ -263,13 +291,43 @@ class ProxyBackend:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         request = request_to_pb(request_id, prompt_ids, params, stop)
         entry = _Call(stub.Generate(request, wait_for_ready=False))
+        stream = self._follow(request_id, entry, len(prompt_ids), params.logprobs is not None)
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def stream_generate(
+        self, req: GenerateInput, start: PromptPart, parts: AsyncIterator[PromptPart]
+    ) -> AsyncIterator[Delta]:
+        """The upstream's StreamGenerate; the parts are forwarded as they come (the upstream
+        tokenizes them)."""
+        stub = self._stub_or_raise()
+        if req.request_id in self._calls:
+            raise InvalidRequest("request_id", f"{req.request_id!r} is already running")
+        first = request_to_pb(req.request_id, start.token_ids, req.params, req.stop)
+        first.prompt, first.add_special_tokens = start.text, req.add_special_tokens
+        entry = _Call(stub.StreamGenerate(wait_for_ready=False))
+        forwarding = asyncio.create_task(_forward(entry, first, parts))
+        try:
+            stream = self._follow(req.request_id, entry, 0, req.params.logprobs is not None)
+            async with contextlib.aclosing(stream) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            forwarding.cancel()
+
+    async def _follow(
+        self, request_id: str, entry: _Call, prompt_tokens: int, logprobs: bool
+    ) -> AsyncGenerator[Delta, None]:
+        """An upstream call's Deltas, with the waiting count; ending early cancels the call
+        (the upstream aborts the request and frees its KV)."""
         # Counted before the first await (see EngineBackend.generate).
         self._calls[request_id] = entry
         self._waiting += 1
         started = upstream_done = False
         try:
             completion = 0
-            deltas = self._read(entry, len(prompt_ids), params.logprobs is not None)
+            deltas = self._read(entry, prompt_tokens, logprobs)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     if not started:
@@ -282,7 +340,7 @@ class ProxyBackend:
             upstream_done = not isinstance(exc, GeneratorExit | asyncio.CancelledError)
             aborted = entry.cut == _ABORTED and isinstance(exc, asyncio.CancelledError)
             if aborted and not _task_cancelling():  # abort() from elsewhere: end it cleanly
-                yield _cancelled(len(prompt_ids), completion)
+                yield _cancelled(prompt_tokens, completion)
                 return
             raise
         finally:
@@ -291,7 +349,7 @@ class ProxyBackend:
             if self._calls.get(request_id) is entry:
                 del self._calls[request_id]
             if not upstream_done:
-                entry.call.cancel()  # the upstream aborts the request and frees its KV
+                entry.call.cancel()
 
     async def _read(
         self, entry: _Call, prompt_tokens: int, logprobs: bool
@@ -304,6 +362,8 @@ class ProxyBackend:
             except grpc.aio.AioRpcError as exc:
                 raise upstream_error(exc) from exc
             except asyncio.CancelledError:
+                if entry.failed is not None and not _task_cancelling():
+                    raise entry.failed from None  # a bad part: the call was cancelled for it
                 if entry.cut in (None, _ABORTED) or _task_cancelling():
                     raise
                 raise BackendUnavailable(entry.cut) from None  # the watchdog cut it

@@ -41,7 +41,9 @@ from hybridgen.config_sections import TlsConfig
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gateway.auth import ApiKeys, AuthInterceptor
 from hybridgen.gateway.backend import Backend, EngineBackend
+from hybridgen.gateway.http_server import HttpServer
 from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.openai_http import OpenAIApi
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.gateway.service import SERVICE_NAME, GenerationService, add_to_server
 
@@ -89,6 +91,8 @@ class ServerConfig:
     """On shutdown, how long running streams may finish before they are cancelled."""
     listen: str | None = None
     """gRPC address, host:port or unix:/path; None listens on host:port."""
+    http_port: int = 0
+    """OpenAI-compatible HTTP API port on host (gateway/openai_http.py); 0: none."""
 
     @classmethod
     def from_section(cls, server: config_sections.ServerConfig, **overrides: Any) -> ServerConfig:
@@ -106,6 +110,7 @@ class ServerConfig:
             "tls": server.tls,
             "api_key_file": server.api_key_file,
             "reflection": server.reflection,
+            "http_port": server.http_port,
         }
         return cls(**(settings | overrides))
 
@@ -156,14 +161,17 @@ class Gateway:
     """The bound gRPC port (not meaningful for a unix socket)."""
     address: str
     """The bound address, host:port or unix:/path."""
+    keys: ApiKeys | None = None
+    """server.api_key_file's keys, which the HTTP port asks for too; None: no keys."""
 
 
 async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gateway:
     """Create the server with every service registered and the port bound; ConfigError for
     an unreadable key or certificate file, OSError when the address cannot be bound."""
     interceptors = []
-    if config.api_key_file is not None:
-        interceptors.append(AuthInterceptor(ApiKeys.load(config.api_key_file)))
+    keys = ApiKeys.load(config.api_key_file) if config.api_key_file is not None else None
+    if keys is not None:
+        interceptors.append(AuthInterceptor(keys))
     credentials = _credentials(config.tls) if config.tls.enabled else None
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
     service = GenerationService(backend, metrics, config.max_queue, config.request_timeout_s)
@@ -184,7 +192,7 @@ async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gat
     else:
         address = f"{config.address.rsplit(':', 1)[0]}:{port}"
     metrics.queue_depth.set_function(backend.queue_depth)
-    return Gateway(server, service, health_servicer, port, address)
+    return Gateway(server, service, health_servicer, port, address, keys)
 
 
 def _credentials(tls: TlsConfig) -> grpc.ServerCredentials:
@@ -306,6 +314,7 @@ async def serve(
         log.error("cannot_listen", address=config.address, error=str(exc))
         raise
     await gateway.server.start()
+    http = await _start_http(gateway, config)
     log.info("gateway_listening", address=gateway.address, metrics=config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -316,6 +325,8 @@ async def serve(
     except Exception:
         log.exception("backend_failed_to_start")
         await gateway.server.stop(0)
+        if http is not None:
+            await http.stop()
         raise
     # A proxy's upstream may not be up yet; the watcher turns health SERVING when it is.
     serving = backend.ready()
@@ -330,13 +341,31 @@ async def serve(
     gateway.service.draining = True
     watcher.cancel()
     await _set_health(gateway.health, _NOT_SERVING)
-    await gateway.server.stop(config.grace_s)
+    stopping = [gateway.server.stop(config.grace_s), *([http.stop()] if http else [])]
+    await asyncio.gather(*stopping)
     await backend.stop()
     path = unix_path(gateway.address)
     if path is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     log.info("gateway_stopped")
+
+
+async def _start_http(gateway: Gateway, config: ServerConfig) -> HttpServer | None:
+    """The OpenAI API on config.http_port, over the gRPC service's admission and backend."""
+    if not config.http_port:
+        return None
+    keys = gateway.keys
+    app = OpenAIApi(gateway.service, keys.allows if keys is not None else None).app()
+    http = HttpServer(app, config.host, config.http_port, config.grace_s, config.tls)
+    try:
+        port = await http.start()
+    except OSError as exc:
+        log.error("cannot_listen", address=f"{config.host}:{config.http_port}", error=str(exc))
+        await gateway.server.stop(0)
+        raise
+    log.info("http_listening", address=f"{config.host}:{port}")
+    return http
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -352,6 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "instead of loading --model here",
     )
     p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="0: off")
+    p.add_argument("--http-port", type=int, default=0, help="OpenAI HTTP API port; 0: off")
     p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto")
@@ -398,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         max_queue=args.max_queue,
         listen=args.listen,
     )

@@ -1,9 +1,13 @@
 """GenerationService over grpc.aio: protobuf in, Backend calls, protobuf out.
 
 A Generate call's path: the lenient deserializer (`_lenient`) -> `from_pb` (protobuf to a
-GenerateInput, first checks) -> availability, tokenization, `backend.validate`, admission ->
-`backend.generate` Deltas -> `to_pb` -> the client. `grpc_errors` turns exceptions into
-status codes: bad input is INVALID_ARGUMENT naming the field, never UNKNOWN or INTERNAL.
+GenerateInput, first checks) -> `admit` (availability, tokenization, `backend.validate`,
+the admission queue) -> `backend.generate` Deltas -> `deltas` (metrics; a client that
+leaves aborts the request) -> `to_pb` -> the client. The HTTP API (gateway/openai_http.py)
+takes the same path from `admit` on. StreamGenerate (streaming input) admits its start and
+hands the rest of the prompt to `backend.stream_generate` (gateway/stream_input.py).
+`grpc_errors` turns exceptions into status codes: bad input is INVALID_ARGUMENT naming the
+field, never UNKNOWN or INTERNAL.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,6 +29,7 @@ from hybridgen.cpu_daemon.stop_strings import MAX_STOP_STRINGS, StopStringError,
 from hybridgen.gateway.backend import Backend, BackendUnavailable
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.stream_input import PartReader, PromptPart
 from hybridgen.gpu_daemon.engine import InvalidRequest
 from hybridgen.models.chat import ChatMessage, InvalidChat
 from hybridgen.sampling.params import (
@@ -169,9 +174,15 @@ def _parsed(request: Any) -> Any:
     return request
 
 
-def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
+async def _parsed_all(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _parsed(request)
+
+
+def from_pb(request: pb.GenerateRequest | Undecodable, partial: bool = False) -> GenerateInput:
     """GenerateRequest -> GenerateInput; raises InvalidRequest for what only the API defines
-    (ranges of the sampling values are left to backend.validate)."""
+    (ranges of the sampling values are left to backend.validate). `partial`: StreamGenerate's
+    start, whose prompt may be empty."""
     req: pb.GenerateRequest = _parsed(request)
     given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(req, f)]
     if len(given) > 1:
@@ -179,7 +190,7 @@ def from_pb(request: pb.GenerateRequest | Undecodable) -> GenerateInput:
             given[0],
             f"give one of prompt, prompt_token_ids and messages, not {' and '.join(given)}",
         )
-    if not given:
+    if not given and not partial:
         raise InvalidRequest(
             "prompt",
             "is empty: give prompt (text), prompt_token_ids (at least one token) or messages",
@@ -291,22 +302,72 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         """Longest a Generate call may run (DEADLINE_EXCEEDED, KV freed); 0: no limit."""
         self.draining = False
         """Set on shutdown: new calls get UNAVAILABLE while running ones finish."""
+        self._reserved = 0
+        """Admitted requests whose stream has not started yet (see `admit`)."""
 
     @grpc_errors
     async def Generate(
         self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> None:
         arrival = time.monotonic()
-        structlog.contextvars.clear_contextvars()  # each RPC runs in its own task and context
-        if not isinstance(request, Undecodable) and request.request_id:
-            structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        req = from_pb(request)
-        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        req = _bound(from_pb, request)
+        async with self.time_limit():
+            prompt_ids = await self.admit(req)
+            stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
+            deltas = self.deltas(req.request_id, stream, lambda: arrival)
+            await _write(req.request_id, deltas, context)
+
+    @grpc_errors
+    async def StreamGenerate(
+        self, requests: AsyncIterator[object], context: grpc.aio.ServicerContext
+    ) -> None:
+        messages = _parsed_all(requests)
+        first = await anext(messages, None)
+        if first is None or not first.HasField("start"):
+            raise InvalidRequest("start", "the first message must be start (a GenerateRequest)")
+        req = _bound(functools.partial(from_pb, partial=True), first.start)
+        if req.messages:
+            raise InvalidRequest(
+                "start.messages", "is not streamed: give prompt or prompt_token_ids parts"
+            )
         self._check_available()
+        await self.backend.validate(req.prompt_token_ids, req.params, partial=True)
+        self._reserve()
+        log.info("request_admitted", streamed=True, **_summary(req.params))
+        text = True if req.prompt else (False if req.prompt_token_ids else None)
+        reader = PartReader(messages, text)
+        start = PromptPart(req.prompt or "", req.prompt_token_ids)
+        stream = self.backend.stream_generate(req, start, reader.parts())
+        # TTFT counts from the last part: what a speaker waits for.
+        deltas = self.deltas(req.request_id, stream, lambda: reader.last_at)
+        async with self.time_limit():
+            await _write(req.request_id, deltas, context)
+
+    async def admit(self, req: GenerateInput, count: int = 1) -> list[int]:
+        """What every front end does before a request streams: availability, the prompt's
+        ids (text and chat tokenized off the event loop, bounded first), the backend's checks
+        and the admission queue, with room for `count` requests (n samples of one prompt).
+        Returns the prompt's ids."""
+        self._check_available()
+        prompt_ids = req.prompt_token_ids
+        if req.prompt is not None:
+            prompt_ids = await self._tokenize_prompt(req.prompt, req.add_special_tokens)
+        elif req.messages:
+            prompt_ids = await self.backend.tokenize_chat(req.messages, req.add_generation_prompt)
+        await self.backend.validate(prompt_ids, req.params)
+        prompt_ids = list(prompt_ids)  # a copy of what is now known to fit the context
+        self._reserve(count)
+        log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
+        return prompt_ids
+
+    @contextlib.asynccontextmanager
+    async def time_limit(self) -> AsyncIterator[None]:
+        """server.request_timeout_s around a call: past it the call ends with
+        DEADLINE_EXCEEDED (RequestTimedOut), and its stream's abort frees the KV."""
         limit = self.request_timeout_s
         try:
             async with asyncio.timeout(limit or None) as deadline:
-                await self._generate(req, arrival, context)
+                yield
         except TimeoutError:
             if not deadline.expired():
                 raise
@@ -315,23 +376,15 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                 "it was stopped and its KV freed"
             ) from None
 
-    async def _generate(
-        self, req: GenerateInput, arrival: float, context: grpc.aio.ServicerContext
-    ) -> None:
-        prompt_ids = req.prompt_token_ids
-        if req.prompt is not None:
-            prompt_ids = await self._tokenize_prompt(req.prompt, req.add_special_tokens)
-        elif req.messages:
-            prompt_ids = await self.backend.tokenize_chat(req.messages, req.add_generation_prompt)
-        await self.backend.validate(prompt_ids, req.params)
-        prompt_ids = list(prompt_ids)  # a copy of what is now known to fit the context
-        # No await between this check and generate's first step, which counts the request.
-        if self.backend.queue_depth() >= self.max_queue:
+    def _reserve(self, count: int = 1) -> None:
+        """Take `count` places in the admission queue or raise QueueFull. Each is held until
+        its stream starts in `deltas` (then the backend counts it), or is given back with
+        `release` by a front end whose request ended before."""
+        if self.backend.queue_depth() + self._reserved + count > self.max_queue:
             raise QueueFull(
                 f"admission queue is full ({self.max_queue} requests waiting); retry later"
             )
-        log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
-        await self._stream(req, prompt_ids, arrival, context)
+        self._reserved += count
 
     async def _tokenize_prompt(self, prompt: str, add_special_tokens: bool) -> list[int]:
         """The prompt's ids; the backend's errors about its `text` name the prompt field."""
@@ -342,30 +395,33 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                 raise
             raise InvalidRequest("prompt", str(exc).partition(": ")[2]) from None
 
-    async def _stream(
-        self,
-        req: GenerateInput,
-        prompt_ids: Sequence[int],
-        arrival: float,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        """Write the backend's Deltas to the client; a cancel or error aborts the request."""
-        outcome, last, tokens = "error", arrival, 0
-        stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
+    def release(self, count: int = 1) -> None:
+        """Give back admitted places whose streams will not start."""
+        self._reserved -= count
+
+    async def deltas(
+        self, request_id: str, stream: AsyncIterator[Delta], arrival: Callable[[], float]
+    ) -> AsyncIterator[Delta]:
+        """A backend's stream on its way to a client, measured; a client that goes away
+        (this iterator closed early, or its task cancelled) aborts the request at once. Its
+        first step hands the admission's place to the backend, which counts the request as
+        it starts (no await between)."""
+        self._reserved -= 1
+        outcome, last, tokens = "error", 0.0, 0
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for delta in stream:
-                    last = self._observe(delta, arrival, last, first=tokens == 0)
+                    last = self._observe(delta, arrival(), last, first=tokens == 0)
                     tokens += len(delta.token_ids)
                     if delta.finish_reason is not None:
                         outcome = delta.finish_reason.value
-                    await context.write(to_pb(req.request_id, delta))
-        except asyncio.CancelledError:
+                    yield delta
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"  # the client went away or its deadline passed
             raise
         finally:
             if outcome in ("error", "cancelled"):
-                await self.backend.abort(req.request_id)  # frees the KV now, not at GC
+                await self.backend.abort(request_id)  # frees the KV now, not at GC
             self.metrics.requests.labels(finish_reason=outcome).inc()
             log.info("request_finished", finish_reason=outcome, completion_tokens=tokens)
 
@@ -421,12 +477,36 @@ def _summary(params: SamplingParams) -> dict[str, Any]:
     return {"max_tokens": params.max_tokens, "temperature": params.temperature}
 
 
+def _bound(parse: Callable[[Any], GenerateInput], request: Any) -> GenerateInput:
+    """Parse a request with its id bound to the log lines (each RPC runs in its own task and
+    context), the client's before parsing, so that a refusal names it too."""
+    structlog.contextvars.clear_contextvars()
+    if not isinstance(request, Undecodable) and request.request_id:
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+    req = parse(request)
+    structlog.contextvars.bind_contextvars(request_id=req.request_id)
+    return req
+
+
+async def _write(
+    request_id: str, deltas: AsyncIterator[Delta], context: grpc.aio.ServicerContext
+) -> None:
+    async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+        async for delta in deltas:
+            await context.write(to_pb(request_id, delta))
+
+
 def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
     """Register the service with lenient request deserializers (see `_lenient`)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate,
             request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "StreamGenerate": grpc.stream_stream_rpc_method_handler(
+            service.StreamGenerate,
+            request_deserializer=_lenient(pb.StreamGenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(

@@ -46,7 +46,7 @@ from hybridgen.gpu_daemon.step_faults import (
 from hybridgen.gpu_daemon.tuner import Tuner
 
 # InvalidRequest lives with the checks; importers keep finding it here.
-from hybridgen.gpu_daemon.validation import InvalidRequest, validate_request
+from hybridgen.gpu_daemon.validation import InvalidRequest, validate_extension, validate_request
 from hybridgen.gpu_daemon.warm_drafts import WarmDrafts
 from hybridgen.gpu_daemon.warm_offload import WarmOffload
 from hybridgen.gpu_daemon.warm_tier import WarmTier
@@ -216,16 +216,34 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prompt_open: bool = False,
+    ) -> None:
+        """`prompt_open`: streaming input, the prompt's first part; extend_prompt brings more."""
         if request_id in self.seqs:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         ids = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(ids, params)
+        validate_request(ids, params, self.spec.vocab_size, self.max_model_len, prompt_open)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, len(ids), ids, params, seed, self._arrivals, self.eos_ids)
+        seq.prompt_open = prompt_open
         self._arrivals += 1
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def extend_prompt(self, request_id: str, keep: int, token_ids: list[int], last: bool) -> None:
+        """Streaming input: an open prompt becomes its first `keep` tokens then `token_ids`;
+        `last` closes it and decoding starts. Raises InvalidRequest (the request stays)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not seq.prompt_open:
+            raise InvalidRequest("request_id", f"{request_id!r} has no open prompt")
+        limits = (self.spec.vocab_size, self.max_model_len)
+        validate_extension(seq.prompt_len, keep, token_ids, seq.params, *limits, last)
+        self.scheduler.extend_prompt(seq, keep, token_ids, last)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks at once; False if it is unknown."""

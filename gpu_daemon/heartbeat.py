@@ -34,9 +34,12 @@ from hybridgen.gpu_daemon.info import engine_info, memory_info, moe_info
 from hybridgen.gpu_daemon.request_output import RequestOutput
 from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
+    LAST_CHUNK,
+    PROMPT_OPEN,
     StepResult,
     decode_append,
     decode_new_seq,
+    decode_prompt_chunk,
     encode_step_result,
 )
 from hybridgen.ipc.peer import STALL_TIMEOUT_S, PeerWatch
@@ -183,10 +186,12 @@ class GpuHeartbeat:
         if ticket.op is Op.NEW_SEQ:
             prompt, params = decode_new_seq(payload)
             try:
-                self.engine.add_request(str(rid), prompt, params)
+                self.engine.add_request(str(rid), prompt, params, bool(ticket.flags & PROMPT_OPEN))
             except (InvalidRequest, InvalidSamplingParameter) as e:
                 refused = StepResult(rid, [], None, None, len(prompt), 0, str(e))
                 self._send_result(refused)
+        elif ticket.op is Op.APPEND_PROMPT:
+            self._extend_prompt(ticket, decode_prompt_chunk(payload))
         elif ticket.op is Op.APPEND_TOKENS:
             token, logprob = decode_append(payload)
             try:
@@ -242,6 +247,19 @@ class GpuHeartbeat:
             self._send_stats()
         else:  # BACKPRESSURE, CORRUPT: idempotent, their payload optional
             self.outbox.append((op, rid, b"", flags, shape))
+
+    def _extend_prompt(self, ticket: Ticket, token_ids: list[int]) -> None:
+        """A chunk of an open prompt; a bad one ends its request (the CPU daemon names it)."""
+        rid, keep = ticket.request_id, ticket.shape[1]
+        try:
+            self.engine.extend_prompt(str(rid), keep, token_ids, bool(ticket.flags & LAST_CHUNK))
+        except InvalidRequest as e:
+            seq = self.engine.seqs.get(str(rid))
+            if seq is None:  # aborted meanwhile: nobody waits for an answer
+                log.info("prompt_chunk_dropped", request_id=rid, reason=str(e))
+                return
+            self.engine.abort(str(rid))
+            self._send_result(StepResult(rid, [], None, None, seq.prompt_len, 0, str(e)))
 
     def _signal_backpressure(self) -> None:
         """Tell the CPU daemon when requests wait because the engine cannot take them (no
@@ -323,4 +341,5 @@ def _result(out: RequestOutput) -> StepResult:
         error=None if out.error is None else str(out.error),
         error_code=ErrorCode.INVALID_ARGUMENT if out.error is None else out.error.code,
         candidates=out.candidates,
+        top_logprobs=out.top_logprobs,
     )

@@ -125,7 +125,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step may do anything: false when every sequence waits for more prompt."""
+        seqs = (*self.waiting, *self.running)
+        return any(not s.waits_for_prompt for s in seqs)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence that finished or was aborted, and free its blocks."""
@@ -155,7 +157,10 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._prefill_tokens(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            computable = seq.num_computable
+            if computable <= 0:  # an open prompt waiting for more of it
+                continue
+            n = self._prefill_tokens(seq, min(computable, budget))
             if n == 0:
                 break  # the step's prefill allowance is spent
             if not self._reserve(seq, n, batch):
@@ -169,6 +174,32 @@ class Scheduler:
         batch.seqs = [batch.seqs[i] for i in order]
         batch.num_tokens = [batch.num_tokens[i] for i in order]
         return batch
+
+    def extend_prompt(self, seq: Sequence, keep: int, token_ids: Seq[int], last: bool) -> None:
+        """Streaming input: the open prompt becomes its first `keep` tokens then `token_ids`
+        (a chunk, with the tail it re-tokenized); `last` closes it, so decoding follows."""
+        assert seq.prompt_open and 0 <= keep <= seq.num_tokens
+        if keep < seq.num_computed_tokens:
+            self._rewind(seq, keep)
+        del seq.block_hashes[keep // self.pool.block_size :]  # hashes of whole blocks only
+        del seq.token_ids[keep:]
+        seq.token_ids += token_ids
+        seq.prompt_len = seq.num_tokens
+        seq.prompt_open = not last
+
+    def _rewind(self, seq: Sequence, keep: int) -> None:
+        """Drop the KV of a sequence's tokens from `keep` on (a re-tokenized chunk changed a
+        token already computed; rare): back to a block boundary, so that no block registered
+        in the prefix cache is written again, or from the start when Warm holds a part."""
+        full = keep // self.pool.block_size
+        if seq.warm_slots or seq.warm_copy:
+            full = 0
+            if self.offload is not None:
+                self.offload.release(seq)
+        self.pool.free(seq.block_ids[full:])
+        del seq.block_ids[full:]
+        seq.num_computed_tokens = full * self.pool.block_size
+        seq.num_registered_blocks = min(seq.num_registered_blocks, full)
 
     def reserve_lookahead(self, batch: ScheduledBatch, steps: int, spill: bool = False) -> bool:
         """Give every sequence of a decode batch the blocks for `steps` tokens instead of one;
@@ -329,11 +360,16 @@ class Scheduler:
         return allowed
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # the first waiting sequence not skipped
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.waits_for_prompt:  # streaming input with nothing to compute yet
+                i += 1
+                continue
             self._take_cached_prefix(seq)
-            n = self._prefill_tokens(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            if n == 0:  # the step's prefill allowance is spent: it waits for the next
+            computable = min(seq.num_computable, budget)  # 0: an open prompt, all cached
+            n = self._prefill_tokens(seq, computable)
+            if n == 0 and computable:  # the step's prefill allowance is spent: it waits
                 self._put_back(seq)
                 break
             need = self._blocks_needed(seq, n)
@@ -357,10 +393,11 @@ class Scheduler:
             seq.block_ids += self.pool.allocate(need)
             if fits and self.offload is not None and self.offload.load(seq):
                 seq.num_registered_blocks = 0  # its Warm prefix is back in Hot: register it
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = Status.RUNNING
             seq.turn_start = seq.num_output_tokens
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
+            if n > 0:  # an open prompt may have all it can compute from the prefix cache
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n

@@ -64,6 +64,9 @@ class Sequence:
     """Chained hashes of its first full token blocks (`hybridgen.block_hash`), grown on use."""
     num_registered_blocks: int = 0
     """Its first blocks already registered in the pool's prefix cache."""
+    prompt_open: bool = False
+    """Streaming input: more prompt tokens may still come (Scheduler.extend_prompt). Its last
+    token is not computed while the prompt is open, since computing it would sample."""
 
     def hashes(self, n: int, block_size: int) -> list[bytes]:
         """The chained hashes of its first `n` full blocks (each computed once, kept in
@@ -78,6 +81,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_computable(self) -> int:
+        """Tokens it may compute now: those not computed yet, less the last of an open prompt."""
+        return self.num_tokens - self.num_computed_tokens - int(self.prompt_open)
+
+    @property
+    def waits_for_prompt(self) -> bool:
+        """An open prompt with nothing to compute until more of it comes."""
+        return self.prompt_open and self.num_computable <= 0
 
     @property
     def output_ids(self) -> list[int]:

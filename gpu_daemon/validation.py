@@ -20,21 +20,19 @@ class InvalidRequest(ValueError):
 
 
 def validate_request(
-    prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    partial: bool = False,
 ) -> None:
-    """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field."""
-    if not prompt_ids:
+    """Raise InvalidRequest or InvalidSamplingParameter naming the first bad field.
+    `partial`: the prompt's first part (streaming input), which may be empty."""
+    if not prompt_ids and not partial:
         raise InvalidRequest("prompt", "is empty: give at least one token")
     # The length first: it is O(1), and bounds the scan of the ids below.
-    if len(prompt_ids) >= max_model_len:
-        raise InvalidRequest(
-            "prompt",
-            f"has {len(prompt_ids)} tokens; the context allows at most "
-            f"{max_model_len - 1} so that one token can be generated",
-        )
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("prompt_token_ids", f"token id {bad} is outside [0, {vocab_size})")
+    check_prompt_length("prompt", len(prompt_ids), max_model_len)
+    check_token_ids("prompt_token_ids", prompt_ids, vocab_size)
     params.validate(vocab_size, max_model_len)
     room = max_model_len - len(prompt_ids)
     if params.max_tokens > room:
@@ -57,3 +55,43 @@ def check_text_size(field: str, text: str, max_bytes: int | None, max_model_len:
             f"is {size} bytes of UTF-8, more than any text of at most {max_model_len} tokens "
             f"(max_model_len) can be with this tokenizer ({max_bytes} bytes); shorten it",
         )
+
+
+def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Every id must be in the vocabulary."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {bad} is outside [0, {vocab_size})")
+
+
+def check_prompt_length(
+    field: str, prompt_tokens: int, max_model_len: int, max_tokens: int = 1
+) -> None:
+    """A prompt of `prompt_tokens` must leave room for `max_tokens` generated ones."""
+    if prompt_tokens + max_tokens > max_model_len:
+        what = "one token" if max_tokens == 1 else f"max_tokens={max_tokens} tokens"
+        raise InvalidRequest(
+            field,
+            f"has {prompt_tokens} tokens; the context allows at most "
+            f"{max_model_len - max_tokens} so that {what} can be generated",
+        )
+
+
+def validate_extension(
+    prompt_len: int,
+    keep: int,
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    last: bool,
+) -> None:
+    """Streaming input: raise InvalidRequest unless an open prompt of `prompt_len` tokens may
+    become its first `keep` tokens then `token_ids` (and, with `last`, be complete)."""
+    if not 0 <= keep <= prompt_len:
+        raise InvalidRequest("keep", f"{keep} is outside [0, {prompt_len}]")
+    check_token_ids("chunk.token_ids", token_ids, vocab_size)
+    n = keep + len(token_ids)
+    check_prompt_length("chunk", n, max_model_len, params.max_tokens)
+    if last and not n:
+        raise InvalidRequest("prompt", "is empty: give at least one token")

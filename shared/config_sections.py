@@ -235,6 +235,8 @@ class ServerConfig:
     """Prometheus /metrics port; 0: no metrics endpoint."""
     metrics_host: str = checked("127.0.0.1", *NONEMPTY)
     """Address of the /metrics endpoint, which has no authentication: loopback unless asked."""
+    http_port: int = between(8000, 0, 65535)
+    """OpenAI-compatible HTTP API port (on host, beside gRPC; /metrics too); 0: no HTTP API."""
     instance: str = checked("default", _INSTANCE.fullmatch, "1-32 of [A-Za-z0-9_-]")
     """Instance name; shared memory segments are /hybridgen-<instance>-*."""
     max_queue: int = at_least(256, 1)
@@ -268,6 +270,11 @@ class ServerConfig:
             raise ConfigError(
                 f"{prefix}metrics_port={self.metrics_port} is out of range: "
                 f"allowed a port other than {prefix}port"
+            )
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ConfigError(
+                f"{prefix}http_port={self.http_port} is out of range: allowed 0 or a port "
+                f"other than {prefix}port and {prefix}metrics_port"
             )
 
     @property

@@ -285,7 +285,7 @@ def test_serve_generate_and_clean_stop(tmp_path: Path) -> None:
     port, instance = _free_port(), f"clitest{os.getpid()}"
     config = tmp_path / "hybridgen_config.yaml"
     config.write_text(
-        f"server:\n  port: {port}\n  metrics_port: 0\n  instance: {instance}\n"
+        f"server:\n  port: {port}\n  metrics_port: 0\n  http_port: 0\n  instance: {instance}\n"
         f"  runtime_dir: {tmp_path / 'run'}\n"
     )
     out, err = tmp_path / "serve.out", tmp_path / "serve.err"

@@ -9,6 +9,7 @@ the admission test can fill the queue; every other test sends one request at a t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -449,3 +450,20 @@ def test_bad_messages_are_invalid_argument(server: Server, fields: dict, named: 
         _generate(server, pb.GenerateRequest(max_tokens=2, **fields))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in (info.value.details() or "")
+
+
+def test_stream_generate_in_process_matches_generate(server: Server) -> None:
+    """StreamGenerate through the in-process engine (EngineBackend), on a trained BPE whose
+    merges cross the chunk boundaries: the same tokens as Generate with the joined text."""
+    text = "The tokenizer merges words, numbers 12345 and punctuation!! across the chunks."
+    sampling = pb.SamplingParams(temperature=0.0)
+    whole = pb.GenerateRequest(prompt=text, max_tokens=12, ignore_eos=True, sampling=sampling)
+    expected = [t for r in _generate(server, whole) for t in r.token_ids]
+    cuts = [0, 2, 9, 10, 23, 31, 33, 49, 62, len(text)]
+    start = pb.GenerateRequest(max_tokens=12, ignore_eos=True, sampling=sampling)
+    requests = [pb.StreamGenerateRequest(start=start)] + [
+        pb.StreamGenerateRequest(chunk=pb.PromptChunk(text=text[a:b], last=b == len(text)))
+        for a, b in itertools.pairwise(cuts)
+    ]
+    replies = server.stub.StreamGenerate(iter(requests), timeout=60)
+    assert [t for r in replies for t in r.token_ids] == expected

@@ -9,9 +9,11 @@ from hybridgen.ipc.messages import (
     StepResult,
     decode_append,
     decode_new_seq,
+    decode_prompt_chunk,
     decode_step_result,
     encode_append,
     encode_new_seq,
+    encode_prompt_chunk,
     encode_step_result,
 )
 from hybridgen.sampling.candidates import Candidates
@@ -47,3 +49,16 @@ def test_step_results_round_trip() -> None:
 
 def test_append_round_trip() -> None:
     assert decode_append(encode_append(12345, -0.25)) == (12345, -0.25)
+
+
+def test_top_logprobs_round_trip() -> None:
+    top = [[(4, -0.5), (9, -1.5)], [(2, -0.25), (7, -3.0)]]
+    result = StepResult(7, [4, 2], [-0.5, -0.25], None, 10, 2, top_logprobs=top)
+    assert round_trip(result) == result
+    no_top = StepResult(7, [4, 2], [-0.5, -0.25], None, 10, 2, top_logprobs=[[], []])
+    assert round_trip(no_top).top_logprobs is None
+
+
+def test_prompt_chunk_round_trip() -> None:
+    assert decode_prompt_chunk(encode_prompt_chunk([0, 7, 2**31 - 1])) == [0, 7, 2**31 - 1]
+    assert decode_prompt_chunk(encode_prompt_chunk([])) == []

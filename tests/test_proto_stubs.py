@@ -43,4 +43,9 @@ def test_stubs_import_under_the_package_mapping() -> None:
     assert generation_pb2_grpc.GRPC_GENERATED_VERSION == PINNED_GRPC_TOOLS
     service = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
     assert service.full_name == "hybridgen.v1.GenerationService"
-    assert set(service.methods_by_name) == {"Generate", "Tokenize", "GetModelInfo"}
+    assert set(service.methods_by_name) == {
+        "Generate",
+        "StreamGenerate",
+        "Tokenize",
+        "GetModelInfo",
+    }

@@ -92,7 +92,8 @@ class Server:
                 # Room for exactly two full-length sequences of KV.
                 f"kv_cache:\n  hot_region_mb: {pool_mb}\n  block_size: 16\n"
             )
-            + f"server:\n  metrics_port: 0\n  runtime_dir: {tmp}/run\n{extra_config}"
+            + "server:\n  metrics_port: 0\n  http_port: 0\n"
+            + f"  runtime_dir: {tmp}/run\n{extra_config}"
         )
         cmd = [
             sys.executable,

@@ -144,7 +144,8 @@ def write_config(source: Path | None, mode: str, folder: Path, runtime: Path) ->
     kv_cache.warm_region_mb are cleared for it."""
     data: dict[str, Any] = (yaml.safe_load(source.read_text()) or {}) if source else {}
     data["mode"] = mode
-    data["server"] = {**(data.get("server") or {}), "metrics_port": 0, "runtime_dir": str(runtime)}
+    ports = {"metrics_port": 0, "http_port": 0}
+    data["server"] = {**(data.get("server") or {}), **ports, "runtime_dir": str(runtime)}
     profile = data.get("profile_path")
     if source and profile and not Path(profile).is_absolute():
         data["profile_path"] = str((source.parent / profile).resolve())

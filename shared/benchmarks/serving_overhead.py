@@ -127,7 +127,7 @@ def write_config(
     path.write_text(
         f"model:\n  name_or_path: {model}\n  max_model_len: {max_len}\n  max_num_seqs: 4\n"
         f"kv_cache:\n  hot_region_mb: {pool_mb:.3f}\n"
-        f"server:\n  metrics_port: 0\n  runtime_dir: {folder}/run\n"
+        f"server:\n  metrics_port: 0\n  http_port: 0\n  runtime_dir: {folder}/run\n"
         f"placements:\n  sample: {sample}\nweights:\n  format: {weights}\n"
     )
     return path

@@ -170,6 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"HybridGen is serving {args.model} on {host}:{args.port}", flush=True)
         if metrics:
             print(f"  metrics: http://{host}:{metrics}/metrics", flush=True)
+        if config.server.http_port:
+            print(f"  OpenAI API: http://{host}:{config.server.http_port}/v1", flush=True)
         print(f'  try: hybridgen generate --port {args.port} "Hello"   (Ctrl-C stops)', flush=True)
         if args.explain:
             _print_regions(host, args.port)

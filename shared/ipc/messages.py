@@ -5,13 +5,18 @@ tokens a step produced, ABORT carries nothing.
 
     NEW_SEQ      payload: u32 n_json | params JSON | pad to 4 | int32 prompt ids
                  shape:   (prompt tokens, 0, 0, 0)
+                 flags:   PROMPT_OPEN (streaming input: APPEND_PROMPT tickets bring the rest)
     STEP_RESULT  payload: int32 token ids | float32 logprobs (when HAS_LOGPROBS)
+                          | int32 top ids[n * T] | float32 top logprobs[n * T] (HAS_TOP)
                           or, with ERROR, the UTF-8 error message
                           or, with CANDIDATES, int32 ids[K] | float32 logits[K] | lse, lse_t
                  shape:   (new tokens or K, prompt tokens, output tokens, finish reason code,
                           or with ERROR the step_errors.ErrorCode)
-                 flags:   FINISHED | HAS_LOGPROBS | ERROR | CANDIDATES
+                 flags:   FINISHED | HAS_LOGPROBS | ERROR | CANDIDATES | HAS_TOP
     APPEND_TOKENS  payload: int32 token | float32 logprob  (the CPU's pick for CANDIDATES)
+    APPEND_PROMPT  payload: int32 token ids (a chunk of an open prompt)
+                   shape:   (tokens, keep: the prompt's tokens kept before them, 0, 0)
+                   flags:   LAST_CHUNK (the prompt is complete; decoding starts)
     STATS        payload: a JSON object (GPU -> CPU), none (CPU -> GPU: a request for one)
     CORRUPT      payload: UTF-8 reason; request_id: the seq of the bad ticket
 
@@ -34,7 +39,11 @@ from hybridgen.sampling.candidates import Candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.step_errors import ErrorCode
 
-FINISHED, HAS_LOGPROBS, ERROR, CANDIDATES = 1, 2, 4, 8
+FINISHED, HAS_LOGPROBS, ERROR, CANDIDATES, HAS_TOP = 1, 2, 4, 8, 16
+PROMPT_OPEN = 1
+"""NEW_SEQ flag."""
+LAST_CHUNK = 1
+"""APPEND_PROMPT flag."""
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _ERROR_CODES = frozenset(int(code) for code in ErrorCode)
 FINISH_CODES = {None: 0, "stop": 1, "length": 2, "aborted": 3}
@@ -105,6 +114,8 @@ class StepResult:
     """With `error`: the status to answer the client with."""
     candidates: Candidates | None = None
     """With CPU sampling: the top-k logits to pick the next token from (no token yet)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, its most likely alternatives (id, logprob), when the request asked."""
 
 
 def encode_step_result(result: StepResult) -> tuple[bytes, int, tuple[int, int, int, int]]:
@@ -128,6 +139,9 @@ def encode_step_result(result: StepResult) -> tuple[bytes, int, tuple[int, int, 
         if result.logprobs is not None:
             payload += np.asarray(result.logprobs, dtype=np.float32).tobytes()
             flags |= HAS_LOGPROBS
+        if result.logprobs is not None and result.top_logprobs and result.top_logprobs[0]:
+            payload += _encode_top(result.top_logprobs)
+            flags |= HAS_TOP
     last = FINISH_CODES[result.finish_reason] if result.error is None else result.error_code
     shape = (n, result.prompt_tokens, result.output_tokens, int(last))
     return payload, flags, shape
@@ -161,12 +175,48 @@ def decode_step_result(
         return StepResult(
             request_id, [], None, None, prompt_tokens, output_tokens, candidates=cands
         )
-    logprobs = None
-    _expect_size(payload, (8 if flags & HAS_LOGPROBS else 4) * n, f"{n} tokens")
+    logprobs = top = None
+    base = (8 if flags & HAS_LOGPROBS else 4) * n
+    if flags & HAS_TOP:
+        extra = len(payload) - base
+        if not (flags & HAS_LOGPROBS and n and extra > 0 and extra % (8 * n) == 0):
+            raise CorruptPayload(
+                f"STEP_RESULT top logprobs of {n} tokens need logprobs and a multiple of "
+                f"{8 * max(n, 1)} bytes after {base}, got {len(payload)} bytes in all"
+            )
+    else:
+        _expect_size(payload, base, f"{n} tokens")
     ids = np.frombuffer(payload, dtype=np.int32, count=n).tolist()
     if flags & HAS_LOGPROBS:
         logprobs = np.frombuffer(payload, dtype=np.float32, count=n, offset=4 * n).tolist()
-    return StepResult(request_id, ids, logprobs, FINISH_NAMES[code], prompt_tokens, output_tokens)
+    if flags & HAS_TOP:
+        top = _decode_top(memoryview(payload)[8 * n :], n)
+    return StepResult(
+        request_id,
+        ids,
+        logprobs,
+        FINISH_NAMES[code],
+        prompt_tokens,
+        output_tokens,
+        top_logprobs=top,
+    )
+
+
+def _encode_top(top: list[list[tuple[int, float]]]) -> bytes:
+    """Every token's alternatives, as many for each: ids then logprobs, token by token."""
+    width = len(top[0])
+    assert all(len(t) == width for t in top), "one top-N width per result"
+    pairs = [pair for token in top for pair in token]
+    ids = np.asarray([p[0] for p in pairs], dtype=np.int32).tobytes()
+    return ids + np.asarray([p[1] for p in pairs], dtype=np.float32).tobytes()
+
+
+def _decode_top(buf: memoryview, n: int) -> list[list[tuple[int, float]]]:
+    width = len(buf) // (8 * n)
+    ids = np.frombuffer(buf, dtype=np.int32, count=n * width).tolist()
+    lps = np.frombuffer(buf, dtype=np.float32, count=n * width, offset=4 * n * width).tolist()
+    pairs = list(zip(ids, lps, strict=True))
+    return [pairs[i * width : (i + 1) * width] for i in range(n)]
 
 
 def _expect_size(payload: bytes | memoryview, size: int, what: str) -> None:
@@ -186,3 +236,13 @@ def decode_append(payload: bytes | memoryview) -> tuple[int, float]:
         raise CorruptPayload(f"APPEND_TOKENS needs {_APPEND.size} bytes, got {len(payload)}")
     token_id, logprob = _APPEND.unpack(bytes(payload))
     return token_id, logprob
+
+
+def encode_prompt_chunk(token_ids: list[int]) -> bytes:
+    return np.asarray(token_ids, dtype=np.int32).tobytes()
+
+
+def decode_prompt_chunk(payload: bytes | memoryview) -> list[int]:
+    if len(payload) % 4:
+        raise CorruptPayload(f"APPEND_PROMPT payload of {len(payload)} bytes is not int32 ids")
+    return np.frombuffer(payload, dtype=np.int32).tolist()

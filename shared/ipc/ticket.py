@@ -53,6 +53,7 @@ class Op(IntEnum):
     HEARTBEAT = 15
     CORRUPT = 16
     """The sender found the ticket of seq `request_id` on the other ring bad (payload: why)."""
+    APPEND_PROMPT = 17
 
 
 class DType(IntEnum):

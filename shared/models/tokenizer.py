@@ -323,6 +323,13 @@ class Tokenizer:
         shrink = 1 if self._backend.normalizer is None else 4
         return max_tokens * self._longest_token_bytes * shrink
 
+    def encode_offsets(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode's ids and each one's (start, end) character span in `text`."""
+        encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text for `ids`; clean-up follows tokenizer_config (and is skipped for BPE)."""
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

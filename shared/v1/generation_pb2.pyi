@@ -54,6 +54,24 @@ class ChatMessage(_message.Message):
     content: str
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
+class StreamGenerateRequest(_message.Message):
+    __slots__ = ("start", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: GenerateRequest
+    chunk: PromptChunk
+    def __init__(self, start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., chunk: _Optional[_Union[PromptChunk, _Mapping]] = ...) -> None: ...
+
+class PromptChunk(_message.Message):
+    __slots__ = ("text", "token_ids", "last")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    last: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., last: _Optional[bool] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]

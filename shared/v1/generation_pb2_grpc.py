@@ -39,6 +39,11 @@ class GenerationServiceStub:
                 request_serializer=hybridgen_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=hybridgen_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.StreamGenerate = channel.stream_stream(
+                '/hybridgen.v1.GenerationService/StreamGenerate',
+                request_serializer=hybridgen_dot_v1_dot_generation__pb2.StreamGenerateRequest.SerializeToString,
+                response_deserializer=hybridgen_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/hybridgen.v1.GenerationService/Tokenize',
                 request_serializer=hybridgen_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -57,6 +62,18 @@ class GenerationServiceServicer:
     def Generate(self, request, context):
         """Streams the generated tokens of one request: deltas, then a final message that carries
         finish_reason and usage. Cancelling the call aborts the request and frees its KV at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamGenerate(self, request_iterator, context):
+        """Generate with a prompt that arrives in parts (streaming input, e.g. speech recognized as
+        it is spoken): the first message is `start`, the prompt's first part (may be empty); then
+        `chunk`s, each tokenized and prefilled as it arrives. After the chunk with last: true
+        (or the client closing its side) decoding starts, and the responses are Generate's. The
+        ids equal those of the joined text (the tail a chunk can merge with is re-tokenized).
+        A message after the last chunk gets INVALID_ARGUMENT; a cancel frees the KV at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +99,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=hybridgen_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=hybridgen_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'StreamGenerate': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamGenerate,
+                    request_deserializer=hybridgen_dot_v1_dot_generation__pb2.StreamGenerateRequest.FromString,
                     response_serializer=hybridgen_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
@@ -121,6 +143,33 @@ class GenerationService:
             target,
             '/hybridgen.v1.GenerationService/Generate',
             hybridgen_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            hybridgen_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamGenerate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hybridgen.v1.GenerationService/StreamGenerate',
+            hybridgen_dot_v1_dot_generation__pb2.StreamGenerateRequest.SerializeToString,
             hybridgen_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,308 @@
+"""The OpenAI HTTP API in process, over a scripted backend: what the served tests cannot make
+happen on cue. The admission queue full (429), a backend still loading (503), the API-key
+hook (401, /health open), the n samples' order (the second starts after the first's first
+token), and the admission places given back whatever way a request ends."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import openai
+import pytest
+
+from hybridgen.gateway.delta import Delta, Finish
+from hybridgen.gateway.http_server import HttpServer
+from hybridgen.gateway.metrics import Metrics
+from hybridgen.gateway.openai_http import OpenAIApi
+from hybridgen.gateway.service import GenerationService
+from hybridgen.gpu_daemon.validation import validate_request
+from hybridgen.sampling.params import SamplingParams
+
+MAX_QUEUE = 4
+
+
+class ScriptedBackend:
+    """Tokens are bytes; each request yields `tokens` one-token Deltas, `gap_s` apart."""
+
+    def __init__(self, tokens: int = 3, gap_s: float = 0.01) -> None:
+        self.tokens, self.gap_s = tokens, gap_s
+        self.loaded = True
+        self.waiting = 0
+        self.full = False
+        self.events: list[tuple[str, str]] = []
+        """(what, request id): "start", "token" and "end" of each generate, in order."""
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def ready(self) -> bool:
+        return self.loaded
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"model": "tiny-llama", "max_model_len": 64, "vocab_size": 512}
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(text.encode())
+
+    async def validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, partial: bool = False
+    ) -> None:
+        validate_request(prompt_ids, params, 512, 64, partial)
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, stop: list[str]
+    ) -> AsyncIterator[Delta]:
+        self.waiting += 1
+        self.events.append(("start", request_id))
+        started = False
+        try:
+            for i in range(min(self.tokens, params.max_tokens)):
+                await asyncio.sleep(self.gap_s)
+                if not started:
+                    started, self.waiting = True, self.waiting - 1
+                last = i + 1 == min(self.tokens, params.max_tokens)
+                self.events.append(("token", request_id))
+                yield Delta((65 + i,), chr(65 + i), None, last, Finish.LENGTH if last else None,
+                            len(prompt_ids), i + 1)  # fmt: skip
+        finally:
+            if not started:
+                self.waiting -= 1
+            self.events.append(("end", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def queue_depth(self) -> int:
+        return MAX_QUEUE if self.full else self.waiting
+
+
+def run(backend: ScriptedBackend, scenario: Any, authorize: Any = None) -> Any:
+    """Serve the API over `backend` on a free port and run `scenario(port, service)`."""
+
+    async def main() -> Any:
+        service = GenerationService(backend, Metrics(), MAX_QUEUE)  # type: ignore[arg-type]
+        http = HttpServer(OpenAIApi(service, authorize).app(), "127.0.0.1", 0, 1.0)
+        port = await http.start()
+        try:
+            return await scenario(port, service)
+        finally:
+            await http.stop()
+
+    return asyncio.run(main())
+
+
+def client(port: int, key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
+async def get(port: int, path: str, key: str | None = None) -> int:
+    def call() -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        if key is not None:
+            request.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    return await asyncio.to_thread(call)
+
+
+def test_the_second_sample_starts_after_the_first_has_a_token() -> None:
+    backend = ScriptedBackend(tokens=3)
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        out = await client(port).completions.create(model="tiny-llama", prompt="hi", n=2)
+        return out, service._reserved
+
+    out, reserved = run(backend, scenario)
+    assert [c.text for c in out.choices] == ["ABC", "ABC"]
+    first, second = (rid for what, rid in backend.events if what == "start")
+    assert first.endswith("-0-0") and second.endswith("-0-1")
+    assert backend.events.index(("start", second)) > backend.events.index(("token", first))
+    assert reserved == 0
+
+
+def test_several_prompts_index_their_choices() -> None:
+    async def scenario(port: int, service: GenerationService) -> Any:
+        return await client(port).completions.create(
+            model="tiny-llama", prompt=["a", "bb"], n=2, max_tokens=2
+        )
+
+    out = run(ScriptedBackend(), scenario)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 1 + 2  # once per prompt, not per sample
+    assert out.usage.completion_tokens == 4 * 2
+
+
+def test_a_full_queue_is_429_and_loading_is_503() -> None:
+    backend = ScriptedBackend()
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        api = client(port)
+        backend.full = True
+        with pytest.raises(openai.RateLimitError) as full:
+            await api.completions.create(model="tiny-llama", prompt="hi")
+        backend.full, backend.loaded = False, False
+        with pytest.raises(openai.InternalServerError) as loading:
+            await api.completions.create(model="tiny-llama", prompt="hi")
+        health = await get(port, "/health")
+        backend.loaded = True
+        return full.value, loading.value, health, await get(port, "/health"), service._reserved
+
+    full, loading, health_loading, health_ready, reserved = run(backend, scenario)
+    assert full.status_code == 429 and "queue is full" in full.body["message"]
+    assert loading.status_code == 503 and loading.body["type"] == "service_unavailable"
+    assert (health_loading, health_ready) == (503, 200)
+    assert reserved == 0
+
+
+def test_the_queue_counts_admitted_samples_not_yet_started() -> None:
+    """n = 3 takes three places at once: with one place left, it is refused whole."""
+    backend = ScriptedBackend()
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        backend.waiting = MAX_QUEUE - 1
+        with pytest.raises(openai.RateLimitError):
+            await client(port).completions.create(model="tiny-llama", prompt="hi", n=3)
+        backend.waiting = 0
+        out = await client(port).completions.create(model="tiny-llama", prompt="hi", n=3)
+        return len(out.choices), service._reserved
+
+    assert run(backend, scenario) == (3, 0)
+
+
+def test_a_bad_second_prompt_gives_back_the_first_ones_places() -> None:
+    async def scenario(port: int, service: GenerationService) -> Any:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client(port).completions.create(
+                model="tiny-llama", prompt=["fine", [1, 10**6]], n=2
+            )
+        return err.value.body["param"], service._reserved
+
+    assert run(ScriptedBackend(), scenario) == ("prompt_token_ids", 0)
+
+
+def test_a_client_gone_mid_stream_closes_every_choice() -> None:
+    backend = ScriptedBackend(tokens=50, gap_s=0.05)
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        stream = await client(port).completions.create(
+            model="tiny-llama", prompt="hi", n=2, stream=True, max_tokens=50
+        )
+        async for _ in stream:
+            break
+        await stream.close()
+        for _ in range(100):
+            if sum(1 for what, _ in backend.events if what == "end") == 2:
+                break
+            await asyncio.sleep(0.05)
+        return service._reserved
+
+    assert run(backend, scenario) == 0
+    ends = [what for what, _ in backend.events if what in ("token", "end")]
+    assert ends.count("end") == 2 and ends.count("token") < 20
+
+
+def test_the_api_key_hook() -> None:
+    def allow(header: str | None) -> bool:
+        return header == "Bearer sesame"
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        with pytest.raises(openai.AuthenticationError) as denied:
+            await client(port, "wrong").completions.create(model="tiny-llama", prompt="hi")
+        out = await client(port, "sesame").completions.create(model="tiny-llama", prompt="hi")
+        statuses = [await get(port, p) for p in ("/health", "/metrics", "/v1/models")]
+        return denied.value, out.choices[0].text, statuses, await get(port, "/metrics", "sesame")
+
+    denied, text, statuses, metrics = run(ScriptedBackend(), scenario, allow)
+    assert denied.status_code == 401 and denied.body["code"] == "invalid_api_key"
+    assert text == "ABC"
+    assert statuses == [200, 401, 401] and metrics == 200
+
+
+def test_bad_json_and_unknown_paths_are_openai_errors() -> None:
+    async def scenario(port: int, service: GenerationService) -> Any:
+        def post(path: str, data: bytes) -> tuple[int, Any]:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    return reply.status, json.loads(reply.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        return [
+            await asyncio.to_thread(post, "/v1/completions", b"{not json"),
+            await asyncio.to_thread(post, "/v1/completions", b"[1, 2]"),
+            await asyncio.to_thread(post, "/v2/anything", b"{}"),
+        ]
+
+    (s1, b1), (s2, b2), (s3, b3) = run(ScriptedBackend(), scenario)
+    assert (s1, b1["error"]["param"]) == (400, "body")
+    assert (s2, b2["error"]["param"]) == (400, "body")
+    assert s3 == 404 and "/v2/anything" in b3["error"]["message"]
+
+
+def test_a_client_gone_before_the_first_token_gives_back_every_place() -> None:
+    """The second sample never starts (it waits for the first's token): its place in the
+    admission queue is given back when the request is closed."""
+    backend = ScriptedBackend(tokens=2, gap_s=1.0)
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        api = client(port).with_options(timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            await api.completions.create(model="tiny-llama", prompt="hi", n=2)
+        for _ in range(100):
+            if ("end", backend.events[0][1]) in backend.events:
+                break
+            await asyncio.sleep(0.02)
+        return service._reserved
+
+    assert run(backend, scenario) == 0
+    assert [what for what, _ in backend.events] == ["start", "end"]
+
+
+def test_every_token_is_a_chunk_even_without_text() -> None:
+    """Tokens whose text is held back (or empty: skipped special tokens) still stream a
+    chunk, so that clients time each token; continuous_usage_stats counts them."""
+    backend = ScriptedBackend(tokens=3)
+    real_generate = backend.generate
+
+    async def textless(*args: Any) -> AsyncIterator[Delta]:
+        async for delta in real_generate(*args):
+            yield dataclasses.replace(delta, text="")
+
+    backend.generate = textless  # type: ignore[method-assign]
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        stream = await client(port).completions.create(
+            model="/some/folder/tiny-llama",  # a path to a folder of the served name
+            prompt="hi",
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = run(backend, scenario)
+    assert [c.choices[0].text for c in chunks[:3]] == ["", "", ""]
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 3]
+    assert chunks[-1].choices == []
+
+
+def test_another_model_name_is_404() -> None:
+    async def scenario(port: int, service: GenerationService) -> Any:
+        with pytest.raises(openai.NotFoundError) as err:
+            await client(port).completions.create(model="/x/other-model", prompt="hi")
+        return err.value.body
+
+    assert run(ScriptedBackend(), scenario)["param"] == "model"
