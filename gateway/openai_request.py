@@ -96,6 +96,8 @@ def parse(body: Any, chat: bool, prompts: list[str | list[int]]) -> OpenAIReques
             request_id=f"{base}-{i}",
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=() if isinstance(prompt, str) else tuple(prompt),
+            messages=(),  # a chat comes rendered by the model's template, as text
+            add_generation_prompt=False,
             add_special_tokens=add_special,
             params=params,
             stop=tuple(stops),
