@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
@@ -395,3 +396,14 @@ def test_stale_socket_is_replaced_but_not_a_live_one_or_a_file(tmp_path: Path) -
     with pytest.raises(RuntimeError, match="not a socket"):
         remove_stale_socket(path)
     assert Path(path).read_text() == "not a socket"
+
+
+def test_a_healthy_upstream_is_news_and_a_lost_one_a_warning(tmp_path: Path) -> None:
+    backend = ProxyBackend(f"unix:{tmp_path / 'up.sock'}")
+    with capture_logs() as logs:
+        backend._set_ready(True, "upstream SERVING")
+        backend._set_ready(True, "upstream SERVING")  # no change: no line
+        backend._set_ready(False, "connection refused")
+    changes = [e for e in logs if e["event"] == "upstream_health_changed"]
+    levels = [(e["serving"], e["log_level"]) for e in changes]
+    assert levels == [(True, "info"), (False, "warning")]
