@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridgen.cli.preflight import (
     PreflightError,
@@ -194,3 +195,18 @@ def test_checks_run_in_order_ports_first(tmp_path: Path, listener: int) -> None:
     config = _config(model__name_or_path="tiny-lama", server__port=str(listener))
     with pytest.raises(PreflightError, match=r"server\.port"):
         preflight(config, "cpu", "x")
+
+
+def test_cpu_budget_is_capped_at_the_free_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the budget is host memory, which the Hot pool fills: one above what is
+    available could not be allocated (--gpu-memory-mb 24576 on a 24 GB machine)."""
+    from hybridgen.engine_config import EngineConfig
+    from hybridgen.gpu_daemon import host_memory
+    from hybridgen.gpu_daemon.memory import MIB, budget_bytes
+
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 10_000 * MIB)
+    cpu = torch.device("cpu")
+    assert budget_bytes(EngineConfig(gpu_memory_mb=2048), cpu) == 2048 * MIB
+    assert budget_bytes(EngineConfig(), cpu) == 4096 * MIB
+    capped = budget_bytes(EngineConfig(gpu_memory_mb=24576), cpu)
+    assert capped == int(10_000 * MIB * host_memory.AVAILABLE_SHARE)
