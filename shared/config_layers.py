@@ -48,9 +48,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "HYBRIDGEN_"
-OTHER_VARIABLES = frozenset({"CONFIG", "LOG_LEVEL", "LOG_JSON", "COMMIT"})
+OTHER_VARIABLES = frozenset({"CONFIG", "LOG_LEVEL", "LOG_JSON", "COMMIT", "FAULT_STEPS"})
 """HYBRIDGEN_* variables that are not settings: the config file, logging, the commit
-benchmarks record."""
+benchmarks record, the fault drill."""
 _SHORT_SECTIONS = {"device_topology": "", "model": "", "server": "", "kv_cache": "kv"}
 _FLAG_NAMES = {"model.name_or_path": "model"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

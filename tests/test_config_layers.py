@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,15 @@ def test_serve_print_config_command(tmp_path: Path) -> None:
             }[wanted]
         )
     assert not list(tmp_path.iterdir())  # printing starts nothing and writes nothing
+
+
+def test_every_variable_the_code_reads_is_known() -> None:
+    """A HYBRIDGEN_* variable read anywhere is a setting or listed as another one, so that
+    serve never calls it unknown."""
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for folder in ("shared", "gpu_daemon", "cpu_daemon", "gateway"):
+        for path in (root / folder).rglob("*.py"):
+            read |= set(re.findall(r"HYBRIDGEN_[A-Z][A-Z_]*[A-Z]", path.read_text()))
+    assert read, "the pattern finds the variables"
+    assert unknown_variables(dict.fromkeys(read, "")) == []
