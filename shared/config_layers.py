@@ -41,6 +41,7 @@ __all__ = [
     "Layered",
     "Setting",
     "config_document",
+    "flag_for",
     "format_layered",
     "layered_config",
     "settings",
@@ -136,14 +137,15 @@ def _is_text(hint: Any) -> bool:
     return hint is str or (origin is tuple)  # tuples: CPU lists, parsed from their text
 
 
-def _flag(key: str) -> str:
+def flag_for(key: str) -> str:
+    """The command-line flag of a dotted key: --gpu-memory-mb for device_topology.gpu.memory_mb."""
     if key in _FLAG_NAMES:
-        return _FLAG_NAMES[key]
+        return f"--{_FLAG_NAMES[key]}"
     section, *rest = key.split(".")
     if not rest:
-        return section.replace("_", "-")
+        return "--" + section.replace("_", "-")
     head = _SHORT_SECTIONS.get(section, section)
-    return "-".join([head, *rest] if head else rest).replace("_", "-")
+    return "--" + "-".join([head, *rest] if head else rest).replace("_", "-")
 
 
 @functools.cache
@@ -168,9 +170,9 @@ def _walk(cls: type, prefix: str) -> Iterator[Setting]:
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             yield from _walk(hint, f"{key}.")
             continue
-        flag = _flag(key)
-        env = ENV_PREFIX + flag.replace("-", "_").upper()
-        yield Setting(key, f"--{flag}", env, hint, f.default, docs.get(f.name, ""))
+        flag = flag_for(key)
+        env = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+        yield Setting(key, flag, env, hint, f.default, docs.get(f.name, ""))
 
 
 @functools.cache

@@ -273,6 +273,14 @@ def test_generate_invalid_argument_names_the_field(gateway_port: int) -> None:
     assert "top_p" in result.stderr
 
 
+def test_generate_takes_the_port_serve_takes_from_the_environment(gateway_port: int) -> None:
+    env = {**os.environ, "HYBRIDGEN_PORT": str(gateway_port)}
+    argv = [*CLI, "generate", "Hi", "--max-tokens", "2"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "completion_tokens=2" in result.stderr
+
+
 def test_generate_without_server() -> None:
     result = cli("generate", "Hello", "--port", str(_free_port()))
     assert result.returncode == 3

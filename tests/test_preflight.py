@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,3 +211,30 @@ def test_cpu_budget_is_capped_at_the_free_host_memory(monkeypatch: pytest.Monkey
     assert budget_bytes(EngineConfig(), cpu) == 4096 * MIB
     capped = budget_bytes(EngineConfig(gpu_memory_mb=24576), cpu)
     assert capped == int(10_000 * MIB * host_memory.AVAILABLE_SHARE)
+
+
+def test_every_server_port_key_is_checked_the_http_port_too(listener: int) -> None:
+    """server_ports reads the section, not a list: a port key another change adds (the
+    OpenAI-compatible server.http_port, on server.http_host if there is one) is checked with
+    no change here."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Server:
+        host: str = "127.0.0.1"
+        port: int = 1
+        metrics_port: int = 0
+        http_port: int = 0
+        http_host: str = "127.0.0.1"
+
+    free = int(_free_port())
+    config = SimpleNamespace(server=Server(port=free, http_port=listener))
+    assert server_ports(config) == [  # type: ignore[arg-type]
+        ("server.port", "127.0.0.1", free),
+        ("server.http_port", "127.0.0.1", listener),
+    ]
+    with pytest.raises(
+        PreflightError, match=rf"server\.http_port {listener} is in use.*--http-port"
+    ):
+        check_ports(config)  # type: ignore[arg-type]
+    with pytest.raises(PreflightError, match=r"server\.http_port \d+ is server\.port's port too"):
+        check_ports(SimpleNamespace(server=Server(port=free, http_port=free)))  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -171,7 +172,12 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
     gen.add_argument("--host", default="127.0.0.1")
-    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("HYBRIDGEN_PORT", "50051")),
+        help="the server's gRPC port (env HYBRIDGEN_PORT, as serve's; default 50051)",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=float, default=1.0)

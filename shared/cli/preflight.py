@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridgen.config import HybridGenConfig
-from hybridgen.config_layers import settings
+from hybridgen.config_layers import flag_for
 from hybridgen.engine_config import ConfigError
 
 if TYPE_CHECKING:
@@ -33,13 +33,9 @@ class PreflightError(Exception):
     """A start-up error found before any daemon started: the problem and the fix, one line."""
 
 
-def _flag(key: str) -> str:
-    return next(s.flag for s in settings() if s.key == key)
-
-
 def _named(key: str) -> str:
     """A dotted key and its flag: `server.metrics_port (--metrics-port)`."""
-    return f"{key} ({_flag(key)})"
+    return f"{key} ({flag_for(key)})"
 
 
 def preflight(config: HybridGenConfig, device: str, instance: str) -> None:
@@ -90,7 +86,7 @@ def check_ports(config: HybridGenConfig) -> None:
         for other, _, taken in ports[:i]:
             if port == taken:
                 raise PreflightError(
-                    f"{key} {port} is {other}'s port too; give each its own: {_flag(key)} N"
+                    f"{key} {port} is {other}'s port too; give each its own: {flag_for(key)} N"
                 )
     for key, host, port in ports:
         _check_bind(key, host, port)
@@ -118,7 +114,7 @@ def _check_bind(key: str, host: str, port: int) -> None:
 
 
 def _bind_problem(key: str, host: str, port: int, exc: OSError) -> str:
-    flag = _flag(key)
+    flag = flag_for(key)
     if exc.errno == errno.EADDRINUSE:
         holder = _holder(port)
         by = f" by {holder}" if holder else " by another program"
