@@ -4,7 +4,6 @@ printing a file that loads back into the same configuration."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -24,23 +23,13 @@ from hybridgen.config_layers import (
     unknown_variables,
 )
 from hybridgen.models.default_model import DEFAULT_MODEL
+from tests.test_config import _dotted_fields
 
 CLI = [sys.executable, "-m", "hybridgen.cli.main"]
 
 
-def _leaves(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        default = getattr(cls(), f.name)
-        if dataclasses.is_dataclass(default):
-            keys += _leaves(type(default), f"{prefix}{f.name}.")
-        else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
-
-
 def test_every_key_has_a_flag_and_a_variable(capsys: pytest.CaptureFixture[str]) -> None:
-    assert [s.key for s in settings()] == _leaves(HybridGenConfig)
+    assert [s.key for s in settings()] == _dotted_fields(HybridGenConfig)
     names = {s.key: (s.flag, s.env) for s in settings()}
     # The names the issue asks for, and the ones serve had before the flags were generated.
     assert names["device_topology.gpu.memory_mb"] == ("--gpu-memory-mb", "HYBRIDGEN_GPU_MEMORY_MB")

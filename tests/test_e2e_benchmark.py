@@ -89,6 +89,7 @@ def check_run(run: dict[str, Any], mode: str) -> None:
     assert server["serve_exit_code"] == 0 and server["shm_left_after_stop"] == []
 
 
+@pytest.mark.slow
 def test_one_mode_through_the_gateway(tmp_path: Path) -> None:
     result, stdout = run_benchmark(tmp_path)
     check_run(result, "hybrid")
@@ -96,6 +97,7 @@ def test_one_mode_through_the_gateway(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "serve-hybrid" / "gpu.log").is_file()
 
 
+@pytest.mark.slow
 def test_compare_runs_both_modes_and_reports_ratios(tmp_path: Path) -> None:
     result, stdout = run_benchmark(tmp_path, "--compare", "--warmup", "0")
     assert result["mode"] == "compare"

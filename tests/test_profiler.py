@@ -149,6 +149,7 @@ def test_profiler_console_script_fails_with_the_reason(tmp_path: Path) -> None:
     assert str(missing) in done.stderr
 
 
+@pytest.mark.slow
 def test_profile_places_the_regions_without_a_probe(  # type: ignore[no-untyped-def]
     checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

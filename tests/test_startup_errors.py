@@ -100,6 +100,7 @@ def test_gateway_reports_a_port_in_use(which: str, notify) -> None:  # type: ign
     assert _statuses(notify[0])[-1].startswith(STATUS_PREFIX)
 
 
+@pytest.mark.slow
 def test_serve_stops_at_once_when_a_daemon_cannot_start(  # type: ignore[no-untyped-def]
     checkpoint, tmp_path: Path, instance: str
 ) -> None:
