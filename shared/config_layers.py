@@ -84,6 +84,12 @@ class Setting:
         relative to the file that sets them, or to the working folder for a flag or variable."""
         return self.key.endswith("_file") or self.key == "profile_path"  # not a model name
 
+    @property
+    def metavar(self) -> str:
+        """What the flag takes, for --help: {native,int8,int4}, N, X, TEXT or CPUS."""
+        names = [_metavar(a) for a in typing.get_args(self.hint) if a is not type(None)]
+        return "|".join(names) if names and _optional(self.hint) else _metavar(self.hint)
+
     def parse(self, text: str, where: str) -> object:
         """The value a flag or variable spells, typed for the schema to check."""
         word = text.strip()
@@ -135,6 +141,14 @@ def _is_text(hint: Any) -> bool:
     if origin is Literal:
         return all(isinstance(c, str) for c in typing.get_args(hint))
     return hint is str or (origin is tuple)  # tuples: CPU lists, parsed from their text
+
+
+def _metavar(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "{" + ",".join(str(c) for c in typing.get_args(hint)) + "}"
+    if typing.get_origin(hint) is tuple:
+        return "CPUS"
+    return {int: "N", float: "X", str: "TEXT"}.get(hint, "V")
 
 
 def flag_for(key: str) -> str:

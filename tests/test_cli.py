@@ -250,6 +250,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
+@pytest.mark.slow
 def test_generate_streams_text(gateway_port: int) -> None:
     result = cli("generate", "Hello there", "--port", str(gateway_port), "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
@@ -258,6 +259,7 @@ def test_generate_streams_text(gateway_port: int) -> None:
     assert "completion_tokens=8" in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_sampling_options(gateway_port: int) -> None:
     args = ["--port", str(gateway_port), "--max-tokens", "4", "--temperature", "0.8"]
     args += ["--top-p", "0.9", "--seed", "7", "--stop", "zz", "--stop", "yy"]
@@ -266,6 +268,7 @@ def test_generate_sampling_options(gateway_port: int) -> None:
     assert first.stdout == second.stdout  # seeded
 
 
+@pytest.mark.slow
 def test_generate_invalid_argument_names_the_field(gateway_port: int) -> None:
     result = cli("generate", "Hello", "--port", str(gateway_port), "--top-p", "2")
     assert result.returncode == 2
@@ -273,6 +276,7 @@ def test_generate_invalid_argument_names_the_field(gateway_port: int) -> None:
     assert "top_p" in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_takes_the_port_serve_takes_from_the_environment(gateway_port: int) -> None:
     env = {**os.environ, "HYBRIDGEN_PORT": str(gateway_port)}
     argv = [*CLI, "generate", "Hi", "--max-tokens", "2"]
@@ -308,17 +312,17 @@ def test_serve_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "server.port" in capsys.readouterr().err
 
 
-def test_models_lists_the_presets() -> None:
+def test_models_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
     from hybridgen.models.presets import PRESETS
 
-    result = cli("models")
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[4:12]}
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[4:12]}
     assert list(rows) == list(PRESETS)
     assert rows["llama3-8b"][1:4] == ["8.0B", "LlamaForCausalLM", "32"]
     assert rows["tiny-llama"][1] == "0.9M"
     assert "8 experts" in " ".join(rows["mixtral-8x7b"])
-    assert "seeded random weights" in result.stdout
+    assert "seeded random weights" in out
 
 
 def test_console_script_entry() -> None:
@@ -337,6 +341,7 @@ def test_console_script_entry() -> None:
 @pytest.mark.skipif(
     importlib.util.find_spec("hybridgen.cpu_daemon.main") is None, reason="no CPU daemon yet"
 )
+@pytest.mark.slow
 def test_serve_generate_and_clean_stop(tmp_path: Path) -> None:
     """The issue's flags (on the CPU the budget is host memory, capped at what is free) over a
     config file's keys, and a variable: they reach the daemons."""

@@ -36,6 +36,7 @@ def _blocks(engine: Engine) -> list[SparseMoeBlock]:
     return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+@pytest.mark.slow
 def test_cold_weights_greedy_matches_hf_on_both_paths(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Batched prefill (several tokens per expert: fetched into the cache) and batched decode
     (often one token per expert: computed on the CPU) give HF's greedy tokens exactly."""
@@ -75,6 +76,7 @@ def test_cold_weights_greedy_matches_hf_on_both_paths(checkpoint) -> None:  # ty
     assert row.measured["overlapped"] == 0.0  # in-process: no CPU daemon beside the device
 
 
+@pytest.mark.slow
 def test_without_cold_weights_nothing_changes(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("mixtral")
     prompts = _prompts(path)[:2]

@@ -81,6 +81,7 @@ def test_batch_invariance(checkpoint) -> None:  # type: ignore[no-untyped-def]
     assert alone == batched
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, 20)[0]

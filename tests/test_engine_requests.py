@@ -158,6 +158,7 @@ def test_decode_steps_do_not_change_outputs() -> None:
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.slow
 def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() -> None:
     """A Warm tier reserves device room for a prefill that reads a Warm prefix in place, which
     happens only to a sequence too long for Hot alone. At 318 MiB Hot holds a 65536-token

@@ -116,6 +116,7 @@ def test_shared_memory_must_hold_the_pool_and_the_arena(monkeypatch: pytest.Monk
         Engine(config)
 
 
+@pytest.mark.slow
 def test_a_loaded_models_arena_is_not_counted_twice(
     instance: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

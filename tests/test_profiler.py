@@ -84,6 +84,7 @@ def _hand_profile(model: Path, **regions: RegionProfile) -> TuningProfile:
     return TuningProfile(str(model), "cpu", rows, created="2025-01-01T00:00:00+00:00")
 
 
+@pytest.mark.slow
 def test_profiler_measures_every_region_and_round_trips(  # type: ignore[no-untyped-def]
     checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

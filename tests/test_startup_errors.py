@@ -59,6 +59,7 @@ def _weightless(checkpoint, folder: Path) -> Path:  # type: ignore[no-untyped-de
     return folder
 
 
+@pytest.mark.slow
 def test_gpu_daemon_reports_a_missing_model(  # type: ignore[no-untyped-def]
     checkpoint, tmp_path: Path, notify, instance: str
 ) -> None:
@@ -73,6 +74,7 @@ def test_gpu_daemon_reports_a_missing_model(  # type: ignore[no-untyped-def]
     assert list_instance(instance) == []  # its rings are removed on the way out
 
 
+@pytest.mark.slow
 def test_cpu_daemon_reports_a_missing_model(tmp_path: Path, notify) -> None:  # type: ignore[no-untyped-def]
     argv = [sys.executable, "-m", "hybridgen.cpu_daemon.main", "--model", "tiny-lama"]
     done, _ = _run([*argv, "--listen", f"unix:{tmp_path / 'cpu.sock'}"], notify[1])

@@ -159,6 +159,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="start and supervise the GPU, CPU and gateway processes",
+        usage="hybridgen serve [--config FILE] [--model M] [--port N] [--print-config] [...]",
         description="Serve a model. Every setting is a flag, a HYBRIDGEN_* variable or a key "
         "of the config file, in that order of precedence; --print-config shows the result.",
     )

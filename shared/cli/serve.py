@@ -61,7 +61,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
             groups[section] = serve.add_argument_group(f"config: {section}")
         default = "null" if s.default is None else s.default
         extra: dict[str, Any] = (
-            {"action": argparse.BooleanOptionalAction} if s.is_bool else {"metavar": "V"}
+            {"action": argparse.BooleanOptionalAction} if s.is_bool else {"metavar": s.metavar}
         )
         groups[section].add_argument(
             s.flag,
