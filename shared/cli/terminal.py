@@ -5,6 +5,7 @@ line at most every `every_s` seconds and at its end, so that a log file stays sh
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import IO, Any
@@ -59,8 +60,16 @@ class Terminal:
         if self._bar is not None and (desc != self._bar_desc or self._bar.total != total):
             self.close()
         if self._bar is None:
+            # shutil's size (80x24 when the terminal says none), not tqdm's own query: on a
+            # pseudo-terminal without a size that reads 0 rows, and tqdm then hides the bar.
+            size = shutil.get_terminal_size()
             self._bar = tqdm(
-                total=total, desc=desc, unit=f" {unit}", file=self.stream, dynamic_ncols=True
+                total=total,
+                desc=desc,
+                unit=f" {unit}",
+                file=self.stream,
+                ncols=size.columns,
+                nrows=size.lines,
             )
             self._bar_desc = desc
         self._bar.update(done - self._bar.n)
