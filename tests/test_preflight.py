@@ -238,3 +238,17 @@ def test_every_server_port_key_is_checked_the_http_port_too(listener: int) -> No
         check_ports(config)  # type: ignore[arg-type]
     with pytest.raises(PreflightError, match=r"server\.http_port \d+ is server\.port's port too"):
         check_ports(SimpleNamespace(server=Server(port=free, http_port=free)))  # type: ignore[arg-type]
+
+
+def test_a_missing_model_path_is_found_before_the_model_code_loads() -> None:
+    """The check for a path that is not there needs no torch and no model code: serve says it
+    in the time it takes to read its flags."""
+    code = (
+        "import sys; from hybridgen.models.errors import bad_model_path\n"
+        "print(bad_model_path('/models/nowhere'), bad_model_path('tiny-llama'))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'hybridgen.models.'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    first, modules = done.stdout.splitlines()
+    assert first.startswith("model '/models/nowhere': no such folder") and first.endswith("None")
+    assert modules == "['hybridgen.models.errors']"

@@ -50,10 +50,14 @@ def preflight(config: HybridGenConfig, device: str, instance: str) -> None:
 
 def check_model(config: HybridGenConfig) -> ModelSpec:
     """The model's shape and tokenizer, read as the daemons will read them."""
-    from hybridgen.models.errors import ModelLoadError
-    from hybridgen.models.loader import load_tokenizer, model_spec
+    from hybridgen.models.errors import ModelLoadError, bad_model_path
 
     name = config.model.name_or_path
+    path_error = bad_model_path(name)  # before the model code's imports: a second or two
+    if path_error is not None:
+        raise PreflightError(str(path_error))
+    from hybridgen.models.loader import load_tokenizer, model_spec
+
     try:
         spec = model_spec(name)
         load_tokenizer(name)
@@ -164,8 +168,8 @@ def _holder(port: int) -> str | None:
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
                 words = argv.split("\0")
-                command = " ".join([Path(words[0]).name, *words[1:4]]).strip()
-                return f"pid {pid} ({command})"
+                command = " ".join([Path(words[0]).name, *words[1:4]])
+                return f"pid {pid} ({' '.join(command.split())[:60]})"  # one line, short
         except OSError:
             continue  # gone, or not ours
     return None

@@ -7,13 +7,12 @@ are drawn directly on the target device, so an 8B model builds in seconds on a G
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from hybridgen.log import Progress
-from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.errors import ModelLoadError, bad_model_path
 from hybridgen.models.expert_format import Alloc, Format, PackedMatrices, host_alloc
 from hybridgen.models.expert_store import ExpertStore
 from hybridgen.models.llama import CausalLM, empty_model
@@ -185,12 +184,9 @@ def preset_spec(name: str) -> ModelSpec:
     """The preset `name`; a ModelLoadError that says what was meant when there is none."""
     if name in PRESETS:
         return PRESETS[name]
-    if "/" in name or name.startswith((".", "~")):
-        what = "not a folder" if Path(name).exists() else "no such folder"
-        raise ModelLoadError(
-            f"model {name!r}: {what}; give a checkpoint folder (config.json, "
-            "*.safetensors, tokenizer.json) or a preset (hybridgen models lists them)"
-        )
+    path_error = bad_model_path(name)
+    if path_error is not None:
+        raise path_error
     close = difflib.get_close_matches(name, list(PRESETS), n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise ModelLoadError(
