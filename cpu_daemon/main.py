@@ -29,7 +29,9 @@ from hybridgen.cpu_daemon.warm_link import WarmLinkWorker
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.server import ServerConfig, serve
 from hybridgen.ipc.channels import Channels
+from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.loader import load_tokenizer
+from hybridgen.startup_error import startup_failed
 
 log = structlog.get_logger()
 
@@ -84,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         bind(config.device_topology.cpu.cores, "device_topology.cpu.cores")
     except ConfigError as e:
-        print(f"hybridgen-cpu: {e}", file=sys.stderr)
-        return 2
+        return startup_failed("hybridgen-cpu", str(e))
     config = config.with_model(args.model)
     instance = args.instance or config.server.instance
     listen = args.listen or f"unix:{config.server.runtime_dir}/cpu.sock"
     structlog.contextvars.bind_contextvars(process="cpu_daemon", instance=instance)
-    tokenizer = load_tokenizer(config.model.name_or_path)
+    try:
+        tokenizer = load_tokenizer(config.model.name_or_path)
+    except ModelLoadError as e:
+        return startup_failed("hybridgen-cpu", str(e))
     channels = Channels.attach(instance, wait=args.attach_timeout)
     workers: list[WarmLinkWorker | ExpertLinkWorker] = []
     if config.warm_pool_mb:  # the GPU daemon asks for attn_warm's CPU share

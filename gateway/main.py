@@ -26,11 +26,9 @@ from hybridgen.config import ConfigError, load_config
 from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.gateway.server import ServerConfig, serve
+from hybridgen.startup_error import startup_failed
 
 log = structlog.get_logger()
-
-EXIT_USAGE = 2
-"""A bad config, key or certificate file: restarting cannot help."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         section = load_config(args.config).server
     except ConfigError as exc:
-        print(f"hybridgen-gateway: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return startup_failed("hybridgen-gateway", str(exc))
     flags = {
         "host": args.host,
         "port": args.port,
@@ -68,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         try:
             asyncio.run(serve(backend, server, metrics))
-        except ConfigError:
-            return EXIT_USAGE  # logged by serve: an unreadable key or certificate file
-        except OSError:
-            return 1  # logged by serve: the address in use, the metrics port taken
+        except (ConfigError, OSError) as exc:  # an unreadable key or certificate file, the
+            # address or the metrics port in use (logged by serve): restarting cannot help
+            return startup_failed("hybridgen-gateway", str(exc))
         except Exception:
             log.exception("gateway_failed")
             return 1

@@ -452,8 +452,9 @@ class ProxyBackend:
         return 0
 
     def _set_ready(self, ready: bool, why: str) -> None:
-        if ready != self._ready:
-            log.warning("upstream_health_changed", serving=ready, why=why, target=self.target)
+        if ready != self._ready:  # a healthy upstream is news, not a warning
+            report = log.info if ready else log.warning
+            report("upstream_health_changed", serving=ready, why=why, target=self.target)
         self._ready = ready
         if not ready:
             self._info = None  # refetched when the upstream serves again

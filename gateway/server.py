@@ -232,7 +232,10 @@ def _bind_problem(address: str) -> str | None:
             return None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            return "the port is in use (another gateway?); stop that program or pick another port"
+            return (
+                "the port is in use (another gateway?); stop that program or pick another port "
+                "(server.port, --port N)"
+            )
         return exc.strerror
 
 
@@ -278,7 +281,8 @@ async def _follow_backend(
         await asyncio.sleep(_HEALTH_POLL_S)
         wanted = _SERVING if backend.ready() and not gateway.service.draining else _NOT_SERVING
         if wanted != current:
-            log.warning("health_changed", serving=wanted == _SERVING)
+            report = log.info if wanted == _SERVING else log.warning
+            report("health_changed", serving=wanted == _SERVING)
             await _set_health(gateway.health, wanted)
             current = wanted
         now = time.monotonic()
@@ -288,6 +292,7 @@ async def _follow_backend(
 
 
 def _serve_metrics(metrics: Metrics, config: ServerConfig) -> None:
+    """The /metrics endpoint; OSError naming the key and the flag when it cannot listen."""
     try:
         metrics.serve(config.metrics_port, config.metrics_host)
     except OSError as exc:
@@ -297,7 +302,10 @@ def _serve_metrics(metrics: Metrics, config: ServerConfig) -> None:
             error=str(exc),
             hint="free the port, or set server.metrics_port (0: no metrics endpoint)",
         )
-        raise
+        raise OSError(
+            f"server.metrics_port {config.metrics_port} on {config.metrics_host}: "
+            f"{exc.strerror or exc}; free it, or pick another: --metrics-port N (0: none)"
+        ) from exc
 
 
 async def serve(

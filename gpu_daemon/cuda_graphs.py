@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hybridgen.log import Progress
 from hybridgen.models.llama import AttentionBatch
 
 DecodeFn = Callable[[torch.Tensor, AttentionBatch], torch.Tensor]
@@ -73,8 +74,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.inputs.sizes):
+        sizes = list(reversed(self.inputs.sizes))
+        progress = Progress("capturing_graphs", len(sizes), unit="graphs", label="warming up")
+        for i, b in enumerate(sizes):
             self._capture(b, pool)
+            progress.update(i + 1, batch=b)
 
     def _capture(self, b: int, pool: Any) -> None:  # torch's private _POOL_HANDLE
         batch, input_ids = self.inputs.batch(b), self.inputs.input_ids[:b]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from hybridgen import sd_notify
 from hybridgen.engine_config import ConfigError, EngineConfig
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.degrade import Degrade
@@ -114,6 +115,7 @@ class Engine:
     def _start(self) -> None:
         """Everything after loading: the expert cache, the memory plan, the Warm tier, the
         runner, the scheduler and the start-up measurements."""
+        sd_notify.status("warming up")  # under a supervisor; a no-op in-process
         config = self.config
         spec = self.spec = self.loaded.model.spec
         self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(

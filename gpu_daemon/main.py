@@ -16,6 +16,7 @@ import sys
 from types import FrameType
 
 import structlog
+import torch
 
 from hybridgen import log as hlog
 from hybridgen import sd_notify
@@ -25,8 +26,11 @@ from hybridgen.cpu_daemon.expert_link import ExpertLinkClient
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.heartbeat import GpuHeartbeat
+from hybridgen.gpu_daemon.memory import BudgetTooSmall
 from hybridgen.ipc import shm
 from hybridgen.ipc.channels import Channels, InstanceInUse
+from hybridgen.models.errors import ModelLoadError
+from hybridgen.startup_error import startup_failed
 
 log = structlog.get_logger()
 
@@ -47,20 +51,29 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         bind(config.device_topology.cpu.cores, "device_topology.cpu.cores")
     except ConfigError as e:
-        print(f"hybridgen-gpu: {e}", file=sys.stderr)
-        return 2
+        return startup_failed("hybridgen-gpu", str(e))
     config = config.with_model(args.model)
     instance = args.instance or config.server.instance
     structlog.contextvars.bind_contextvars(process="gpu_daemon", instance=instance)
     try:
         channels = Channels.create(instance)
-    except InstanceInUse as e:
+    except InstanceInUse as e:  # not retried: the other process keeps it until it stops
         log.error("instance_in_use", error=str(e))
-        return 2  # not retried: the other process keeps the instance until it stops
+        return startup_failed("hybridgen-gpu", str(e))
     try:
         sd_notify.status("loading model")
-        engine_config = config.engine_config(args.device)
-        engine = Engine(dataclasses.replace(engine_config, shm_instance=instance))
+        try:
+            engine_config = config.engine_config(args.device)
+            engine = Engine(dataclasses.replace(engine_config, shm_instance=instance))
+        except (ConfigError, ModelLoadError, BudgetTooSmall) as e:  # the same on every try
+            return startup_failed("hybridgen-gpu", str(e))
+        except torch.OutOfMemoryError as e:
+            first = str(e).splitlines()[0]
+            return startup_failed(
+                "hybridgen-gpu",
+                f"out of device memory at start ({first}); lower device_topology.gpu.memory_mb "
+                "(--gpu-memory-mb), or free the GPU",
+            )
         if engine.warm is not None:  # the CPU daemon computes the CPU share of attn_warm
             engine.warm.remote = WarmLinkClient(instance)
         if engine.experts is not None:  # ... and Cold-Weights' CPU experts

@@ -170,14 +170,33 @@ def spare_expert_slots(plan: MemoryPlan, fixed_pool: bool, expert_bytes: int) ->
     return max(free - kv, 0) // expert_bytes
 
 
+CPU_BUDGET_MB = 4096
+"""The CPU engine's budget when device_topology.gpu.memory_mb is unset."""
+
+
 def budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """device_topology.gpu.memory_mb, or 90 % of the device's free memory (CPU: 4096 MiB)."""
-    if config.gpu_memory_mb is not None:
-        return config.gpu_memory_mb * MIB
+    """device_topology.gpu.memory_mb, or 90 % of the device's free memory. On the CPU (default
+    CPU_BUDGET_MB) the budget is host memory, so it is capped at the host tiers' share of what
+    is available: a larger one could not be allocated (the Hot pool fills the budget)."""
     if device.type == "cuda":
+        if config.gpu_memory_mb is not None:
+            return config.gpu_memory_mb * MIB
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9) + torch.cuda.memory_reserved(device)
-    return 4096 * MIB
+    from hybridgen.gpu_daemon.host_memory import AVAILABLE_SHARE, available_bytes  # imports us
+
+    asked = (config.gpu_memory_mb or CPU_BUDGET_MB) * MIB
+    available = available_bytes()
+    if available is None or asked <= available * AVAILABLE_SHARE:
+        return asked
+    capped = int(available * AVAILABLE_SHARE)
+    log.info(
+        "cpu_budget_capped",
+        asked_mb=asked // MIB,
+        available_mb=available // MIB,
+        budget_mb=capped // MIB,
+    )
+    return capped
 
 
 def graph_batch_size(config: EngineConfig, spec: ModelSpec) -> int:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from hybridgen.gpu_daemon.cuda_graphs import DecodeInputs
 from hybridgen.kernels import ops
+from hybridgen.log import Progress
 from hybridgen.models.llama import AttentionBatch, CausalLM
 from hybridgen.models.moe import SparseMoeBlock, route_top_k
 
@@ -120,7 +121,12 @@ class MoeDecodeGraphs:
         self.x = torch.zeros(max_batch, spec.hidden_size, dtype=spec.dtype, device=device)
         """A layer's experts' output, the next piece's input."""
         pool = torch.cuda.graph_pool_handle() if graphed else None
-        self.pieces = {b: self._pieces(b, pool) for b in reversed(self.inputs.sizes)}
+        sizes = list(reversed(self.inputs.sizes))
+        progress = Progress("capturing_graphs", len(sizes), unit="graphs", label="warming up")
+        self.pieces: dict[int, list[Piece]] = {}
+        for i, b in enumerate(sizes):
+            self.pieces[b] = self._pieces(b, pool)
+            progress.update(i + 1, batch=b)
 
     def _pieces(self, b: int, pool: Any) -> list[Piece]:
         batch = self.inputs.batch(b)

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Lint, type-check and test. Extra arguments go to pytest.
+# Lint, type-check and test: everything, as CI (.ci/run) runs it; with --fast first, only the
+# tests not marked slow (minutes on 2 cores). Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
+select=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  select=(-m "not slow")
+fi
 "$py" -m ruff check .
 "$py" -m ruff format --check .
 "$py" -m mypy shared gpu_daemon cpu_daemon gateway
-"$py" -m pytest -q "$@"
+"$py" -m pytest -q ${select[@]+"${select[@]}"} "$@"

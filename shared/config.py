@@ -44,7 +44,14 @@ from hybridgen.tuning_profile import (
     warn_mismatch,
 )
 
-__all__ = ["ConfigError", "HybridGenConfig", "load_config", "parse_config", "parse_cpu_list"]
+__all__ = [
+    "ConfigError",
+    "HybridGenConfig",
+    "load_config",
+    "parse_config",
+    "parse_cpu_list",
+    "read_config_file",
+]
 
 log = structlog.get_logger()
 
@@ -204,10 +211,9 @@ def parse_config(data: Mapping[str, Any] | None) -> HybridGenConfig:
     return build(HybridGenConfig, data, "")
 
 
-def load_config(path: str | Path | None) -> HybridGenConfig:
-    """Read hybridgen_config.yaml; None: all defaults. Errors name the file and the key."""
-    if path is None:
-        return HybridGenConfig()
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The YAML document of a config file, unchecked ({} when empty); errors name the file and
+    the line."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -221,12 +227,29 @@ def load_config(path: str | Path | None) -> HybridGenConfig:
         raise ConfigError(f"{where}: invalid YAML: {exc.problem or exc.context}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys, got {data!r}")
+    return data
+
+
+def load_config(path: str | Path | None) -> HybridGenConfig:
+    """Read hybridgen_config.yaml; None: all defaults. Errors name the file and the key."""
+    if path is None:
+        return HybridGenConfig()
+    path = Path(path)
+    data = read_config_file(path)
     try:
         config = parse_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    # Relative paths are relative to the file, not to the working directory (systemd starts
-    # units in /).
+    return relative_to_file(config, path)
+
+
+def relative_to_file(config: HybridGenConfig, path: Path) -> HybridGenConfig:
+    """`config` with its relative file paths (profile_path, server.tls.*, server.api_key_file)
+    taken relative to the file it was read from."""
     profile = config.profile_path
     if profile is not None:
         config = dataclasses.replace(config, profile_path=_beside(path, profile))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from hybridgen.models.dense_quant import WeightFormat
-from hybridgen.models.expert_format import Format
+if TYPE_CHECKING:  # both import the kernels, a second on the CPU: not for a config
+    from hybridgen.models.dense_quant import WeightFormat
+    from hybridgen.models.expert_format import Format
 
 _DTYPES = {
     "auto": None,

@@ -22,6 +22,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {k: ck.build_checkpoint(k, tmp_path_factory.mktemp(k)) for k in ck.KINDS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ck.KINDS)
 def test_checkpoint_loads_and_generates(built: dict[str, Path], kind: str) -> None:
     directory = built[kind]

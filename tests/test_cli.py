@@ -19,7 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hybridgen.cli.main import main, runtime_dir
+from hybridgen.cli.main import main
+from hybridgen.cli.serve import runtime_dir
 from hybridgen.cli.supervisor import ChildSpec, Policy, Supervisor
 from hybridgen.ipc.shm import list_instance
 
@@ -142,10 +143,44 @@ def test_bad_config_exit_is_not_retried_and_sigkill_after_timeout(tmp_path: Path
     usage = ChildSpec("cpu", (sys.executable, "-c", "raise SystemExit(2)"), notify=False)
     policy = Policy(stop_timeout_s=0.3, poll_s=0.02)
     status, lines = run_supervisor([stubborn, usage], tmp_path, _ignore, policy)
-    assert status == 1
+    assert status == 2
     assert sum(line.startswith("started cpu") for line in lines) == 1
     assert any("gpu ignored SIGTERM" in line for line in lines)
     assert any("stopped gpu (killed by SIGKILL)" in line for line in lines)
+
+
+# A daemon that finds a start-up error, as hybridgen.startup_error has the real ones report it.
+FAILS_TO_START = r"""
+import os, socket, sys
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+    s.sendto(b"STATUS=loading weights 1/2 layers", os.environ["NOTIFY_SOCKET"])
+    s.sendto(b"STATUS=cannot start: port 1 is in use; pick another", os.environ["NOTIFY_SOCKET"])
+sys.exit(2)
+"""
+
+
+def test_start_up_error_ends_at_once_with_the_reason(tmp_path: Path) -> None:
+    events = tmp_path / "events"
+    failing = ChildSpec("gateway", (sys.executable, "-c", FAILS_TO_START))
+    statuses: list[tuple[str, str]] = []
+    lines: list[str] = []
+    sup = Supervisor(
+        [stand_in("gpu", events), failing],
+        tmp_path,
+        FAST,
+        report=lines.append,
+        on_status=lambda name, text: statuses.append((name, text)),
+    )
+    t0 = time.monotonic()
+    assert sup.run() == 2
+    assert time.monotonic() - t0 < 10
+    assert "gateway cannot start: port 1 is in use; pick another" in lines
+    assert sum(line.startswith("started gateway") for line in lines) == 1  # not restarted
+    assert not any("exited unexpectedly" in line for line in lines)
+    # Statuses go to on_status, the reason only once, with the exit.
+    assert ("gateway", "loading weights 1/2 layers") in statuses
+    assert not any("cannot start" in text for _, text in statuses)
+    assert [(w, n) for w, n, _ in read_events(events)] == [("start", "gpu"), ("stop", "gpu")]
 
 
 def _ignore(sup: Supervisor, n: int) -> None:
@@ -215,6 +250,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
+@pytest.mark.slow
 def test_generate_streams_text(gateway_port: int) -> None:
     result = cli("generate", "Hello there", "--port", str(gateway_port), "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
@@ -223,6 +259,7 @@ def test_generate_streams_text(gateway_port: int) -> None:
     assert "completion_tokens=8" in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_sampling_options(gateway_port: int) -> None:
     args = ["--port", str(gateway_port), "--max-tokens", "4", "--temperature", "0.8"]
     args += ["--top-p", "0.9", "--seed", "7", "--stop", "zz", "--stop", "yy"]
@@ -231,11 +268,21 @@ def test_generate_sampling_options(gateway_port: int) -> None:
     assert first.stdout == second.stdout  # seeded
 
 
+@pytest.mark.slow
 def test_generate_invalid_argument_names_the_field(gateway_port: int) -> None:
     result = cli("generate", "Hello", "--port", str(gateway_port), "--top-p", "2")
     assert result.returncode == 2
     assert "INVALID_ARGUMENT" in result.stderr
     assert "top_p" in result.stderr
+
+
+@pytest.mark.slow
+def test_generate_takes_the_port_serve_takes_from_the_environment(gateway_port: int) -> None:
+    env = {**os.environ, "HYBRIDGEN_PORT": str(gateway_port)}
+    argv = [*CLI, "generate", "Hi", "--max-tokens", "2"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "completion_tokens=2" in result.stderr
 
 
 def test_generate_without_server() -> None:
@@ -265,13 +312,26 @@ def test_serve_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "server.port" in capsys.readouterr().err
 
 
+def test_models_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridgen.models.presets import PRESETS
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[4:12]}
+    assert list(rows) == list(PRESETS)
+    assert rows["llama3-8b"][1:4] == ["8.0B", "LlamaForCausalLM", "32"]
+    assert rows["tiny-llama"][1] == "0.9M"
+    assert "8 experts" in " ".join(rows["mixtral-8x7b"])
+    assert "seeded random weights" in out
+
+
 def test_console_script_entry() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["scripts"]["hybridgen"] == "hybridgen.cli.main:main"
     assert "hybridgen.cli" in project["tool"]["setuptools"]["packages"]
     result = cli("--help")
     assert result.returncode == 0
-    for command in ("serve", "generate", "config-check"):
+    for command in ("serve", "generate", "models", "config-check"):
         assert command in result.stdout
 
 
@@ -281,25 +341,36 @@ def test_console_script_entry() -> None:
 @pytest.mark.skipif(
     importlib.util.find_spec("hybridgen.cpu_daemon.main") is None, reason="no CPU daemon yet"
 )
+@pytest.mark.slow
 def test_serve_generate_and_clean_stop(tmp_path: Path) -> None:
+    """The issue's flags (on the CPU the budget is host memory, capped at what is free) over a
+    config file's keys, and a variable: they reach the daemons."""
     port, instance = _free_port(), f"clitest{os.getpid()}"
     config = tmp_path / "hybridgen_config.yaml"
     config.write_text(
-        f"server:\n  port: {port}\n  metrics_port: 0\n  http_port: 0\n  instance: {instance}\n"
-        f"  runtime_dir: {tmp_path / 'run'}\n"
+        f"server:\n  port: {port}\n  metrics_port: 9400\n  http_port: 0\n  instance: {instance}\n"
+        f"  runtime_dir: {tmp_path / 'run'}\nmodel:\n  name_or_path: tiny-llama\n"
+        "  max_model_len: 1024\n"
     )
     out, err = tmp_path / "serve.out", tmp_path / "serve.err"
     argv = [*CLI, "serve", "--config", str(config), "--device", "cpu"]
+    argv += ["--gpu-memory-mb", "24576", "--max-model-len", "8192", "--metrics-port", "0"]
+    env = {**os.environ, "HYBRIDGEN_MAX_NUM_SEQS": "8"}
     with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(argv, stdout=o, stderr=e)
+        proc = subprocess.Popen(argv, stdout=o, stderr=e, env=env)
     try:
         deadline = time.monotonic() + 90
-        while "HybridGen is serving" not in out.read_text():
+        while "try      hybridgen generate" not in out.read_text():
             assert proc.poll() is None, err.read_text()
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.2)
+        banner = out.read_text()
+        assert f"HybridGen is serving tiny-llama on 127.0.0.1:{port} (gRPC)" in banner
+        assert "synthetic preset" in banner and "metrics" not in banner
+        assert "context 8,192 tokens, up to 8 sequences" in banner  # flag and variable
         result = cli("generate", "Hello", "--port", str(port), "--max-tokens", "4")
         assert result.returncode == 0, result.stderr
+        assert "tiny-llama is a synthetic preset" in result.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, err.read_text()
     finally:

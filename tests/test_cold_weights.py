@@ -36,6 +36,7 @@ def _blocks(engine: Engine) -> list[SparseMoeBlock]:
     return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+@pytest.mark.slow
 def test_cold_weights_greedy_matches_hf_on_both_paths(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Batched prefill (several tokens per expert: fetched into the cache) and batched decode
     (often one token per expert: computed on the CPU) give HF's greedy tokens exactly."""
@@ -75,6 +76,7 @@ def test_cold_weights_greedy_matches_hf_on_both_paths(checkpoint) -> None:  # ty
     assert row.measured["overlapped"] == 0.0  # in-process: no CPU daemon beside the device
 
 
+@pytest.mark.slow
 def test_without_cold_weights_nothing_changes(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("mixtral")
     prompts = _prompts(path)[:2]
@@ -88,6 +90,7 @@ def test_without_cold_weights_nothing_changes(checkpoint) -> None:  # type: igno
     assert row.placement == "gpu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crossover", ["cache", "mixed", "cpu", "timed"])
 def test_cold_block_equals_resident_block(checkpoint, crossover: str) -> None:  # type: ignore[no-untyped-def]
     """The MoE block gives the same output, bit for bit on the CPU, with its experts resident
@@ -163,6 +166,7 @@ def test_cache_keeps_the_most_routed_experts() -> None:
     assert (0, 2) in one and (0, 1) not in one and one.scratch is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("slots", "skew", "least"), [(64, 0.0, 0.12), (128, 0.9, 0.9)])
 def test_cache_hit_rate_when_a_tokens_experts_outnumber_the_slots(
     slots: int, skew: float, least: float

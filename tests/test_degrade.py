@@ -23,6 +23,7 @@ def _engine(path: Path, **options: object) -> Engine:
     return small_engine(path, **{"max_num_seqs": 2, **options})
 
 
+@pytest.mark.slow
 def test_degraded_engine_gives_the_same_tokens_and_restores(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [150, 97])

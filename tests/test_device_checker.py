@@ -151,6 +151,7 @@ def run_module(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_module_without_gpu_reports_cores_and_host_bandwidth(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
@@ -163,6 +164,7 @@ def test_module_without_gpu_reports_cores_and_host_bandwidth(tmp_path: Path) -> 
     assert report["numa"] == "unknown" and report["host_copy_gbs"] > 0
 
 
+@pytest.mark.slow
 def test_module_rejects_unavailable_cores() -> None:
     proc = run_module("--cpu-cores", "9999")
     assert proc.returncode == 2

@@ -7,9 +7,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "draft_agreement.py"
 
 
+@pytest.mark.slow
 def test_agreement_on_a_tiny_model(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("draft_agreement", BENCH)
     assert spec is not None and spec.loader is not None

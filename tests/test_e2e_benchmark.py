@@ -9,12 +9,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hybridgen.benchmarks.e2e_benchmark import main, write_config
+from hybridgen.benchmarks.e2e_benchmark import BenchmarkError, check_fit, main, write_config
 from hybridgen.benchmarks.e2e_plot import PERCENTILES, RequestResult, percentile, summarize
 from hybridgen.benchmarks.prompt_file import load_prompts
 from hybridgen.config import load_config
@@ -88,6 +89,7 @@ def check_run(run: dict[str, Any], mode: str) -> None:
     assert server["serve_exit_code"] == 0 and server["shm_left_after_stop"] == []
 
 
+@pytest.mark.slow
 def test_one_mode_through_the_gateway(tmp_path: Path) -> None:
     result, stdout = run_benchmark(tmp_path)
     check_run(result, "hybrid")
@@ -95,6 +97,7 @@ def test_one_mode_through_the_gateway(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "serve-hybrid" / "gpu.log").is_file()
 
 
+@pytest.mark.slow
 def test_compare_runs_both_modes_and_reports_ratios(tmp_path: Path) -> None:
     result, stdout = run_benchmark(tmp_path, "--compare", "--warmup", "0")
     assert result["mode"] == "compare"
@@ -235,3 +238,22 @@ def test_sample_prompt_file_has_mixed_lengths() -> None:
     assert short >= 10 and medium >= 10 and len(long) >= 4, words
     assert words[-1] >= 1500  # at least one document of about 2,000 words
     assert len({p.text for p in prompts}) == len(prompts)  # no repeats: no prefix-cache hits
+
+
+def test_prompts_that_do_not_fit_say_whose_limit_it_is() -> None:
+    """bench/prompts.jsonl against tiny-llama's 4,096 tokens under --max-new-tokens 64: the
+    long lines set their own 256, and the message says so instead of seeming to ignore 64."""
+    prompts = load_prompts(ROOT / "bench" / "prompts.jsonl")
+
+    class Stub:
+        def Tokenize(self, request: Any, timeout: float) -> Any:
+            return SimpleNamespace(token_ids=list(request.text.encode()))  # bytes, as tiny-llama
+
+    info = SimpleNamespace(max_model_len=4096, model="tiny-llama")
+    with pytest.raises(BenchmarkError) as error:
+        check_fit(Stub(), prompts, 64, info)
+    message = str(error.value)
+    assert "do not fit the served context of 4,096 tokens (tiny-llama)" in message
+    assert "256 new tokens, the line's max_new_tokens" in message
+    assert "bench/prompts_short.jsonl" in message
+    check_fit(Stub(), load_prompts(ROOT / "bench" / "prompts_short.jsonl"), 64, info)

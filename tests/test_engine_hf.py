@@ -20,6 +20,7 @@ def make_engine(path: Path, **options: object) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu", **options))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_concurrent_greedy_matches_hf(checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
     """Three prompts of different lengths, run together, give HF's greedy tokens."""
@@ -30,6 +31,7 @@ def test_concurrent_greedy_matches_hf(checkpoint, kind: str) -> None:  # type: i
     assert [c.token_ids for c in got] == expected
 
 
+@pytest.mark.slow
 def test_request_joining_midway_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     first, second = sample_prompts(path, 2, [40, 13])
@@ -48,6 +50,7 @@ def test_request_joining_midway_matches_hf(checkpoint) -> None:  # type: ignore[
     assert [tokens["a"], tokens["b"]] == expected
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_match_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A tiny token budget chunks every prompt; a tiny KV pool forces preemption."""
     path = checkpoint("mistral")  # sliding window 16: chunks cross the window edge
@@ -68,6 +71,7 @@ def test_chunked_prefill_and_preemption_match_hf(checkpoint) -> None:  # type: i
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.slow
 def test_batch_invariance(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("qwen2")
     prompts = sample_prompts(path, 6, [12, 57, 33, 5, 71, 20])
@@ -77,6 +81,7 @@ def test_batch_invariance(checkpoint) -> None:  # type: ignore[no-untyped-def]
     assert alone == batched
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, 20)[0]
@@ -109,6 +114,7 @@ def test_sharded_bf16_checkpoint_loads(checkpoint) -> None:  # type: ignore[no-u
     assert engine.generate([prompt], params)[0].token_ids == expected
 
 
+@pytest.mark.slow
 def test_second_turn_reuses_the_prefix_and_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A chat's second turn (first prompt + its answer + new tokens) computes only the new
     tokens: the prefix cache serves every full block of the first turn, and the tokens are
@@ -129,6 +135,7 @@ def test_second_turn_reuses_the_prefix_and_matches_hf(checkpoint) -> None:  # ty
     assert cold.scheduler.prefix_hit_tokens == 0
 
 
+@pytest.mark.slow
 def test_preempted_sequence_resumes_from_its_cached_blocks(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Preemption keeps the victim's computed blocks cached; when nothing else needed them,
     its readmission takes them back instead of recomputing (and matches HF)."""

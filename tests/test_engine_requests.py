@@ -41,6 +41,7 @@ def test_invalid_sampling_is_rejected_before_admission(engine: Engine) -> None:
         engine.add_request("bad", [1, 2], SamplingParams(temperature=float("nan")))
 
 
+@pytest.mark.slow
 def test_abort_frees_blocks_and_others_continue(engine: Engine) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     engine.add_request("keep", [5, 6, 7, 8], greedy)
@@ -90,6 +91,7 @@ def test_bad_engine_config_names_the_key(field: str, value: object) -> None:
         EngineConfig(**{field: value})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hot_codec", ["native", "int8", "int4"])
 def test_budget_accounting_holds_on_cpu(hot_codec: str) -> None:
     """The plan never exceeds the budget, the KV tensors are exactly the planned pool (in
@@ -118,6 +120,7 @@ def test_budget_accounting_holds_on_cpu(hot_codec: str) -> None:
         Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=64, max_model_len=1024))
 
 
+@pytest.mark.slow
 def test_decode_steps_do_not_change_outputs() -> None:
     """Running several decode steps per host sync gives the same tokens and logprobs as one,
     greedy and seeded alike, and drops tokens computed past a stop."""
@@ -155,6 +158,7 @@ def test_decode_steps_do_not_change_outputs() -> None:
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.slow
 def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() -> None:
     """A Warm tier reserves device room for a prefill that reads a Warm prefix in place, which
     happens only to a sequence too long for Hot alone. At 318 MiB Hot holds a 65536-token

@@ -87,6 +87,7 @@ def test_expert_output_error_against_bf16(fmt: str) -> None:
     assert torch.allclose(fp32.linear(x, 1), dense, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_experts_keep_greedy_agreement(checkpoint, fmt: str) -> None:  # type: ignore[no-untyped-def]
     """Teacher-forced over 256 tokens (every 4th position): the next token with int8 / int4

@@ -315,6 +315,7 @@ def test_client_cancel_aborts_the_request(server: Server) -> None:
     assert replies[-1].usage.completion_tokens == 4
 
 
+@pytest.mark.slow
 def test_admission_queue_full_is_resource_exhausted(server: Server) -> None:
     """Of 8 simultaneous long requests at most 3 get in (2 sequences run, 1 may wait for its
     first token); the rest are refused at once."""

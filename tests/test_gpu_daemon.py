@@ -93,6 +93,7 @@ def collect(
     return results
 
 
+@pytest.mark.slow
 def test_serves_requests_over_rings_and_cleans_up(daemon) -> None:  # type: ignore[no-untyped-def]
     prompts = [[5, 6, 7], list(range(1, 60)), [300, 301, 302, 303]]
     expected = Engine(EngineConfig(model="tiny-llama", device="cpu")).generate(prompts, GREEDY)
@@ -111,6 +112,7 @@ def test_serves_requests_over_rings_and_cleans_up(daemon) -> None:  # type: igno
     assert segments(instance) == [], "a clean stop leaves nothing in /dev/shm"
 
 
+@pytest.mark.slow
 def test_abort_stops_a_request(daemon) -> None:  # type: ignore[no-untyped-def]
     proc, ch, _ = daemon
     long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
@@ -125,6 +127,7 @@ def test_abort_stops_a_request(daemon) -> None:  # type: ignore[no-untyped-def]
     assert proc.poll() is None
 
 
+@pytest.mark.slow
 def test_dead_cpu_daemon_stops_the_gpu_daemon(daemon) -> None:  # type: ignore[no-untyped-def]
     proc, ch, instance = daemon
     peer = subprocess.Popen(
@@ -150,6 +153,7 @@ def test_dead_cpu_daemon_stops_the_gpu_daemon(daemon) -> None:  # type: ignore[n
     assert os.environ.get("NOTIFY_SOCKET") is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("daemon", ["model:\n  max_num_seqs: 1\n"], indirect=True)
 def test_backpressure_is_signalled_and_released(daemon) -> None:  # type: ignore[no-untyped-def]
     """With one sequence slot, a second request must wait: the GPU daemon says so with a
@@ -164,6 +168,7 @@ def test_backpressure_is_signalled_and_released(daemon) -> None:  # type: ignore
     assert signals[-1][0] == 0, "backpressure must be released when the slot frees"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("daemon", ['device_topology:\n  cpu:\n    cores: "0"\n'], indirect=True)
 def test_daemon_binds_to_the_configured_cores(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """device_topology.cpu.cores binds the daemon (its worker threads with it); cores this

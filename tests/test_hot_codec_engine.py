@@ -33,6 +33,7 @@ def native_run() -> tuple[Engine, list[int], list[int]]:
     return engine, prompt, engine.generate([prompt], params)[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_quantized_hot_kv_agrees_with_native(native_run, codec: str) -> None:  # type: ignore[no-untyped-def]
     native, prompt, reference = native_run

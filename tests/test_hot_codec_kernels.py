@@ -184,6 +184,7 @@ def _decode_setup(
     return cache, k_nat, v_nat, table, q
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(DECODE_IMPLS))
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("codec", CODECS)

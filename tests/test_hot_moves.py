@@ -23,6 +23,7 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu", "gpu", "split"])
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_a_quantized_hot_cache_spills_its_blocks_as_they_are(  # type: ignore[no-untyped-def]
@@ -46,6 +47,7 @@ def test_a_quantized_hot_cache_spills_its_blocks_as_they_are(  # type: ignore[no
     engine.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hot", ["native", "int4"])
 def test_sequences_that_fit_hot_one_at_a_time_take_turns(checkpoint, hot: str) -> None:  # type: ignore[no-untyped-def]
     """Time slicing: Hot holds 12 blocks (96 tokens); three sequences of 50-61 prompt tokens

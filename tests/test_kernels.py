@@ -207,6 +207,7 @@ def test_linear_matches_reference() -> None:
 # int8 / int4 expert GEMV (cold_weights.expert_format on the device)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("poison_empty")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

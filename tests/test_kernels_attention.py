@@ -135,6 +135,7 @@ def test_paged_decode_low_precision(impl: str, dtype: torch.dtype) -> None:
     _check_decode(o, lse, ref_o, ref_lse, tol(dtype))
 
 
+@pytest.mark.slow
 def test_paged_decode_splits_agree() -> None:
     results = [
         _decode_case("triton", [150, 3, 64], 8, 2, 64, 16, torch.float32, 0, ns, seed=3)[:2]

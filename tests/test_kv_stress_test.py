@@ -14,6 +14,7 @@ def keep_test_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_stress_test.hlog, "configure", lambda: None)
 
 
+@pytest.mark.slow
 def test_stress_test_reports_both_tiers(capsys: pytest.CaptureFixture[str]) -> None:
     results = kv_stress_test.main(
         [

@@ -43,6 +43,7 @@ def test_prompts_share_no_block() -> None:
     assert prompts(work, 1000, seed=3) == batch != prompts(work, 1000, seed=4)
 
 
+@pytest.mark.slow
 def test_served_run_reports_what_a_client_sees(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     config = tmp_path / "hybridgen_config.yaml"
     config.write_text("model:\n  max_model_len: 128\n  max_num_seqs: 4\n")

@@ -42,6 +42,7 @@ def _hidden(seed: int, hidden_size: int) -> torch.Tensor:
     return torch.randn(TOKENS, hidden_size, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", [None, "100KB"])
 def test_concurrent_greedy_matches_hf(checkpoint, shards: str | None) -> None:  # type: ignore[no-untyped-def]
     """Three prompts of different lengths, batched through the engine, give HF's greedy tokens,

@@ -12,6 +12,7 @@ import pytest
 from hybridgen.benchmarks import moe_bench
 
 
+@pytest.mark.slow
 def test_moe_bench_runs_every_case(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -59,6 +60,7 @@ def test_each_case_process_gets_its_own_cases_and_out(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_case_whose_engine_fails_leaves_no_arena(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

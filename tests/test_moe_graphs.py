@@ -21,6 +21,7 @@ from tests.hf_reference import hf_greedy, sample_prompts
 NEW_TOKENS = 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate", ["gpu", "cpu"])
 def test_piecewise_decode_gives_hf_greedy_tokens(checkpoint, gate: str) -> None:  # type: ignore[no-untyped-def]
     """Three sequences padded to a piece size of 4, with a 4-slot expert cache (hits, fetches

@@ -20,6 +20,7 @@ def _blocks(engine: Engine) -> list[SparseMoeBlock]:
     return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+@pytest.mark.slow
 def test_host_experts_are_the_same_model() -> None:
     """Native experts drawn into host memory are the very weights the resident build draws:
     the same greedy tokens, through both the CPU path and the device cache."""
@@ -36,6 +37,7 @@ def test_host_experts_are_the_same_model() -> None:
     assert all(len(b.experts) == 0 and b.store is not None for b in _blocks(cold))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_experts_are_drawn_in_their_format(fmt: str) -> None:
     engine = Engine(
@@ -60,6 +62,7 @@ def test_mixtral_presets_have_the_published_sizes() -> None:
         assert spec.num_parameters() / 1e9 == pytest.approx(size, rel=0.01)
 
 
+@pytest.mark.slow
 def test_auto_cache_takes_what_the_budget_leaves() -> None:
     """expert_cache_slots: auto sizes the cache from the budget: all 32 experts when they
     fit, fewer in a tight budget (the KV pool keeps its minimum), an error naming the key
@@ -113,6 +116,7 @@ def test_shared_memory_must_hold_the_pool_and_the_arena(monkeypatch: pytest.Monk
         Engine(config)
 
 
+@pytest.mark.slow
 def test_a_loaded_models_arena_is_not_counted_twice(
     instance: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,6 +138,7 @@ def test_a_loaded_models_arena_is_not_counted_twice(
     loaded.expert_arena.close()
 
 
+@pytest.mark.slow
 def test_an_engine_that_fails_to_start_unlinks_its_expert_arena(instance: str) -> None:
     """The expert arena is made while loading; a budget too small for one expert then stops
     the engine, which must not leave the arena in /dev/shm."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hybridgen.config import parse_config
 from hybridgen.gpu_daemon.engine import Engine
 from hybridgen.gpu_daemon.info import engine_regions
@@ -88,6 +90,7 @@ def test_start_up_measurement_places_sample_and_kv_codec(checkpoint, monkeypatch
     engine.release()
 
 
+@pytest.mark.slow
 def test_moe_gate_placements_give_hf_tokens_and_are_measured(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """placements.moe_gate: the router's pick on the CPU gives HF's greedy tokens as on the
     device; unpinned, it is timed both ways at start (asked for here: on by default on CUDA)."""

@@ -33,6 +33,8 @@ from hybridgen.tuning_profile import (
 )
 from tests.hf_reference import sample_prompts
 
+PROFILER = str(Path(sys.executable).with_name("hybridgen-profiler"))
+"""The console script pip installed beside this interpreter."""
 REGIONS = {"attn_warm", "kv_codec", "sample"}
 FIGURES = {"cpu_ms", "gpu_ms", "pcie_bytes_cpu", "pcie_bytes_gpu"}
 PROMPTS = [  # one line takes its own limit, the others --max-new-tokens
@@ -82,6 +84,7 @@ def _hand_profile(model: Path, **regions: RegionProfile) -> TuningProfile:
     return TuningProfile(str(model), "cpu", rows, created="2025-01-01T00:00:00+00:00")
 
 
+@pytest.mark.slow
 def test_profiler_measures_every_region_and_round_trips(  # type: ignore[no-untyped-def]
     checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -92,10 +95,11 @@ def test_profiler_measures_every_region_and_round_trips(  # type: ignore[no-unty
     args = ["--prompt-file", str(_prompt_file(tmp_path)), "--device", "cpu", "--out", str(out)]
     config = _config(tmp_path, model)
     with capture_logs() as logs:
-        profile = profiler.main(
+        status = profiler.main(
             [*args, "--config", str(config), "--max-new-tokens", "24", "--runs", "2"]
         )
-    assert load_profile(out) == profile
+    assert status == 0
+    profile = load_profile(out)
     assert (profile.model, profile.device, profile.commit) == (str(model), "cpu", "c0ffee")
     assert set(profile.regions) == REGIONS
     for region in profile.regions.values():
@@ -115,10 +119,10 @@ def test_profiler_measures_every_region_and_round_trips(  # type: ignore[no-unty
     progress = [(e["done"], e["total"]) for e in logs if e["event"] == "profiler_replay"]
     assert progress[-1] == (3, 3)
 
-    # The module entry, as a user runs it: the same file, from a fresh process.
+    # The console script, as a user runs it: the same file, from a fresh process, exit 0.
     out.unlink()
     env = {**os.environ, "HYBRIDGEN_COMMIT": "c0ffee"}
-    cmd = [sys.executable, "-m", "hybridgen.tools.profiler", *args, "--config", str(config)]
+    cmd = [PROFILER, *args, "--config", str(config)]
     done = subprocess.run(
         [*cmd, "--max-new-tokens", "8", "--runs", "1"],
         capture_output=True,
@@ -127,11 +131,26 @@ def test_profiler_measures_every_region_and_round_trips(  # type: ignore[no-unty
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+    assert "TuningProfile(" not in done.stderr + done.stdout
     assert set(load_profile(out).regions) == REGIONS
     assert f"wrote {out}" in done.stdout
     assert "profiler_replay" in done.stderr and "done=3" in done.stderr
 
 
+def test_profiler_console_script_fails_with_the_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.jsonl"
+    done = subprocess.run(
+        [PROFILER, "--prompt-file", str(missing), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("hybridgen-profiler: --prompt-file")
+    assert str(missing) in done.stderr
+
+
+@pytest.mark.slow
 def test_profile_places_the_regions_without_a_probe(  # type: ignore[no-untyped-def]
     checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

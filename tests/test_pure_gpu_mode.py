@@ -122,6 +122,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
 
 
+@pytest.mark.slow
 def test_served_pure_gpu_reports_its_mode_and_matches_hf(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     assert (info.mode, info.device, info.warm_blocks_total) == ("pure_gpu", "cpu", 0)
@@ -132,6 +133,7 @@ def test_served_pure_gpu_reports_its_mode_and_matches_hf(server: Server, checkpo
         assert server.greedy(prompt, NEW_TOKENS, timeout=60) == expected
 
 
+@pytest.mark.slow
 def test_served_op_region_table(server: Server) -> None:
     """GetModelInfo carries the op-region table, and `serve --explain` prints it once ready:
     in pure_gpu every region is on the GPU and the Warm-tier regions are off."""

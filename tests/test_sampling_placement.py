@@ -57,6 +57,7 @@ def test_greedy_ties_go_to_the_lowest_id() -> None:
     assert sample_candidates(c, SamplingParams(temperature=0.0), 0, 0)[0] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
 def test_engine_cpu_sampling_matches_device_sampling(checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint(kind)

@@ -161,6 +161,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
 
 
+@pytest.mark.slow
 def test_grpcurl_list_describe_health(server: Server) -> None:
     listed = server.grpcurl("list")
     assert listed.returncode == 0, listed.stderr
@@ -176,6 +177,7 @@ def test_grpcurl_list_describe_health(server: Server) -> None:
     assert health.returncode == 0 and "SERVING" in health.stdout
 
 
+@pytest.mark.slow
 def test_grpcurl_generate_matches_transformers(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, 23)[0]
@@ -194,6 +196,7 @@ def test_grpcurl_generate_matches_transformers(server: Server, checkpoint) -> No
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("request_fields", "field"),
     [
@@ -215,6 +218,7 @@ def test_bad_input_is_invalid_argument(server: Server, request_fields: dict, fie
     assert ok[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
 
+@pytest.mark.slow
 def test_cancelled_streams_free_their_kv(server: Server) -> None:
     """20 streams cancelled mid-way must leave every block free: two full-length requests
     (the whole pool) then succeed."""
@@ -255,6 +259,7 @@ def test_cancelled_streams_free_their_kv(server: Server) -> None:
     assert [r.usage.completion_tokens for r in results] == [MAX_LEN - 8] * 2  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_backpressure_degrades_and_recovers(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Six requests at once against a Hot pool of two full-length sequences: requests wait for
     KV, the GPU daemon signals backpressure, the CPU daemon degrades it (tokens are picked on
@@ -286,6 +291,7 @@ def test_backpressure_degrades_and_recovers(server: Server, checkpoint) -> None:
     assert done[-1].usage.completion_tokens == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["hybridgen.gpu_daemon.main", "hybridgen.cpu_daemon.main"])
 def test_dead_daemon_fails_streams_then_recovers(server: Server, victim: str) -> None:
     call = server.stub.Generate(
@@ -313,6 +319,7 @@ def test_dead_daemon_fails_streams_then_recovers(server: Server, victim: str) ->
     assert done[-1].usage.completion_tokens == 3
 
 
+@pytest.mark.slow
 def test_model_info_reports_rings_and_heartbeats(server: Server) -> None:
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert 0.0 <= info.ring_occupancy_c2g <= 1.0 and 0.0 <= info.ring_occupancy_g2c <= 1.0

@@ -39,12 +39,14 @@ def generate(server: Server, prompt: list[int], **sampling: float) -> list[int]:
     return [t for r in server.stub.Generate(request, timeout=60) for t in r.token_ids]
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, 31)[0]
     assert generate(server, prompt, temperature=0.0) == hf_greedy(path, [prompt], 20)[0]
 
 
+@pytest.mark.slow
 def test_seeded_draw_matches_the_device_sampler(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, 12)[0]

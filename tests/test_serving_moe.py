@@ -29,6 +29,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
 
 
+@pytest.mark.slow
 def test_served_moe_matches_hf_with_the_cpu_daemon_computing_experts(
     server: Server, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]

@@ -37,6 +37,7 @@ def result() -> dict[str, Any]:
     return so.run(args)
 
 
+@pytest.mark.slow
 def test_decode_both_ways(result: dict[str, Any]) -> None:
     d = result["decode"]
     for side in ("inprocess", "served"):
@@ -59,6 +60,7 @@ def test_decode_both_ways(result: dict[str, Any]) -> None:
     assert not list(shm.SHM_DIR.glob(f"*{shm.PREFIX}-{d['instance']}-*"))
 
 
+@pytest.mark.slow
 def test_ring_figures(result: dict[str, Any]) -> None:
     r = result["ring"]
     assert _positive(r["tickets_per_s"]) and r["tickets"] == 4000
@@ -67,6 +69,7 @@ def test_ring_figures(result: dict[str, Any]) -> None:
     assert r["corrupt"] == 0 and r["producer_exit_code"] == 0 and r["shm_left"] == []
 
 
+@pytest.mark.slow
 def test_heartbeat_figures(result: dict[str, Any]) -> None:
     h = result["heartbeat"]
     # 1 s of 2 ms ticks: several hundred even on a loaded machine.
@@ -77,6 +80,7 @@ def test_heartbeat_figures(result: dict[str, Any]) -> None:
     assert h["peer_dead"] == [] and h["shm_left"] == []
 
 
+@pytest.mark.slow
 def test_main_writes_json_and_prints_the_table_last(
     result: dict[str, Any],
     tmp_path: Path,

@@ -39,6 +39,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
 
 
+@pytest.mark.slow
 def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompt = sample_prompts(path, 1, [150])[0]
@@ -53,6 +54,7 @@ def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) 
     assert "attn_warm_link_down" not in (logs / "gpu.log").read_text()  # ... every request
 
 
+@pytest.mark.slow
 def test_served_sequences_that_fit_hot_one_at_a_time_take_turns(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Hot holds 64 tokens: two 40-token prompts with 16 new tokens each fit it one at a
     time. With kv_cache.hot_turn_tokens: 4 both stream at once, taking turns in Hot (first

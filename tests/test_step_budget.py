@@ -90,6 +90,7 @@ def test_prefill_beside_decodes_is_capped() -> None:
     assert sched.schedule().num_tokens == [1, 1, 1, 1, MIN_TOKENS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("latency_ms", [0.0, 0.001])
 def test_engine_steps_with_decodes_stay_small(checkpoint, latency_ms: float) -> None:  # type: ignore[no-untyped-def]
     """A 1 us target leaves no room beside decodes (MIN_TOKENS a step); 0 turns the limit

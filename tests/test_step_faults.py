@@ -113,6 +113,7 @@ def test_fault_drill_spec_is_checked() -> None:
             FaultDrill(bad)
 
 
+@pytest.mark.slow
 def test_served_failed_step_keeps_the_daemon(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Under `hybridgen serve`: the request in the failing step gets RESOURCE_EXHAUSTED with
     the message, requests queued behind it finish with HF's tokens, and the GPU daemon is the

@@ -39,7 +39,7 @@ def test_a_step_longer_than_the_peer_timeout_keeps_the_daemon_alive() -> None:
     instance = f"t{uuid.uuid4().hex[:12]}"
     ch = Channels.create(instance)
     engine = Engine(EngineConfig(model="tiny-llama", device="cpu"))
-    steps = engine.steps
+    steps = engine.steps  # what the loop runs since the engine yields each decode step
 
     def slow_steps(defer_sampling: bool = False):  # type: ignore[no-untyped-def]
         time.sleep(SLOW_STEP_S)  # a kernel compiling for a new shape, say
@@ -74,5 +74,9 @@ def test_a_step_longer_than_the_peer_timeout_keeps_the_daemon_alive() -> None:
         thread.join(timeout=30)
         assert status == [0]
     finally:
+        # The loop must be off the rings before they are unmapped: a failed assertion above
+        # otherwise left it reading freed memory, and the segfault ended the whole run.
+        loop.stopping = True
+        thread.join(timeout=30)
         ch.close()
         shm.unlink_all(instance)

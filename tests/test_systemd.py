@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridgen.startup_error import EXIT_STARTUP
+
 UNIT_DIR = Path(__file__).resolve().parents[1] / "systemd"
 SERVICES = {
     "hybridgen-gpu.service": "hybridgen.gpu_daemon.main",
@@ -56,6 +58,7 @@ def test_units_parse_as_ini() -> None:
 def test_service_promises(name: str) -> None:
     assert _one(name, "Service", "Type") == "notify"
     assert _one(name, "Service", "Restart") == "on-failure"
+    assert _one(name, "Service", "RestartPreventExitStatus") == str(EXIT_STARTUP)
     assert _one(name, "Service", "User") == "hybridgen"
     assert _one(name, "Service", "Group") == "hybridgen"
     assert _one(name, "Service", "RuntimeDirectory") == "hybridgen"

@@ -29,6 +29,7 @@ def test_share_balances_the_measured_costs() -> None:
     assert (owner.split, tuner.updates) == (pytest.approx(0.25), 1)
 
 
+@pytest.mark.slow
 def test_engine_tunes_while_serving(checkpoint) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 2, [150, 97])

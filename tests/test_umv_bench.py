@@ -13,6 +13,7 @@ import torch
 from hybridgen.benchmarks import umv_bench
 
 
+@pytest.mark.slow
 def test_umv_bench_runs_every_case(
     checkpoint,  # type: ignore[no-untyped-def]
     tmp_path: Path,
@@ -67,6 +68,7 @@ def test_umv_bench_runs_every_case(
     assert "B3 umv" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cases_run_in_child_processes(tmp_path: Path) -> None:
     """The default: each case in its own process, merged into one file."""
     out = tmp_path / "umv.json"

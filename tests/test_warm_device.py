@@ -115,6 +115,7 @@ def _decoded(pool: WarmPool, slots: list[int], layer: int, dtype: torch.dtype) -
     return [t.flatten(0, 1) for t in pool.codec.decode_blocks(rec, dtype)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("stored", "dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

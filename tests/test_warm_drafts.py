@@ -29,6 +29,7 @@ TIGHT = {"num_kv_blocks": 16, "warm_pool_mb": 2, "max_num_seqs": 2, "warm_split"
 them are rarely confirmed.)"""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu", "gpu", "split"])
 def test_drafts_keep_hf_greedy_tokens(checkpoint, mode: str) -> None:  # type: ignore[no-untyped-def]
     """Two sequences mostly in lossless Warm, 4 drafts a round: HF's greedy tokens in every
@@ -45,6 +46,7 @@ def test_drafts_keep_hf_greedy_tokens(checkpoint, mode: str) -> None:  # type: i
     engine.release()
 
 
+@pytest.mark.slow
 def test_wrong_drafts_cost_speed_not_tokens(checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every draft replaced by a wrong token: not one is accepted, each round yields the one
     token its check step computes exactly, and the tokens are still HF's."""
@@ -70,6 +72,7 @@ def test_wrong_drafts_cost_speed_not_tokens(checkpoint, monkeypatch) -> None:  #
     engine.release()
 
 
+@pytest.mark.slow
 def test_seeded_samples_are_plain_decodings(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Sampling at temperature 0.9 with a seed: row j of a check step draws the noise of plain
     decoding's j-th step, so the tokens are those of the same engine without drafts."""
@@ -89,6 +92,7 @@ def test_seeded_samples_are_plain_decodings(checkpoint) -> None:  # type: ignore
     assert accepted > 0
 
 
+@pytest.mark.slow
 def test_a_round_reads_warm_once(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """attn_warm gpu: the Warm bytes read per generated token fall with drafts (one read per
     round of up to 5 tokens, not one per token)."""

@@ -19,6 +19,7 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu", "gpu", "split"])
 def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> None:  # type: ignore[no-untyped-def]
     """Hot holds 6 blocks (48 tokens); two prompts of 150 and 97 tokens plus 32 new tokens
@@ -45,6 +46,7 @@ def test_long_prompts_beyond_a_tiny_hot_pool_match_hf(checkpoint, mode: str) -> 
     engine.release()
 
 
+@pytest.mark.slow
 def test_split_copies_the_cpu_queries_before_queuing_the_device_share(  # type: ignore[no-untyped-def]
     checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -86,6 +88,7 @@ def test_split_copies_the_cpu_queries_before_queuing_the_device_share(  # type: 
     engine.release()
 
 
+@pytest.mark.slow
 def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Hot holds 12 blocks (96 tokens). Two sequences of 60 + 8 tokens each fit it alone but
     not together: the second waits for the first instead of pushing it into Warm, so no block
@@ -111,6 +114,7 @@ def test_a_prompt_that_fits_hot_waits_instead_of_spilling(checkpoint) -> None:  
     engine.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hot", ["native", "int4"])
 def test_preemption_swaps_to_warm_instead_of_recomputing(checkpoint, hot: str) -> None:  # type: ignore[no-untyped-def]
     """A preempted sequence keeps its computed full blocks in Warm, frees all its Hot blocks,
@@ -153,6 +157,7 @@ def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-
         small_engine(checkpoint("mistral"), warm_pool_mb=2)
 
 
+@pytest.mark.slow
 def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """After Warm use, the engine's tier figures are set, survive GetModelInfo's protobuf,
     and land in the Prometheus gauges."""
@@ -198,6 +203,7 @@ def tiny_reference() -> tuple[list[int], list[int]]:
 LOSSY_AGREEMENT = {"lossless": 1.0, "int8": 0.95, "int4": 0.8}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["lossless", "int8", "int4"])
 def test_lossy_warm_codecs_keep_greedy_agreement(tiny_reference, codec: str) -> None:  # type: ignore[no-untyped-def]
     """Teacher-forced greedy agreement over 256 tokens (every 4th position) with the prompt's
@@ -226,6 +232,7 @@ def test_lossy_warm_codecs_keep_greedy_agreement(tiny_reference, codec: str) -> 
     assert hits / len(positions) >= LOSSY_AGREEMENT[codec]
 
 
+@pytest.mark.slow
 def test_second_turn_reuses_a_prefix_held_in_warm(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Turn 1's KV was spilled to Warm (Hot holds 48 tokens); turn 2 starts from it: only
     the new tokens are computed, and the tokens are HF's."""
@@ -268,6 +275,7 @@ def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-
     assert mode == "split" and share == pytest.approx(0.25)
 
 
+@pytest.mark.slow
 def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A finished turn's Warm blocks, unused past cold_threshold_ms, move to Cold (lz4 over
     the warm records) and free their slots; the next turn promotes them back, and its tokens
@@ -321,6 +329,7 @@ def test_cold_store_counts_a_re_aged_prefix_once() -> None:
     assert small.take(b"x") is None and small.take(b"z") == record
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["lossless", "int4"])
 def test_kv_codec_placements_give_the_same_tokens(checkpoint, codec: str) -> None:  # type: ignore[no-untyped-def]
     """placements.kv_codec: Warm records encoded (on spill) and decoded (for prefill and the

@@ -240,12 +240,15 @@ def check_fit(stub: Any, prompts: Sequence[Prompt], default_new: int, info: Any)
         n = len(stub.Tokenize(pb.TokenizeRequest(text=p.text), timeout=60).token_ids)
         new = p.max_new_tokens or default_new
         if n + new > info.max_model_len:
-            bad.append(f"line {p.line} ({n} prompt + {new} new tokens)")
+            whose = "the line's max_new_tokens" if p.max_new_tokens else "--max-new-tokens"
+            bad.append(f"line {p.line} ({n:,} prompt + {new} new tokens, {whose})")
     if bad:
         raise BenchmarkError(
-            f"{len(bad)} prompts do not fit the served context of {info.max_model_len} tokens "
+            f"{len(bad)} prompts do not fit the served context of {info.max_model_len:,} tokens "
             f"({info.model}): {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; shorten "
-            "them, lower --max-new-tokens, or serve a longer context (model.max_model_len)"
+            "them, lower their new tokens, use a prompt file sized for the model "
+            "(bench/prompts_short.jsonl holds short ones), or serve a longer context "
+            "(--max-model-len)"
         )
 
 

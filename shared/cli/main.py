@@ -1,8 +1,11 @@
-"""The `hybridgen` command: serve, generate, config-check.
+"""The `hybridgen` command: serve, generate, models, config-check.
 
-    hybridgen serve [--model PATH|PRESET] [--config hybridgen_config.yaml] [--port N]
+    hybridgen serve [--config hybridgen_config.yaml] [--model PATH|PRESET] [--port N] ...
     hybridgen generate "Hello" [--port 50051] [--max-tokens 64] [--temperature 0.7]
+    hybridgen models
     hybridgen config-check hybridgen_config.yaml
+
+`serve` and its flags are serve.py.
 
 Heavy imports (torch through the config schema, grpc) happen inside the subcommands, so
 `--help` and `generate` start quickly.
@@ -12,22 +15,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
-import re
-import stat
 import sys
 import uuid
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
+
+from hybridgen.cli import serve as serve_command
 
 if TYPE_CHECKING:
     import grpc
 
-    from hybridgen.cli.supervisor import ChildSpec
-    from hybridgen.config import HybridGenConfig
-
-__all__ = ["main", "runtime_dir"]
+__all__ = ["main"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -51,171 +50,27 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- serve ------------------------------------------------------------------------------------
+# -- models -----------------------------------------------------------------------------------
 
 
-def runtime_dir(configured: str, instance: str) -> Path:
-    """The per-instance folder of sockets and logs: the configured runtime_dir if we may write
-    there (systemd creates /run/hybridgen), else $XDG_RUNTIME_DIR/hybridgen, else /tmp."""
-    bases = [Path(configured)]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        bases.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridgen")
-    bases.append(Path(f"/tmp/hybridgen-{os.getuid()}"))
-    for base in bases:
-        path = base / instance
-        try:
-            base.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path.mkdir(mode=0o700, exist_ok=True)
-            st = path.lstat()
-        except OSError:
-            continue
-        # In a shared /tmp, someone else's folder (or a planted symlink) must not be used.
-        mine = st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode)  # lstat: no symlink
-        if mine and os.access(path, os.W_OK | os.X_OK):
-            return path
-    raise OSError(f"no writable runtime folder among {[str(b) for b in bases]}")
+def cmd_models(args: argparse.Namespace) -> int:
+    """The presets `--model` takes by name, and what each is."""
+    from hybridgen.models.presets import PRESETS, parameter_count
 
-
-def _connect_host(host: str) -> str:
-    """Where a local client reaches a server bound to `host` (wildcards mean loopback)."""
-    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
-
-
-def child_specs(config: HybridGenConfig, args: argparse.Namespace, rt: Path) -> list[ChildSpec]:
-    """The three processes of one instance, in start order."""
-    from hybridgen.cli.supervisor import ChildSpec
-
-    py = sys.executable
-    config_flag = [] if args.config is None else ["--config", str(args.config)]
-    common = ["--model", args.model, "--instance", args.instance, *config_flag]
-    cpu_sock = rt / "cpu.sock"
-    gateway = (
-        *(py, "-m", "hybridgen.gateway.main", "--upstream", f"unix:{cpu_sock}"),
-        *("--port", str(args.port), *config_flag),
-    )
-    return [
-        ChildSpec(
-            "gpu",
-            (py, "-m", "hybridgen.gpu_daemon.main", *common, "--device", args.device),
-            log_path=rt / "gpu.log",
-        ),
-        ChildSpec(
-            "cpu",
-            (py, "-m", "hybridgen.cpu_daemon.main", *common, "--listen", f"unix:{cpu_sock}"),
-            depends_on=("gpu",),  # the GPU daemon re-creates the rings the CPU daemon maps
-            log_path=rt / "cpu.log",
-        ),
-        # Not restarted with the CPU daemon: its channel to cpu.sock reconnects by itself and
-        # clients meanwhile get UNAVAILABLE instead of a refused public port.
-        ChildSpec("gateway", gateway, log_path=rt / "gateway.log"),
-    ]
-
-
-def _lock_instance(rt: Path, instance: str) -> IO[bytes] | None:
-    """An exclusive lock held while any process of the instance lives (the children inherit
-    it): a second supervisor, or one started beside orphans of a killed one, would share
-    their rings and ports."""
-    from hybridgen.cli.supervisor import lock_holders
-
-    path = rt / "serve.lock"
-    f = open(path, "ab")  # noqa: SIM115 - held open for the life of the process
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        pids = " ".join(str(p) for p in lock_holders(path)) or "unknown: another user"
-        _err(
-            f"instance '{instance}' is still running (pids {pids}, lock {path}); stop it "
-            "(kill those pids) or pick another --instance"
+    print("Presets: real model shapes with seeded random weights (their text is noise),")
+    print("to try HybridGen and size a machine without downloading weights.\n")
+    print(f"  {'name':14} {'parameters':>10}  {'architecture':22} {'layers':>6} {'context':>8}")
+    for name, spec in PRESETS.items():
+        count = parameter_count(spec)
+        size = f"{count / 1e9:.1f}B" if count >= 1e8 else f"{count / 1e6:.1f}M"
+        experts = f", {spec.num_local_experts} experts" if spec.num_local_experts else ""
+        print(
+            f"  {name:14} {size:>10}  {spec.architecture:22} {spec.num_layers:>6} "
+            f"{spec.max_position_embeddings:>8,}{experts}"
         )
-        return None
-    return f
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from hybridgen.cli.supervisor import Policy, Supervisor
-    from hybridgen.config import ConfigError, load_config
-    from hybridgen.ipc.shm import unlink_all
-
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        _err(str(exc))
-        return EXIT_USAGE
-    args.model = args.model or config.model.name_or_path
-    args.instance = args.instance or config.server.instance
-    args.port = args.port if args.port is not None else config.server.port
-    # Checked here, not by a daemon: the name also becomes a folder and /dev/shm names.
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", args.instance) or not 0 < args.port < 65536:
-        _err(f"--instance {args.instance!r} (1-32 of [A-Za-z0-9_-]) or --port {args.port} bad")
-        return EXIT_USAGE
-    try:
-        rt = runtime_dir(config.server.runtime_dir, args.instance)
-    except OSError as exc:
-        _err(str(exc))
-        return EXIT_FAILURE
-    lock = _lock_instance(rt, args.instance)
-    if lock is None:
-        return EXIT_USAGE
-    host = _connect_host(config.server.host)
-
-    announced: list[bool] = []
-
-    def announce() -> None:
-        if announced:  # every child is ready again after a restart
-            print(f"HybridGen is serving again on {host}:{args.port}", flush=True)
-            return
-        announced.append(True)
-        metrics = config.server.metrics_port
-        print(f"HybridGen is serving {args.model} on {host}:{args.port}", flush=True)
-        if metrics:
-            print(f"  metrics: http://{host}:{metrics}/metrics", flush=True)
-        if config.server.http_port:
-            print(f"  OpenAI API: http://{host}:{config.server.http_port}/v1", flush=True)
-        print(f'  try: hybridgen generate --port {args.port} "Hello"   (Ctrl-C stops)', flush=True)
-        if args.explain:
-            _print_regions(host, args.port)
-
-    _err(f"instance {args.instance}: model {args.model}, runtime folder {rt} (logs there)")
-    supervisor = Supervisor(
-        child_specs(config, args, rt),
-        rt,
-        Policy(progress_every_s=5.0),
-        report=_err,
-        on_all_ready=announce,
-        inherit_fds=(lock.fileno(),),
-    )
-    with lock:
-        status = supervisor.run()
-        # After SIGKILLs the GPU daemon could not clean up; a clean stop leaves nothing.
-        removed = unlink_all(args.instance)
-    if removed:
-        _err(f"removed {len(removed)} leftover shared-memory objects")
-    return status
-
-
-def _print_regions(host: str, port: int) -> None:
-    """The served engine's op-region table (GetModelInfo.op_regions), as text."""
-    import grpc
-
-    from hybridgen.op_regions import Label, Region, Scope, format_table
-    from hybridgen.v1 import generation_pb2 as pb
-    from hybridgen.v1 import generation_pb2_grpc as pb_grpc
-
-    try:
-        with grpc.insecure_channel(f"{host}:{port}") as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-    except grpc.RpcError as exc:
-        _err(f"--explain: GetModelInfo failed: {exc.code().name}")
-        return
-    rows = [
-        Region(r.name, cast(Scope, r.scope), cast(Label, r.label), r.placement, r.source,
-               dict(r.measured))
-        for r in info.op_regions
-    ]  # fmt: skip
-    print(f"op-regions of {info.model} ({info.mode} mode, {info.device}):", flush=True)
-    print(format_table(rows), flush=True)
+    print("\nOr a checkpoint folder (config.json, *.safetensors, tokenizer.json):")
+    print("  hybridgen serve --model /path/to/Llama-3.1-8B-Instruct")
+    return EXIT_OK
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -246,12 +101,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hybridgen.v1 import generation_pb2 as pb
     from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
-    target = f"{_connect_host(args.host)}:{args.port}"
+    target = f"{serve_command.connect_host(args.host)}:{args.port}"
     last = None
     wrote = False
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            if info.synthetic:
+                _err(f"{info.model} is a synthetic preset: random weights, so its text is noise")
             for last in stub.Generate(_request(args), wait_for_ready=False):
                 sys.stdout.write(last.text)
                 sys.stdout.flush()
@@ -292,27 +150,35 @@ def _rpc_failed(exc: grpc.RpcError, target: str) -> int:
 # -- command line -----------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
+    """The command line; `serve_flags=False` leaves out serve's flags (generated from the
+    config schema, which imports torch), for the commands that start quickly."""
     ap = argparse.ArgumentParser(prog="hybridgen", description="HybridGen LLM inference server")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="start and supervise the GPU, CPU and gateway processes")
-    serve.add_argument("--model", default=None, help="checkpoint folder or preset (config's)")
-    serve.add_argument("--config", type=Path, default=None, help="hybridgen_config.yaml")
-    serve.add_argument("--port", type=int, default=None, help="gRPC port (config: server.port)")
-    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    serve.add_argument("--instance", default=None, help="name of this server (server.instance)")
-    serve.add_argument(
-        "--explain",
-        action="store_true",
-        help="once serving, print the op-region table: labels, placements and why",
+    serve = sub.add_parser(
+        "serve",
+        help="start and supervise the GPU, CPU and gateway processes",
+        usage="hybridgen serve [--config FILE] [--model M] [--port N] [--print-config] [...]",
+        description="Serve a model. Every setting is a flag, a HYBRIDGEN_* variable or a key "
+        "of the config file, in that order of precedence; --print-config shows the result.",
     )
-    serve.set_defaults(func=cmd_serve)
+    if serve_flags:
+        serve_command.add_arguments(serve)
+    serve.set_defaults(func=serve_command.cmd_serve)
+
+    models = sub.add_parser("models", help="list the built-in model presets")
+    models.set_defaults(func=cmd_models)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
     gen.add_argument("--host", default="127.0.0.1")
-    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("HYBRIDGEN_PORT", "50051")),
+        help="the server's gRPC port (env HYBRIDGEN_PORT, as serve's; default 50051)",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -332,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(serve_flags=argv[:1] == ["serve"]).parse_args(argv)
     with contextlib.suppress(BrokenPipeError):  # `hybridgen generate ... | head`
         return int(args.func(args))
     return EXIT_FAILURE

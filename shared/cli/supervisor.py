@@ -9,7 +9,9 @@ Rules (the same for stand-in commands in tests and for `hybridgen serve`):
   depends on it, directly or not (dependents are stopped first, in reverse order).
 - Restarts wait min(backoff_initial_s * 2**k, backoff_max_s), k = restarts in the crash
   window; more than `crash_limit` restarts in `crash_window_s` means a crash loop: stop all,
-  exit 1. Exit status 2 (bad arguments or config) is never retried: it would only fail again.
+  exit 1. Exit status 2 (a start-up error: bad arguments or config, a missing model, a port
+  in use; hybridgen.startup_error) is never retried, it would only fail again: stop all at
+  once, exit 2, with the reason the child gave in its last status.
 - SIGINT/SIGTERM: stop every child in reverse start order (SIGTERM, SIGKILL after
   `stop_timeout_s`), exit 0.
 - The children die with the supervisor: each is spawned with PR_SET_PDEATHSIG = SIGKILL, so
@@ -34,10 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["EXIT_USAGE", "ChildSpec", "Policy", "Supervisor", "lock_holders"]
+from hybridgen.startup_error import EXIT_STARTUP, STATUS_PREFIX
 
-EXIT_USAGE = 2
-"""A child's exit status for bad arguments or config: restarting cannot help."""
+__all__ = ["ChildSpec", "Policy", "Supervisor", "lock_holders"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,10 @@ class Supervisor:
         report: Callable[[str], None] = print,
         on_all_ready: Callable[[], None] | None = None,
         inherit_fds: tuple[int, ...] = (),
+        on_status: Callable[[str, str], None] | None = None,
     ) -> None:
+        """`report` gets every line; `on_status(name, status)`, when given, gets a child's
+        status changes instead of `report` (a terminal draws progress bars from them)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"child names must be unique, got {names}")
@@ -120,6 +124,7 @@ class Supervisor:
         self.policy = policy or Policy()
         self.report = report
         self.on_all_ready = on_all_ready
+        self.on_status = on_status
         self.children = [_Child(s, runtime_dir) for s in specs]
         self.inherit_fds = inherit_fds
         self.restarts: collections.deque[float] = collections.deque()
@@ -129,7 +134,8 @@ class Supervisor:
     # -- public -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Supervise until SIGINT/SIGTERM (0) or a crash loop / unrecoverable child (1)."""
+        """Supervise until SIGINT/SIGTERM (0), a crash loop (1) or a child's start-up error
+        (2)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             status = self._loop()
@@ -173,14 +179,18 @@ class Supervisor:
         for child in self.children:
             if child.proc is None or child.proc.poll() is None:
                 continue
+            self._drain_notify(child)  # what it said just before it exited
             code = child.proc.returncode
             child.proc = None
             child.ready = False
+            if code == EXIT_STARTUP and child.status.startswith(STATUS_PREFIX):
+                self.report(f"{child.spec.name} {child.status}")
+                return EXIT_STARTUP
             self.report(f"{child.spec.name} exited unexpectedly ({_describe(code)})")
             self._tail_log(child)
-            if code == EXIT_USAGE:
+            if code == EXIT_STARTUP:
                 self.report(f"{child.spec.name} rejected its arguments or config; giving up")
-                return 1
+                return EXIT_STARTUP
             delay = self._record_restart(now)
             if delay is None:
                 self.report(
@@ -330,7 +340,12 @@ class Supervisor:
                     self.report(f"{child.spec.name} ready after {took:.1f} s")
                 elif key == "STATUS" and value != child.status:
                     child.status = value
-                    self.report(f"{child.spec.name}: {value}")
+                    if value.startswith(STATUS_PREFIX):
+                        continue  # reported with the exit it announces
+                    if self.on_status is not None:
+                        self.on_status(child.spec.name, value)
+                    else:
+                        self.report(f"{child.spec.name}: {value}")
 
     def _tail_log(self, child: _Child, lines: int = 5) -> None:
         path = child.spec.log_path

@@ -330,7 +330,9 @@ def load_model(
         quantize_dense(net, weights, stored)
     if host_experts is not None:
         blocks = moe_blocks(net)
-        progress = Progress("experts_to_host", len(blocks), unit="layers")
+        progress = Progress(
+            "experts_to_host", len(blocks), unit="layers", label="converting experts"
+        )
         for i, block in enumerate(blocks):
             if block.store is None:  # a checkpoint's: native, then converted
                 block.store = block.experts_to_host().convert(host_experts, alloc)

@@ -6,11 +6,13 @@ are drawn directly on the target device, so an 8B model builds in seconds on a G
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 from torch import nn
 
 from hybridgen.log import Progress
-from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.errors import ModelLoadError, bad_model_path
 from hybridgen.models.expert_format import Alloc, Format, PackedMatrices, host_alloc
 from hybridgen.models.expert_store import ExpertStore
 from hybridgen.models.llama import CausalLM, empty_model
@@ -168,13 +170,29 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def parameter_count(spec: ModelSpec, experts: bool = True) -> int:
+    """The parameters of a model of `spec`, counted on the meta device (no memory);
+    `experts=False` leaves out the MoE experts, which Cold-Weights keeps in host memory."""
+    with torch.device("meta"):
+        net = CausalLM(spec)
+    return sum(
+        p.numel() for name, p in net.named_parameters() if experts or ".experts." not in name
+    )
+
+
 def preset_spec(name: str) -> ModelSpec:
-    if name not in PRESETS:
-        raise ModelLoadError(
-            f"model={name!r} is neither a checkpoint directory nor a preset; "
-            f"presets: {sorted(PRESETS)}"
-        )
-    return PRESETS[name]
+    """The preset `name`; a ModelLoadError that says what was meant when there is none."""
+    if name in PRESETS:
+        return PRESETS[name]
+    path_error = bad_model_path(name)
+    if path_error is not None:
+        raise path_error
+    close = difflib.get_close_matches(name, list(PRESETS), n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ModelLoadError(
+        f"model {name!r} is neither a checkpoint folder nor a preset ({hint}hybridgen models "
+        f"lists them: {', '.join(PRESETS)})"
+    )
 
 
 @torch.inference_mode()
@@ -198,7 +216,9 @@ def build_synthetic(
         alloc = alloc or host_alloc(device.type == "cuda")
         for block in moe_blocks(model):
             block.store = _empty_store(spec, host_experts, alloc)
-    progress = Progress("synthetic_weights", spec.num_layers, unit="layers")
+    progress = Progress(
+        "synthetic_weights", spec.num_layers, unit="layers", label="drawing weights"
+    )
     for name, param in model.named_parameters():
         if name.endswith("layernorm") or name == "norm":
             param.fill_(1.0)

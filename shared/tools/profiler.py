@@ -216,17 +216,20 @@ def report(profile: TuningProfile, out: Path) -> None:
     print(f"wrote {out}; set profile_path: {out.resolve()} in hybridgen_config.yaml to use it")
 
 
-def main(argv: list[str] | None = None) -> TuningProfile:
+def main(argv: list[str] | None = None) -> int:
+    """The console script: 0 once the profile is written, 2 (with the reason) when the replay
+    cannot run as asked. The profile is the file, not the return value: a console script's
+    return value becomes its exit status."""
     args = build_parser().parse_args(argv)
     hlog.configure()
     try:
         profile = run(args)
     except (ConfigError, BudgetTooSmall, ProfilerError, NoWarmRoom) as exc:
         print(f"hybridgen-profiler: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        return 2
     report(profile, args.out)
-    return profile
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
