@@ -51,6 +51,9 @@ class Sequence:
     (warm_copy[i] is block_ids[i]): moving those blocks to Warm again takes no copy."""
     turn_start: int = 0
     """Its generated tokens when it was last admitted (time slicing: scheduler.py)."""
+    spilled: bool = False
+    """Admitted by a spill decision (spill_policy.py): while it runs, Hot blocks move to
+    Warm to make room for it, as for a sequence too long for Hot."""
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     logprobs: list[float] = field(default_factory=list)

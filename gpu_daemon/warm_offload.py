@@ -7,10 +7,12 @@ itself is gpu_daemon.warm_tier.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 
 from hybridgen.gpu_daemon.block_pool import BlockPool
 from hybridgen.gpu_daemon.sequence import Sequence
+from hybridgen.gpu_daemon.spill_policy import SpillCosts
 from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.kernels import ops
 
@@ -24,9 +26,12 @@ class WarmOffload:
         pool: BlockPool,
         kv_caches: Seq[ops.KvCache],
         prefix_reuse: bool = True,
+        costs: SpillCosts | None = None,
     ) -> None:
         self.tier, self.pool, self.kv_caches = tier, pool, kv_caches
         self.prefix_reuse = prefix_reuse
+        self.costs = costs
+        """The spill decision's measured costs: every store to Warm times a block's move."""
         self._copies: dict[int, Sequence] = {}
         """Sequences keeping Warm copies of Hot blocks (warm_copy), by id."""
 
@@ -55,12 +60,21 @@ class WarmOffload:
         """Move its first n Hot blocks to Warm: those with a Warm copy take no copy."""
         blocks, kept = seq.block_ids[:n], min(n, len(seq.warm_copy))
         reused, seq.warm_copy = seq.warm_copy[:kept], seq.warm_copy[kept:]
-        seq.warm_slots += reused + self.tier.store(self.kv_caches, blocks[kept:])
+        seq.warm_slots += reused + self.store(blocks[kept:])
         seq.block_ids = seq.block_ids[n:]
         self.pool.free(blocks)
         if self.prefix_reuse:  # the whole chain, head included: LRU eviction takes tails first
             keys = seq.hashes(len(seq.warm_slots), self.pool.block_size)
             self.tier.index.insert_keys(keys, seq.warm_slots)
+
+    def store(self, blocks: Seq[int]) -> list[int]:
+        """Copy Hot `blocks` into fresh Warm slots (tier.store), timed for the spill costs:
+        the copy lands in host memory, so its time is the move's."""
+        t0 = time.perf_counter()
+        slots = self.tier.store(self.kv_caches, blocks)
+        if self.costs is not None and blocks:
+            self.costs.observe_move(len(blocks), time.perf_counter() - t0)
+        return slots
 
     def lookup(self, keys: Seq[bytes]) -> list[int]:
         """Warm slots of the longest cached prefix of this key chain (one reference each)."""

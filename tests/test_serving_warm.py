@@ -29,7 +29,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "model:\n  max_model_len: 192\n  max_num_seqs: 2\n  max_num_batched_tokens: 32\n"
         "  dtype: float32\n"
         f"kv_cache:\n  hot_region_mb: {hot_mb}\n  warm_region_mb: 2\n  warm_codec: lossless\n"
-        "  block_size: 16\n  hot_turn_tokens: 4\n  warm_draft_tokens: 3\n"
+        "  block_size: 16\n  hot_turn_tokens: 4\n  warm_draft_tokens: 3\n  spill_policy: always\n"
         "placements:\n  attn_warm: cpu\n"
     )
     srv = Server(path, tmp_path_factory.mktemp("serve_warm"), engine_config=config)
