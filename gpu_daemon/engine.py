@@ -136,12 +136,14 @@ class Engine:
         self.step_times = StepBudget(config.step_latency_ms / 1e3, key_weight(spec))
         """Measured step times: decode-first steps' budget (with step_latency_ms), and the
         decode and prefill costs the spill decision weighs."""
-        offload, self.spill_costs = None, None
+        self.offload: WarmOffload | None = None
+        self.spill_costs: SpillCosts | None = None
         if self.warm is not None:
             self.spill_costs = SpillCosts(self.step_times)
             if config.spill_policy == "auto":
                 measure_spill_costs(self.spill_costs, self.warm, self.runner.kv_caches, config)
-            offload = WarmOffload(
+            self.warm.step_times = self.step_times
+            self.offload = WarmOffload(
                 self.warm, self.pool, self.runner.kv_caches, config.prefix_reuse, self.spill_costs
             )
         self.scheduler = Scheduler(
@@ -154,7 +156,7 @@ class Engine:
                 config.spill_policy,
             ),
             self.pool,
-            offload,
+            self.offload,
             self.step_times if config.step_latency_ms > 0 else None,
             self.spill_costs,
         )
@@ -209,13 +211,21 @@ class Engine:
             self.warm,
         )
 
-    def tier_stats(self) -> dict[str, float | int]:
-        """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and
-        the Warm tier's (hot hit rate, decompress latency, PCIe bytes, CPU attention)."""
-        stats: dict[str, float | int] = {"prefix_cached_tokens": self.scheduler.prefix_hit_tokens}
+    def tier_stats(self) -> dict[str, float | int | str]:
+        """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse (by
+        tier), the Warm tier's (hot hit rate, decompress latency, PCIe bytes, CPU attention,
+        blocks kept for reuse) and the spill decisions with their inputs."""
+        sched = self.scheduler
+        stats: dict[str, float | int | str] = {"prefix_cached_tokens": sched.prefix_hit_tokens}
+        stats.update(sched.prefix_hits.info())
         if self.warm is not None:
             stats.update(self.warm.info())
             stats.update(self.drafts.stats.info())
+        if self.offload is not None:
+            stats["warm_kept_blocks"] = self.offload.kept_blocks
+            stats["warm_keep_skipped"] = self.offload.keep_gate.shut
+        if sched.policy is not None:
+            stats.update(sched.policy.info())
         return stats
 
     def moe_stats(self) -> dict[str, float]:

@@ -23,10 +23,12 @@ can only spill. By default (`auto`) the choice is the one whose predicted comple
 of the affected requests, from measured costs, are the shortest.
 
 Prefix reuse: every full, computed block is registered in the pool under the chained hash
-of its tokens, and stays cached after its sequence lets go until the space is needed. A
-sequence being admitted first takes the cached blocks of its longest cached prefix (never
-its last token, whose logits it needs), so a shared system prompt, the previous turn of a
-chat or a preempted sequence's own prefix is not computed again.
+of its tokens, and stays cached after its sequence lets go until the space is needed; with
+a Warm tier a finished sequence's blocks are also written back there (while that pays:
+prefix_cache.py), so they outlive Hot. A sequence being admitted first takes the cached
+blocks of its longest cached prefix (never its last token, whose logits it needs): Hot's,
+then what Warm or Cold holds beyond it, copied into Hot. So a shared system prompt, the
+previous turn of a chat or a preempted sequence's own prefix is not computed again.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.prefix_cache import PrefixHits
 from hybridgen.gpu_daemon.sequence import Sequence, Status
 from hybridgen.gpu_daemon.spill_policy import SpillCosts, SpillPolicy
 from hybridgen.gpu_daemon.step_budget import MIN_TOKENS, StepBudget
@@ -85,7 +88,7 @@ class ScheduledBatch:
 
 
 class Offload(Protocol):
-    """Somewhere to move Hot blocks (gpu_daemon.warm_tier.WarmOffload)."""
+    """Somewhere to move Hot blocks (gpu_daemon.warm_offload.WarmOffload)."""
 
     def spill(self, running: Seq[Sequence], need: int) -> int: ...
 
@@ -95,9 +98,18 @@ class Offload(Protocol):
 
     def release(self, seq: Sequence) -> None: ...
 
+    def keep(self, seq: Sequence, recompute_s: float | None) -> int: ...
+
     def lookup(self, keys: Seq[bytes]) -> list[int]: ...
 
+    @property
+    def promoted(self) -> int: ...
+
     def unlookup(self, slots: Seq[int]) -> None: ...
+
+    def bring_back(self, slots: Seq[int]) -> list[int]: ...
+
+    def returned(self, blocks: int) -> None: ...
 
 
 class Scheduler:
@@ -112,6 +124,7 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.offload = offload
+        self.spill_costs = spill_costs
         self.policy: SpillPolicy | None = None
         """With an Offload: the spill/wait decision (spill_policy.py), from `spill_costs`."""
         if offload is not None:
@@ -133,6 +146,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in arrival order
         self.prefix_hit_tokens = 0
         """Prompt tokens whose KV came from the prefix cache (first admissions only)."""
+        self.prefix_hits = PrefixHits()
+        """The same, by tier, and the requests that took blocks from each."""
         self.resumed_tokens = 0
         """Tokens of preempted sequences taken back from the cache at readmission."""
         self.turns_ended = 0
@@ -154,11 +169,22 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.cache_blocks(seq)
+        if self.offload is not None and self.config.prefix_reuse:
+            self.offload.keep(seq, self._recompute_block_s(seq))
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         if self.offload is not None:
             self.offload.release(seq)
         seq.status = Status.FINISHED
+
+    def _recompute_block_s(self, seq: Sequence) -> float | None:
+        """Seconds to compute one of `seq`'s computed blocks again, on average, from the
+        measured prefill cost; None until measured."""
+        st = self.spill_costs.step_times if self.spill_costs is not None else None
+        if st is None or st.per_unit is None or seq.num_computed_tokens == 0:
+            return None
+        blocks = -(-seq.num_computed_tokens // self.pool.block_size)
+        return st.per_unit * st.units(seq.num_computed_tokens, 0) / blocks
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -269,23 +295,48 @@ class Scheduler:
             seq.num_registered_blocks = full
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Start a sequence with nothing computed from its longest cached prefix: in Hot, or
-        in Warm (then Hot may continue it) when Warm holds the longer one."""
+        """Start a sequence with nothing computed from its longest cached prefix: Hot's,
+        then what Warm (or Cold) holds beyond it (_from_warm)."""
         if not self.config.prefix_reuse or seq.num_computed_tokens:
             return
-        reusable = (seq.num_tokens - 1) // self.pool.block_size  # the last token is computed
-        keys = seq.hashes(reusable, self.pool.block_size)
+        size = self.pool.block_size
+        reusable = (seq.num_tokens - 1) // size  # the last token is computed
+        keys = seq.hashes(reusable, size)
         seq.block_ids = self.pool.lookup(keys)
+        warm = cold = 0
         if self.offload is not None and len(seq.block_ids) < reusable:
-            warm = self.offload.lookup(keys)
-            if len(warm) > len(seq.block_ids):
-                self.pool.free(seq.block_ids)
-                seq.warm_slots, seq.block_ids = warm, self.pool.lookup(keys[len(warm) :])
-            else:
-                self.offload.unlookup(warm)
+            warm, cold = self._from_warm(seq, keys)
         blocks = len(seq.warm_slots) + len(seq.block_ids)
-        seq.num_computed_tokens = blocks * self.pool.block_size
+        seq.num_computed_tokens = blocks * size
         seq.num_registered_blocks = blocks
+        seq.prefix_from = (blocks - warm - cold, warm, cold)
+
+    def _from_warm(self, seq: Sequence, keys: list[bytes]) -> tuple[int, int]:
+        """The part of `seq`'s cached prefix beyond its Hot blocks that Warm (or Cold) holds:
+        copied into fresh Hot blocks after them when `seq` fits Hot alone and Hot has room
+        (registered there, so a wait keeps them cached); else, when Warm holds a longer
+        prefix from the start, that one, read where it lives (Hot may continue it). Returns
+        how many of its blocks came from Warm and from Cold."""
+        offload, hot = self.offload, len(seq.block_ids)
+        assert offload is not None
+        more = offload.lookup(keys[hot:])
+        cold = offload.promoted
+        if more and self._fits_hot(seq) and len(more) <= self.pool.num_free:
+            blocks = offload.bring_back(more)
+            for block, key in zip(blocks, keys[hot:], strict=False):
+                self.pool.register(block, key)
+            seq.block_ids += blocks
+            offload.unlookup(more)
+            return len(more) - cold, cold
+        offload.unlookup(more)
+        warm = offload.lookup(keys)
+        cold += offload.promoted
+        if len(warm) <= hot:
+            offload.unlookup(warm)
+            return 0, 0
+        self.pool.free(seq.block_ids)
+        seq.warm_slots, seq.block_ids = warm, self.pool.lookup(keys[len(warm) :])
+        return len(warm) - min(cold, len(warm)), min(cold, len(warm))
 
     def _spills(self, seq: Sequence) -> bool:
         """Whether making room for running `seq` may move running sequences' blocks to Warm
@@ -404,7 +455,7 @@ class Scheduler:
             if seq.num_preemptions:
                 self.resumed_tokens += seq.num_computed_tokens
             else:
-                self.prefix_hit_tokens += seq.num_computed_tokens
+                self._count_prefix(seq)
             seq.block_ids += self.pool.allocate(need)
             if load and self.offload is not None and self.offload.load(seq):
                 seq.num_registered_blocks = 0  # its Warm prefix is back in Hot: register it
@@ -416,6 +467,15 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+
+    def _count_prefix(self, seq: Sequence) -> None:
+        """A first admission's cached prefix, in the counters (and in the Warm tier's
+        measure of how many kept blocks come back)."""
+        self.prefix_hit_tokens += seq.num_computed_tokens
+        hot, warm, cold = seq.prefix_from
+        self.prefix_hits.add(hot, warm, cold, self.pool.block_size)
+        if self.offload is not None:
+            self.offload.returned(warm + cold)
 
     def _room_for(self, seq: Sequence, at: int, need: int, batch: ScheduledBatch) -> bool | None:
         """Make Hot room for the waiting sequence `seq` (waiting[at], the first that can

@@ -70,6 +70,8 @@ class Sequence:
     prompt_open: bool = False
     """Streaming input: more prompt tokens may still come (Scheduler.extend_prompt). Its last
     token is not computed while the prompt is open, since computing it would sample."""
+    prefix_from: tuple[int, int, int] = (0, 0, 0)
+    """Blocks of the cached prefix it started from that came from Hot, Warm and Cold."""
 
     def hashes(self, n: int, block_size: int) -> list[bytes]:
         """The chained hashes of its first `n` full blocks (each computed once, kept in

@@ -56,6 +56,8 @@ START_SAMPLE_BATCH = 16
 """Decode batch sample and moe_gate are timed at (max_num_seqs if smaller)."""
 ATTN_WARM_PROBE_BLOCKS = 512
 """Warm blocks the attn_warm timing attends: enough that launch costs do not decide."""
+CPU_PROBE_BLOCKS = 64
+"""The same on a CPU-only engine (tests, CI), where both sides are the CPU."""
 MOVE_PROBE_BLOCKS = 16
 """Blocks the start-up timing of a move Hot -> Warm -> Hot copies each way."""
 
@@ -182,35 +184,44 @@ def measure_spill_costs(
     costs: SpillCosts, warm: WarmTier, kv_caches: Sequence[KvCache], config: EngineConfig
 ) -> None:
     """The spill decision's start-up figures: W, one Warm block read in a decode step in
-    attn_warm's placement (from its start-up timing, else timed now over blocks of one layer,
-    scaled to every layer), and M, a block's move Hot -> Warm and back (MOVE_PROBE_BLOCKS
-    through the tier's store and load). Blocks of scratch caches are moved, so the KV pool is
-    untouched; the tier's counters start again afterwards."""
-    blocks = min(ATTN_WARM_PROBE_BLOCKS, warm.pool.capacity)
+    attn_warm's placement (timed over blocks of one layer, scaled to every layer), and on
+    CUDA M, a block's move Hot -> Warm and back (_time_moves). Blocks of scratch caches are
+    moved, so the KV pool is untouched; the tier's counters start again afterwards."""
+    probe = ATTN_WARM_PROBE_BLOCKS if warm.device.type == "cuda" else CPU_PROBE_BLOCKS
+    blocks = min(probe, warm.pool.capacity)
     if not blocks:
         return
     timed = profile_attn_warm(warm, 1, blocks, START_RUNS, layers=1).measured
     cpu, gpu = (timed[k] / 1e3 * warm.spec.num_layers / blocks for k in ("cpu_ms", "gpu_ms"))
     share = warm.cpu_blocks(1000) / 1000
     costs.warm_block_s = max(share * cpu, (1 - share) * gpu)  # the two sides run together
-    n = min(MOVE_PROBE_BLOCKS, warm.pool.capacity)
-    scratch = [_zeros_like_blocks(kv, n) for kv in kv_caches]
-    for _ in range(2):  # the first round pays for first calls; the second is timed
-        start = time.perf_counter()
-        slots = warm.store(scratch, range(n))
-        warm.load(scratch, slots, range(n))
-        _sync(warm.device)
-        costs.move_block_s = (time.perf_counter() - start) / (2 * n)
-        warm.free(slots)
-    del scratch
     if warm.device.type == "cuda":
-        torch.cuda.empty_cache()  # as place_attn_warm: nothing left to fragment the budget
+        _time_moves(costs, warm, kv_caches)
     warm.stats = WarmStats()
     log.info(
         "spill_costs_measured",
         warm_block_us=round(costs.warm_block_s * 1e6, 2),
-        move_block_us=round(costs.move_block_s * 1e6, 2),
+        move_block_us=None if costs.move_block_s is None else round(costs.move_block_s * 1e6, 2),
     )
+
+
+def _time_moves(costs: SpillCosts, warm: WarmTier, kv_caches: Sequence[KvCache]) -> None:
+    """M: MOVE_PROBE_BLOCKS zeroed blocks of scratch caches through the tier's store and
+    load, the best of START_RUNS after one round for first calls. (On a CPU-only engine the
+    first few indexing calls take tens of ms, so there M comes from the live stores only.)"""
+    n = min(MOVE_PROBE_BLOCKS, warm.pool.capacity)
+    scratch = [_zeros_like_blocks(kv, n) for kv in kv_caches]
+    times = []
+    for _ in range(START_RUNS + 1):  # the best of START_RUNS after one for first calls
+        start = time.perf_counter()
+        slots = warm.store(scratch, range(n))
+        warm.load(scratch, slots, range(n))
+        _sync(warm.device)
+        times.append((time.perf_counter() - start) / (2 * n))
+        warm.free(slots)
+    costs.move_block_s = min(times[1:])
+    del scratch
+    torch.cuda.empty_cache()  # as place_attn_warm: nothing left to fragment the budget
 
 
 def _zeros_like_blocks(kv: KvCache, n: int) -> KvCache:

@@ -174,7 +174,39 @@ def test_each_choice_gives_hf_tokens(checkpoint, case: str, policy: str) -> None
     assert warm is not None
     assert (warm.stats.spilled_blocks > 0) == (expected == "spill")
     assert (warm.stats.swapped_blocks > 0) == (expected == "swap")
+    check_model_info_and_metrics(engine, policy, expected)
     engine.release()
+
+
+def check_model_info_and_metrics(engine: Engine, policy: str, choice: str) -> None:
+    """The decisions, the last one with its predictions and inputs, survive GetModelInfo's
+    protobuf and land in the Prometheus gauges."""
+    from hybridgen.cli.explain import spill_lines
+    from hybridgen.gateway.metrics import Metrics
+    from hybridgen.gateway.service import model_info_to_pb
+    from hybridgen.gpu_daemon.info import engine_info
+
+    stats = engine.tier_stats()
+    pb = model_info_to_pb({**engine_info(engine), **stats, "max_queue": 1})
+    assert pb.spill_policy == policy
+    assert getattr(pb, f"spill_decisions_{choice}") == stats[f"spill_decisions_{choice}"] >= 1
+    assert pb.spill_last_choice == stats["spill_last_choice"] != ""
+    if policy == "auto":  # weighed from the fixed costs
+        assert pb.spill_decode_step_ms == pytest.approx(T * 1e3)
+        assert pb.spill_predicted_spill_s == pytest.approx(stats["spill_predicted_spill_s"])
+        assert pb.spill_predicted_spill_s > 0
+    else:
+        assert pb.spill_predicted_spill_s == -1 and pb.spill_last_choice == "wait (policy)"
+    explained = spill_lines(pb)  # what `hybridgen serve --explain` prints
+    assert explained[0].startswith(f"spill policy: {policy}; decisions so far: wait ")
+    assert explained[1].startswith(f"  last: {stats['spill_last_choice']}")
+    assert ("predicted completion sums" in explained[1]) == (policy == "auto")
+    assert ("decode step 10 ms" in explained[2]) == (policy == "auto")
+    metrics = Metrics()
+    metrics.set_kv_tiers(stats)
+    value = metrics.registry.get_sample_value
+    for c in ("wait", "swap", "turns", "spill"):
+        assert value("hybridgen_spill_decisions", {"choice": c}) == stats[f"spill_decisions_{c}"]
 
 
 def test_never_keeps_max_model_len_within_hot(checkpoint) -> None:  # type: ignore[no-untyped-def]
