@@ -172,7 +172,7 @@ class Engine:
             self.warm.tuner = Tuner(
                 self.warm, config.tuning_warmup_steps, config.tuning_interval_ms
             )
-        self.degrade = Degrade(config, self.warm, spec.vocab_size)
+        self.degrade = Degrade(config, self.warm, spec.vocab_size, "attn_warm" in self.measured)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self.measured.update(measure_regions(self))
         if self.experts is not None:  # counted from the first served step: the start-up's
