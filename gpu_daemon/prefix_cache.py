@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIOR_BLOCKS = 256.0
+PRIOR_BLOCKS = 64.0
 """The gate starts as if this many blocks had been kept and all of them had come back: it
-keeps until measurements say otherwise."""
+keeps until measurements say otherwise (where a copy costs 2 % of a recompute, it stops
+after some 3,200 kept blocks that nobody took back: a few long prompts)."""
 HALF_LIFE_BLOCKS = 8192.0
 """Kept and returned counts halve every this many kept blocks, so the share follows a
 workload that changes."""
