@@ -63,7 +63,7 @@ class Job:
     remaining: int
     """Tokens it has still to generate (its max_tokens bound)."""
     hot_blocks: int
-    """Hot blocks it holds now."""
+    """Hot blocks it holds now (the candidate: of its cached prefix)."""
     final_blocks: int
     """Hot blocks it holds at its full length."""
     turn_ran: int = 0
@@ -108,7 +108,7 @@ def _wait_s(cand: Job, running: list[Job], free: int, c: Costs) -> float | None:
     room, total = free - growth, sum(j.remaining for j in running) * t
     for k, job in enumerate(sorted(running, key=lambda j: j.remaining), 1):
         room += job.final_blocks
-        if room >= cand.final_blocks:  # it starts when the k-th shortest has finished
+        if room >= cand.final_blocks - cand.hot_blocks:  # it starts when the k-th has ended
             still = len(running) - k  # ... and its prefill slows down those still running
             return total + still * p + job.remaining * t + p + cand.remaining * t
     return None
@@ -121,14 +121,14 @@ def _victims(
     (with `longer_only`, only jobs with more tokens left than it, so that a swap never comes
     straight back); None when they cannot."""
     growth = sum(j.final_blocks - j.hot_blocks for j in running)
-    room, out = free - growth, []
+    room, out, need = free - growth, [], cand.final_blocks - cand.hot_blocks
     for i in order:
-        if room >= cand.final_blocks:
+        if room >= need:
             break
         if running[i].remaining > cand.remaining or not longer_only:
             out.append(i)
             room += running[i].final_blocks
-    return out if room >= cand.final_blocks and out else None
+    return out if room >= need and out else None
 
 
 def _swap_s(cand: Job, running: list[Job], victims: list[int], c: Costs) -> float:
@@ -165,7 +165,7 @@ def _turns_s(cand: Job, running: list[Job], victims: list[int], turn: int, c: Co
 
 def _spill_s(cand: Job, running: list[Job], free: int, c: Costs) -> float:
     """Sum of completions if the candidate runs now and the overflow lives in Warm."""
-    capacity = free + sum(j.hot_blocks for j in running)
+    capacity = free + sum(j.hot_blocks for j in [*running, cand])
     over = max(0, sum(j.final_blocks for j in running) + cand.final_blocks - capacity)
     step = c.decode_step_s + c.warm_step_s + over * c.warm_block_s
     start = over * c.move_block_s + c.prefill_s
