@@ -111,11 +111,13 @@ def test_each_turn_sends_the_history_with_the_answers_given() -> None:
     assert time.monotonic() - start >= 2 * 0.01 * 3  # two rounds of three turns at least
 
 
+@pytest.mark.slow
 def test_served_chat_run_reports_prefix_hits_by_tier(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Three conversations of three turns through `hybridgen serve` on the CPU, Hot (112
-    tokens) holding one conversation but not two: every turn streams, and the JSON carries
-    the load client's figures and what the prefix cache saved, by tier, part of it from
-    Warm (turns whose history Hot no longer held)."""
+    tokens) holding one conversation (of 100-112 tokens) but not two, so a turn run between
+    two of another conversation evicts the tail of its history: every turn streams, and the
+    JSON carries the load client's figures and what the prefix cache saved, by tier, part of
+    it from Warm (turns whose history Hot no longer held)."""
     path = checkpoint("llama3")
     spec = parse_config(path / "config.json")
     hot_mb = 112 * spec.kv_bytes_per_token(torch.float32) / 2**20
@@ -129,7 +131,7 @@ def test_served_chat_run_reports_prefix_hits_by_tier(checkpoint, tmp_path: Path)
     work = tmp_path / "chat.json"
     shape = "--conversations 3 --turns 3 --system-tokens 16 --answer-tokens 8 --think-s 0.05"
     make_cmd = [sys.executable, str(ROOT / "bench/make_chat_workload.py"), *shape.split()]
-    make_cmd += ["--context", "80", "100", "--out", str(work)]
+    make_cmd += ["--context", "100", "112", "--out", str(work)]
     assert subprocess.run(make_cmd, capture_output=True, timeout=120).returncode == 0
     out = tmp_path / "chat_run.json"
     flags = "--device cpu --concurrency 2 --runs 1 --warmup 1 --name chat"
