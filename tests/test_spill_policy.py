@@ -220,3 +220,21 @@ def test_never_keeps_max_model_len_within_hot(checkpoint) -> None:  # type: igno
         small_engine(path, num_kv_blocks=8, warm_pool_mb=2, spill_policy="never")
     with pytest.raises(ConfigError, match=r"^spill_policy='sometimes' .* auto, always or never"):
         EngineConfig(spill_policy="sometimes")
+
+
+def test_serve_flag_and_variable_set_the_policy() -> None:
+    """kv_cache.spill_policy is `hybridgen serve --kv-spill-policy` and
+    HYBRIDGEN_KV_SPILL_POLICY (the flag over the variable), down to the engine's config; a bad
+    value names the flag and the allowed ones."""
+    from hybridgen.config_layers import flag_for, layered_config
+
+    assert flag_for("kv_cache.spill_policy") == "--kv-spill-policy"
+    env = {"HYBRIDGEN_KV_SPILL_POLICY": "always"}
+    by_env = layered_config(None, env, {})
+    assert by_env.config.engine_config("cpu").spill_policy == "always"
+    assert by_env.sources["kv_cache.spill_policy"] == "env HYBRIDGEN_KV_SPILL_POLICY"
+    by_flag = layered_config(None, env, {"kv_cache.spill_policy": "never"})
+    assert by_flag.config.engine_config("cpu").spill_policy == "never"
+    assert by_flag.sources["kv_cache.spill_policy"] == "flag --kv-spill-policy"
+    with pytest.raises(ConfigError, match=r"spill_policy.*auto, always, never.*--kv-spill-policy"):
+        layered_config(None, {}, {"kv_cache.spill_policy": "sometimes"})
