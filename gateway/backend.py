@@ -153,7 +153,7 @@ class _PoolSnapshot:
     """Blocks held by sequences."""
     running_requests: int = 0
     """Sequences running."""
-    tiers: tuple[tuple[str, float | int], ...] = ()
+    tiers: tuple[tuple[str, float | int | str], ...] = ()
     """Engine.tier_stats() and info.moe_info() items."""
 
 

@@ -113,6 +113,30 @@ class Metrics:
             "Prompt tokens served from the prefix cache since start.",
             registry=r,
         )
+        self.prefix_hits = Gauge(
+            "hybridgen_prefix_hits",
+            "Requests whose first admission took cached prefix blocks from a tier, since start.",
+            ["tier"],
+            registry=r,
+        )
+        self.prefix_hit_tokens = Gauge(
+            "hybridgen_prefix_hit_tokens",
+            "Prompt tokens the prefix cache served from a tier (not computed again), since start.",
+            ["tier"],
+            registry=r,
+        )
+        self.warm_kept = Gauge(
+            "hybridgen_warm_kept_blocks",
+            "Blocks of finished sequences written back to Warm for reuse, since start.",
+            registry=r,
+        )
+        self.spill_decisions = Gauge(
+            "hybridgen_spill_decisions",
+            "What waiting sequences that fit Hot alone but not beside the running ones did "
+            "(kv_cache.spill_policy), by choice: wait, swap, turns or spill; since start.",
+            ["choice"],
+            registry=r,
+        )
         self.gpu_mem_peak = Gauge(
             "hybridgen_gpu_memory_peak_reserved_bytes",
             "Peak GPU memory the GPU daemon's caching allocator has reserved (0 on a CPU "
@@ -135,6 +159,13 @@ class Metrics:
             self.warm_drafts.labels(outcome="drafted").set(info["warm_drafted_tokens"])
             self.warm_drafts.labels(outcome="accepted").set(info["warm_accepted_drafts"])
         self.prefix_cached.set(info.get("prefix_cached_tokens", 0))
+        for tier in ("hot", "warm", "cold"):
+            self.prefix_hits.labels(tier=tier).set(info.get(f"prefix_{tier}_hits", 0))
+            self.prefix_hit_tokens.labels(tier=tier).set(info.get(f"prefix_{tier}_tokens", 0))
+        self.warm_kept.set(info.get("warm_kept_blocks", 0))
+        for choice in ("wait", "swap", "turns", "spill"):
+            count = info.get(f"spill_decisions_{choice}", 0)
+            self.spill_decisions.labels(choice=choice).set(count)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> threading.Thread:
         """Serve /metrics over HTTP on a daemon thread; returns that thread."""

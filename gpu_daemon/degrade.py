@@ -16,6 +16,11 @@ When the pressure ends the CPU daemon lifts the command and every placement goes
 Warm tier already spills Hot blocks on demand, so eviction needs no extra step here. Exact
 modes give the same tokens either way: the CPU pick and the split attention are exact. Not in
 mode pure_gpu, which keeps the CPU out of the step.
+
+A shift must pay: a region whose CPU side was measured slower at start (sample's timing,
+attn_warm's probe when it placed the Warm blocks on the device) stays where it is, since
+moving it would only slow every step while requests wait (on the H200 the CPU's pick cost
+8.2x the device's per token, B5). Unmeasured or pinned regions shift as the table says.
 """
 
 from __future__ import annotations
@@ -48,7 +53,14 @@ class DegradeStats:
 class Degrade:
     """The engine's degrade state: which placements hold now."""
 
-    def __init__(self, config: EngineConfig, warm: WarmTier | None, vocab_size: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        warm: WarmTier | None,
+        vocab_size: int,
+        measured_warm: bool = False,
+    ) -> None:
+        """`measured_warm`: attn_warm was placed by its start-up timing."""
         self.allowed = config.mode != "pure_gpu"
         self.active = False
         self.sample_placement = config.sample_placement
@@ -58,11 +70,15 @@ class Degrade:
         self.softmax_mflops = config.max_num_seqs * vocab_size * SOFTMAX_FLOPS_PER_LOGIT / 1e6
         """The degrade-path softmax's work per step at a full batch."""
         self.softmax_threshold = config.softmax_threshold_mflops
-        self._softmax = config.degrade_softmax
+        self._softmax = self._pinned_softmax = config.degrade_softmax
         if self._softmax == "auto":  # offload_threshold.softmax
             self._softmax = "cpu" if self.softmax_mflops < self.softmax_threshold else "gpu"
         self._warm = warm
         self._normal_warm = (warm.mode, warm.split) if warm is not None else None
+        self.stays: set[str] = set()
+        """Regions whose CPU side was measured slower: the degrade path leaves them."""
+        if warm is not None and measured_warm and warm.mode == "gpu":
+            self.stays.add("attn_warm")
         self.stats = DegradeStats()
 
     def set(self, on: bool) -> bool:
@@ -70,11 +86,12 @@ class Degrade:
         if not self.allowed or on == self.active:
             return False
         self.active = on
-        self.sample_placement = "cpu" if on and self._softmax == "cpu" else self.normal_sample
+        cpu_pick = on and self._softmax == "cpu" and "sample" not in self.stays
+        self.sample_placement = "cpu" if cpu_pick else self.normal_sample
         warm = self._warm
         if warm is not None and self._normal_warm is not None:
             mode, share = self._normal_warm
-            if on and mode != "cpu":
+            if on and mode != "cpu" and "attn_warm" not in self.stays:
                 warm.mode, warm.split = "split", min(1.0, share + DEGRADE_WARM_SHARE)
             else:
                 warm.mode, warm.split = mode, share
@@ -88,8 +105,12 @@ class Degrade:
         return True
 
     def place_sample(self, placement: str) -> None:
-        """Set where tokens are picked when not degraded (measured at start)."""
+        """Set where tokens are picked when not degraded (measured at start): on the device,
+        the CPU was measured slower, and the degrade path keeps the pick there unless
+        placements.softmax pins the CPU."""
         self.normal_sample = placement
+        if placement == "gpu" and self._pinned_softmax != "cpu":
+            self.stays.add("sample")
         if not self.active:
             self.sample_placement = placement
 

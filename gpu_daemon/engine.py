@@ -31,8 +31,10 @@ from hybridgen.gpu_daemon.model_runner import ModelRunner, Sampled, has_penalty
 from hybridgen.gpu_daemon.request_output import Completion, RequestOutput
 from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from hybridgen.gpu_daemon.sequence import FinishReason, Sequence
+from hybridgen.gpu_daemon.spill_policy import SpillCosts
 from hybridgen.gpu_daemon.startup import (
     measure_regions,
+    measure_spill_costs,
     place_attn_warm,
     place_moe_gate_measured,
     setup_moe,
@@ -131,9 +133,19 @@ class Engine:
             self.warm = WarmTier.from_config(config, spec, self.device)
         self.runner = self._runner()
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
-        offload = None
+        self.step_times = StepBudget(config.step_latency_ms / 1e3, key_weight(spec))
+        """Measured step times: decode-first steps' budget (with step_latency_ms), and the
+        decode and prefill costs the spill decision weighs."""
+        self.offload: WarmOffload | None = None
+        self.spill_costs: SpillCosts | None = None
         if self.warm is not None:
-            offload = WarmOffload(self.warm, self.pool, self.runner.kv_caches, config.prefix_reuse)
+            self.spill_costs = SpillCosts(self.step_times)
+            if config.spill_policy == "auto":
+                measure_spill_costs(self.spill_costs, self.warm, self.runner.kv_caches, config)
+            self.warm.step_times = self.step_times
+            self.offload = WarmOffload(
+                self.warm, self.pool, self.runner.kv_caches, config.prefix_reuse, self.spill_costs
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -141,12 +153,12 @@ class Engine:
                 self.max_model_len,
                 config.prefix_reuse,
                 config.hot_turn_tokens,
+                config.spill_policy,
             ),
             self.pool,
-            offload,
-            StepBudget(config.step_latency_ms / 1e3, key_weight(spec))
-            if config.step_latency_ms > 0
-            else None,
+            self.offload,
+            self.step_times if config.step_latency_ms > 0 else None,
+            self.spill_costs,
         )
         self._synced = True  # the last step ended with the host waiting for the device
         drafts = config.warm_draft_tokens if self.warm is not None else 0
@@ -160,7 +172,7 @@ class Engine:
             self.warm.tuner = Tuner(
                 self.warm, config.tuning_warmup_steps, config.tuning_interval_ms
             )
-        self.degrade = Degrade(config, self.warm, spec.vocab_size)
+        self.degrade = Degrade(config, self.warm, spec.vocab_size, "attn_warm" in self.measured)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self.measured.update(measure_regions(self))
         if self.experts is not None:  # counted from the first served step: the start-up's
@@ -199,13 +211,21 @@ class Engine:
             self.warm,
         )
 
-    def tier_stats(self) -> dict[str, float | int]:
-        """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse, and
-        the Warm tier's (hot hit rate, decompress latency, PCIe bytes, CPU attention)."""
-        stats: dict[str, float | int] = {"prefix_cached_tokens": self.scheduler.prefix_hit_tokens}
+    def tier_stats(self) -> dict[str, float | int | str]:
+        """KV tier figures since start, keyed by GetModelInfo field names: prefix reuse (by
+        tier), the Warm tier's (hot hit rate, decompress latency, PCIe bytes, CPU attention,
+        blocks kept for reuse) and the spill decisions with their inputs."""
+        sched = self.scheduler
+        stats: dict[str, float | int | str] = {"prefix_cached_tokens": sched.prefix_hit_tokens}
+        stats.update(sched.prefix_hits.info())
         if self.warm is not None:
             stats.update(self.warm.info())
             stats.update(self.drafts.stats.info())
+        if self.offload is not None:
+            stats["warm_kept_blocks"] = self.offload.kept_blocks
+            stats["warm_keep_skipped"] = self.offload.keep_gate.shut
+        if sched.policy is not None:
+            stats.update(sched.policy.info())
         return stats
 
     def moe_stats(self) -> dict[str, float]:
@@ -327,17 +347,21 @@ class Engine:
             yield list(outputs.values())
 
     def _observe(self, batch: ScheduledBatch, seconds: float, synced: bool) -> None:
-        """Feed the step budget a step's time: only when it and the step before it ended
-        with the host waiting for the device (else the time is the launch, or includes the
-        last step's work)."""
-        budget = self.scheduler.step_budget
-        if budget is not None and synced and self._synced:
+        """Feed the measured step times a step's time: only when it and the step before it
+        ended with the host waiting for the device (else the time is the launch, or includes
+        the last step's work). Steps from Hot alone go to the step budget; decode steps that
+        read Warm go to the spill costs, as what reading Warm adds."""
+        if synced and self._synced:
             chunks = [
                 (n, s.num_computed_tokens)
                 for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
                 if n > 1
             ]
-            budget.observe(batch.num_decode, chunks, seconds)
+            warm = sum(len(s.warm_slots) for s in batch.seqs)
+            if not warm:
+                self.step_times.observe(batch.num_decode, chunks, seconds)
+            elif not chunks and self.spill_costs is not None:
+                self.spill_costs.observe_warm_step(batch.num_decode, warm, seconds)
         self._synced = synced
 
     def _account(self, batch: ScheduledBatch) -> None:

@@ -29,6 +29,7 @@ def engine_info(engine: Engine) -> dict[str, Any]:
         "max_num_seqs": config.max_num_seqs,
         "eos_token_ids": sorted(engine.eos_ids),
         "mode": config.mode,
+        "spill_policy": config.spill_policy if engine.warm is not None else "off",
         "op_regions": [r.as_dict() for r in engine_regions(engine)],
     }
 

@@ -238,7 +238,7 @@ def plan_engine_memory(
     kv_block = block_bytes(c, spec)
     if blocks is None and c.kv_pool_mb is not None:
         blocks = max(1, int(c.kv_pool_mb * MIB) // kv_block)
-    if blocks is not None and c.max_model_len is None and not c.warm_pool_mb:
+    if blocks is not None and c.max_model_len is None and not c.warm_extends_hot:
         length = min(length, blocks * c.block_size)
     weights = weights_bytes(model)
     budget = budget_bytes(c, device)
@@ -266,9 +266,10 @@ def plan_engine_memory(
 
     while True:
         # Hot must hold a whole sequence, or with a Warm tier one step's chunk and a block
-        # for each running sequence (the rest of their KV can move to Warm).
+        # for each running sequence (the rest of their KV can move to Warm; not with
+        # spill_policy never).
         hot_tokens = length
-        if c.warm_pool_mb:
+        if c.warm_extends_hot:
             hot_tokens = min(length, c.max_num_batched_tokens + c.max_num_seqs * c.block_size)
         try:
             # A prefill reads a Warm prefix in place only for a sequence too long for Hot
@@ -277,13 +278,13 @@ def plan_engine_memory(
             plan = plan_memory(
                 weights, work(length, False), budget, c.block_size, kv_block, hot_tokens, blocks
             )
-            if c.warm_pool_mb and plan.num_blocks * c.block_size < length:
+            if c.warm_extends_hot and plan.num_blocks * c.block_size < length:
                 plan = plan_memory(
                     weights, work(length, True), budget, c.block_size, kv_block, hot_tokens, blocks
                 )
             return plan, length
         except BudgetTooSmall:
-            if c.max_model_len is not None or length <= 256 or c.warm_pool_mb:
+            if c.max_model_len is not None or length <= 256 or c.warm_extends_hot:
                 raise
             length //= 2
             log.warning(

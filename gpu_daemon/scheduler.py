@@ -12,19 +12,23 @@ preempted: its blocks are freed and it goes back to the front of the queue, to b
 recomputed from its prompt plus what it has generated so far.
 
 With a Warm tier (an Offload), a preempted sequence keeps its computed prefix there (swap
-out) and gets it back into Hot when it is readmitted with room (load). Only a sequence too
-long to fit Hot alone makes room by spilling: the oldest full blocks of the sequences
-holding the most move to Warm. One that fits waits for room, or preempts, as without Warm.
-With `turn_tokens` (time slicing) it waits only until a running sequence has generated that
-many tokens in its turn: that one swaps out to the back of the queue (its loaded Warm copy
-kept, so only its new blocks move), and sequences that each fit Hot but not all at once take
-turns there instead of reading Warm over PCIe at every step.
+out) and gets it back into Hot when it is readmitted with room (load). When the first waiting
+sequence cannot fit Hot beside the running ones, spill_policy.py decides what it does: wait
+(first come, first served), have newer running sequences swap out for it, take turns with
+them (with `turn_tokens`: the running one that has generated that many tokens in its turn
+swaps out to the back of the queue, its loaded Warm copy kept, so only its new blocks move),
+or run now with the oldest full blocks of the sequences holding the most moved to Warm
+(spill), which every decode step then reads over PCIe. A sequence too long to fit Hot alone
+can only spill. By default (`auto`) the choice is the one whose predicted completion times
+of the affected requests, from measured costs, are the shortest.
 
 Prefix reuse: every full, computed block is registered in the pool under the chained hash
-of its tokens, and stays cached after its sequence lets go until the space is needed. A
-sequence being admitted first takes the cached blocks of its longest cached prefix (never
-its last token, whose logits it needs), so a shared system prompt, the previous turn of a
-chat or a preempted sequence's own prefix is not computed again.
+of its tokens, and stays cached after its sequence lets go until the space is needed; with
+a Warm tier a finished sequence's blocks are also written back there (while that pays:
+prefix_cache.py), so they outlive Hot. A sequence being admitted first takes the cached
+blocks of its longest cached prefix (never its last token, whose logits it needs): Hot's,
+then what Warm or Cold holds beyond it, copied into Hot. So a shared system prompt, the
+previous turn of a chat or a preempted sequence's own prefix is not computed again.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridgen.gpu_daemon.block_pool import BlockPool
+from hybridgen.gpu_daemon.prefix_cache import PrefixHits
 from hybridgen.gpu_daemon.sequence import Sequence, Status
+from hybridgen.gpu_daemon.spill_policy import SpillCosts, SpillPolicy
 from hybridgen.gpu_daemon.step_budget import MIN_TOKENS, StepBudget
 
 
@@ -54,6 +60,10 @@ class SchedulerConfig:
     turn_tokens: int = 0
     """Time slicing (with an Offload): tokens a sequence generates in one turn in Hot before
     it makes room for a waiting sequence that fits Hot; 0: none (first come, first served)."""
+    spill_policy: str = "auto"
+    """With an Offload, what a waiting sequence does when Hot has no room for it: auto
+    (measured costs decide), always (spill only what cannot fit Hot alone) or never
+    (spill_policy.py)."""
 
 
 @dataclass
@@ -78,7 +88,7 @@ class ScheduledBatch:
 
 
 class Offload(Protocol):
-    """Somewhere to move Hot blocks (gpu_daemon.warm_tier.WarmOffload)."""
+    """Somewhere to move Hot blocks (gpu_daemon.warm_offload.WarmOffload)."""
 
     def spill(self, running: Seq[Sequence], need: int) -> int: ...
 
@@ -88,9 +98,18 @@ class Offload(Protocol):
 
     def release(self, seq: Sequence) -> None: ...
 
+    def keep(self, seq: Sequence, recompute_s: float | None) -> int: ...
+
     def lookup(self, keys: Seq[bytes]) -> list[int]: ...
 
+    @property
+    def promoted(self) -> int: ...
+
     def unlookup(self, slots: Seq[int]) -> None: ...
+
+    def bring_back(self, slots: Seq[int]) -> list[int]: ...
+
+    def returned(self, blocks: int) -> None: ...
 
 
 class Scheduler:
@@ -100,10 +119,22 @@ class Scheduler:
         pool: BlockPool,
         offload: Offload | None = None,
         step_budget: StepBudget | None = None,
+        spill_costs: SpillCosts | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.offload = offload
+        self.spill_costs = spill_costs
+        self.policy: SpillPolicy | None = None
+        """With an Offload: the spill/wait decision (spill_policy.py), from `spill_costs`."""
+        if offload is not None:
+            self.policy = SpillPolicy(
+                config.spill_policy,
+                config.turn_tokens,
+                spill_costs,
+                pool.block_size,
+                config.max_model_len,
+            )
         self.step_budget = step_budget
         """Decode-first steps: the prefill a step with decodes may carry (step_budget.py)."""
         self._allowance: float | None = None
@@ -115,6 +146,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in arrival order
         self.prefix_hit_tokens = 0
         """Prompt tokens whose KV came from the prefix cache (first admissions only)."""
+        self.prefix_hits = PrefixHits()
+        """The same, by tier, and the requests that took blocks from each."""
         self.resumed_tokens = 0
         """Tokens of preempted sequences taken back from the cache at readmission."""
         self.turns_ended = 0
@@ -136,11 +169,22 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.cache_blocks(seq)
+        if self.offload is not None and self.config.prefix_reuse:
+            self.offload.keep(seq, self._recompute_block_s(seq))
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         if self.offload is not None:
             self.offload.release(seq)
         seq.status = Status.FINISHED
+
+    def _recompute_block_s(self, seq: Sequence) -> float | None:
+        """Seconds to compute one of `seq`'s computed blocks again, on average, from the
+        measured prefill cost; None until measured."""
+        st = self.spill_costs.step_times if self.spill_costs is not None else None
+        if st is None or st.per_unit is None or seq.num_computed_tokens == 0:
+            return None
+        blocks = -(-seq.num_computed_tokens // self.pool.block_size)
+        return st.per_unit * st.units(seq.num_computed_tokens, 0) / blocks
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -251,33 +295,62 @@ class Scheduler:
             seq.num_registered_blocks = full
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Start a sequence with nothing computed from its longest cached prefix: in Hot, or
-        in Warm (then Hot may continue it) when Warm holds the longer one."""
+        """Start a sequence with nothing computed from its longest cached prefix: Hot's,
+        then what Warm (or Cold) holds beyond it (_from_warm)."""
         if not self.config.prefix_reuse or seq.num_computed_tokens:
             return
-        reusable = (seq.num_tokens - 1) // self.pool.block_size  # the last token is computed
-        keys = seq.hashes(reusable, self.pool.block_size)
+        size = self.pool.block_size
+        reusable = (seq.num_tokens - 1) // size  # the last token is computed
+        keys = seq.hashes(reusable, size)
         seq.block_ids = self.pool.lookup(keys)
+        warm = cold = 0
         if self.offload is not None and len(seq.block_ids) < reusable:
-            warm = self.offload.lookup(keys)
-            if len(warm) > len(seq.block_ids):
-                self.pool.free(seq.block_ids)
-                seq.warm_slots, seq.block_ids = warm, self.pool.lookup(keys[len(warm) :])
-            else:
-                self.offload.unlookup(warm)
+            warm, cold = self._from_warm(seq, keys)
         blocks = len(seq.warm_slots) + len(seq.block_ids)
-        seq.num_computed_tokens = blocks * self.pool.block_size
+        seq.num_computed_tokens = blocks * size
         seq.num_registered_blocks = blocks
+        seq.prefix_from = (blocks - warm - cold, warm, cold)
+
+    def _from_warm(self, seq: Sequence, keys: list[bytes]) -> tuple[int, int]:
+        """The part of `seq`'s cached prefix beyond its Hot blocks that Warm (or Cold) holds:
+        copied into fresh Hot blocks after them when `seq` fits Hot alone and Hot has room
+        (registered there, so a wait keeps them cached); else, when Warm holds a longer
+        prefix from the start, that one, read where it lives (Hot may continue it). Returns
+        how many of its blocks came from Warm and from Cold."""
+        offload, hot = self.offload, len(seq.block_ids)
+        assert offload is not None
+        more = offload.lookup(keys[hot:])
+        cold = offload.promoted
+        if more and self._fits_hot(seq) and len(more) <= self.pool.num_free:
+            blocks = offload.bring_back(more)
+            for block, key in zip(blocks, keys[hot:], strict=False):
+                self.pool.register(block, key)
+            seq.block_ids += blocks
+            offload.unlookup(more)
+            return len(more) - cold, cold
+        offload.unlookup(more)
+        warm = offload.lookup(keys)
+        cold += offload.promoted
+        if len(warm) <= hot:
+            offload.unlookup(warm)
+            return 0, 0
+        self.pool.free(seq.block_ids)
+        seq.warm_slots, seq.block_ids = warm, self.pool.lookup(keys[len(warm) :])
+        return len(warm) - min(cold, len(warm)), min(cold, len(warm))
 
     def _spills(self, seq: Sequence) -> bool:
-        """Whether making room for `seq` may move running sequences' blocks to Warm: only
-        when `seq` at its full length could not fit Hot even alone (so it lives partly in
-        Warm anyway), or, at admission, when nothing runs. Otherwise `seq` waits for room,
-        or the newest sequence is preempted to Warm and loaded back when room returns:
-        Warm blocks cross PCIe at every step, and a batch holding any runs without CUDA
-        graphs, which costs more than the wait (bench/NOTES.md, B6)."""
+        """Whether making room for running `seq` may move running sequences' blocks to Warm
+        (else the newest running sequence is preempted): never with spill_policy never;
+        else when `seq` at its full length could not fit Hot even alone (so it lives partly
+        in Warm anyway), while a sequence admitted by a spill decision runs (the batch reads
+        Warm anyway, as the decision predicted), or when nothing else runs. Warm blocks
+        cross PCIe at every step, and a batch holding any runs without CUDA graphs
+        (bench/NOTES.md, B6)."""
+        if self.policy is None or self.policy.policy == "never":
+            return False
         idle = seq.status is not Status.RUNNING and not self.running
-        return idle or not self._fits_hot(seq)
+        spilled = seq.spilled or any(s.spilled for s in self.running)
+        return idle or spilled or not self._fits_hot(seq)
 
     def _fits_hot(self, seq: Sequence) -> bool:
         """Whether `seq` at its full length fits the Hot pool on its own."""
@@ -292,6 +365,7 @@ class Scheduler:
             del batch.seqs[i], batch.num_tokens[i]
         seq.num_preemptions += 1
         seq.status = Status.WAITING
+        seq.spilled = False  # readmitted, it is decided again
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self._stop_running(seq, batch)
@@ -373,25 +447,17 @@ class Scheduler:
                 self._put_back(seq)
                 break
             need = self._blocks_needed(seq, n)
-            # A Warm prefix (swapped out, or a prefix hit) of a sequence that fits Hot comes
-            # back into Hot, so it needs room too: it waits for it rather than run over PCIe.
-            fits = self.offload is not None and self._fits_hot(seq)
-            need_all = need + (len(seq.warm_slots) if fits else 0)
-            if need_all > self.pool.num_free and self.offload is not None and self._spills(seq):
-                # Its own cached prefix may be what fills Hot: it can move to Warm too.
-                self.offload.spill([*self.running, seq], need_all - self.pool.num_free)
-            while fits and need_all > self.pool.num_free and self._end_turn(batch):
-                pass
-            if need_all > self.pool.num_free:
+            load = self._room_for(seq, i, need, batch)
+            if load is None:
                 self.kv_short = True
                 self._put_back(seq)
                 break
             if seq.num_preemptions:
                 self.resumed_tokens += seq.num_computed_tokens
             else:
-                self.prefix_hit_tokens += seq.num_computed_tokens
+                self._count_prefix(seq)
             seq.block_ids += self.pool.allocate(need)
-            if fits and self.offload is not None and self.offload.load(seq):
+            if load and self.offload is not None and self.offload.load(seq):
                 seq.num_registered_blocks = 0  # its Warm prefix is back in Hot: register it
             del self.waiting[i]
             seq.status = Status.RUNNING
@@ -401,3 +467,58 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+
+    def _count_prefix(self, seq: Sequence) -> None:
+        """A first admission's cached prefix, in the counters (and in the Warm tier's
+        measure of how many kept blocks come back)."""
+        self.prefix_hit_tokens += seq.num_computed_tokens
+        hot, warm, cold = seq.prefix_from
+        self.prefix_hits.add(hot, warm, cold, self.pool.block_size)
+        if self.offload is not None:
+            self.offload.returned(warm + cold)
+
+    def _room_for(self, seq: Sequence, at: int, need: int, batch: ScheduledBatch) -> bool | None:
+        """Make Hot room for the waiting sequence `seq` (waiting[at], the first that can
+        compute) to compute its next chunk (`need` new blocks), as spill_policy decides when
+        there is none: True when it fits Hot alone and its Warm prefix (swapped out, or a
+        prefix hit) is to come back into Hot too (rather than be read over PCIe at every
+        step), False when it runs with that prefix in Warm (spilled), None when it waits."""
+        fits = self.offload is not None and self._fits_hot(seq)
+        need_all = need + (len(seq.warm_slots) if fits else 0)
+        if need_all <= self.pool.num_free:
+            return fits
+        if self.offload is None or self.policy is None:
+            return None
+        decision = self.policy.decide(seq, self.running, self.pool.num_free, fits)
+        if decision.choice == "spill":
+            # Its own cached prefix may be what fills Hot: it can move to Warm too.
+            self.offload.spill([*self.running, seq], need - self.pool.num_free)
+            if need > self.pool.num_free:
+                return None
+            seq.spilled = True
+            return False
+        if decision.choice == "swap":
+            victims = [self.running[i] for i in decision.victims]
+            self._swap_out_for(victims, at, need_all, batch)
+        while decision.choice == "turns" and need_all > self.pool.num_free:
+            if not self._end_turn(batch):
+                break
+        return fits if need_all <= self.pool.num_free else None
+
+    def _swap_out_for(
+        self, victims: list[Sequence], at: int, need: int, batch: ScheduledBatch
+    ) -> None:
+        """Preempt `victims` by swap, in order, until `need` Hot blocks are free: each keeps
+        its computed prefix in Warm and queues right behind waiting[at] (the one they make
+        room for); never by dropping KV (a victim Warm cannot take stays)."""
+        assert self.offload is not None
+        for victim in victims:
+            if need <= self.pool.num_free:
+                break
+            self.cache_blocks(victim)
+            if not self.offload.swap_out(victim):
+                break
+            victim.num_registered_blocks = len(victim.warm_slots)
+            self._stop_running(victim, batch)
+            self.waiting.insert(at + 1, victim)
+            batch.preempted.append(victim)

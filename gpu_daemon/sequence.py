@@ -51,6 +51,9 @@ class Sequence:
     (warm_copy[i] is block_ids[i]): moving those blocks to Warm again takes no copy."""
     turn_start: int = 0
     """Its generated tokens when it was last admitted (time slicing: scheduler.py)."""
+    spilled: bool = False
+    """Admitted by a spill decision (spill_policy.py): while it runs, Hot blocks move to
+    Warm to make room for it, as for a sequence too long for Hot."""
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     logprobs: list[float] = field(default_factory=list)
@@ -67,6 +70,8 @@ class Sequence:
     prompt_open: bool = False
     """Streaming input: more prompt tokens may still come (Scheduler.extend_prompt). Its last
     token is not computed while the prompt is open, since computing it would sample."""
+    prefix_from: tuple[int, int, int] = (0, 0, 0)
+    """Blocks of the cached prefix it started from that came from Hot, Warm and Cold."""
 
     def hashes(self, n: int, block_size: int) -> list[bytes]:
         """The chained hashes of its first `n` full blocks (each computed once, kept in

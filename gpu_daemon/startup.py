@@ -8,6 +8,8 @@
                       decode graphs capture where the routers pick
     measure_regions   sample and kv_codec unpinned and unprofiled: both sides timed at the
                       live shapes, each placed on the faster one
+    measure_spill_costs  spill_policy auto: a Warm block's read in a decode step and a block's
+                      move Hot <-> Warm, for the spill decision (spill_policy.py)
 
 The timers are gpu_daemon/region_timing.py's, the ones hybridgen-profiler uses offline. On a
 CPU-only engine both sides are the CPU, so nothing is timed unless a test asks
@@ -16,6 +18,9 @@ CPU-only engine both sides are the CPU, so nothing is timed unless a test asks
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,8 +35,10 @@ from hybridgen.gpu_daemon.region_timing import (
     profile_moe_gate,
     profile_sample,
 )
+from hybridgen.gpu_daemon.spill_policy import SpillCosts
 from hybridgen.gpu_daemon.warm_stats import WarmStats
 from hybridgen.gpu_daemon.warm_tier import WarmTier
+from hybridgen.kernels.ops import KvCache
 from hybridgen.models.expert_latency import LatencyModel
 from hybridgen.models.expert_store import ExpertCache
 from hybridgen.models.llama import CausalLM
@@ -49,6 +56,10 @@ START_SAMPLE_BATCH = 16
 """Decode batch sample and moe_gate are timed at (max_num_seqs if smaller)."""
 ATTN_WARM_PROBE_BLOCKS = 512
 """Warm blocks the attn_warm timing attends: enough that launch costs do not decide."""
+CPU_PROBE_BLOCKS = 64
+"""The same on a CPU-only engine (tests, CI), where both sides are the CPU."""
+MOVE_PROBE_BLOCKS = 16
+"""Blocks the start-up timing of a move Hot -> Warm -> Hot copies each way."""
 
 
 def place_moe_gate(model: CausalLM, placement: str) -> None:
@@ -167,3 +178,64 @@ def measure_regions(engine: Engine) -> dict[str, RegionProfile]:
     for name, r in measured.items():
         log.info("region_measured", region=name, placement=r.placement, **r.measured)
     return measured
+
+
+def measure_spill_costs(
+    costs: SpillCosts, warm: WarmTier, kv_caches: Sequence[KvCache], config: EngineConfig
+) -> None:
+    """The spill decision's start-up figures: W, one Warm block read in a decode step in
+    attn_warm's placement (timed over blocks of one layer, scaled to every layer), and on
+    CUDA M, a block's move Hot -> Warm and back (_time_moves). Blocks of scratch caches are
+    moved, so the KV pool is untouched; the tier's counters start again afterwards."""
+    probe = ATTN_WARM_PROBE_BLOCKS if warm.device.type == "cuda" else CPU_PROBE_BLOCKS
+    blocks = min(probe, warm.pool.capacity)
+    if not blocks:
+        return
+    timed = profile_attn_warm(warm, 1, blocks, START_RUNS, layers=1).measured
+    cpu, gpu = (timed[k] / 1e3 * warm.spec.num_layers / blocks for k in ("cpu_ms", "gpu_ms"))
+    share = warm.cpu_blocks(1000) / 1000
+    costs.warm_block_s = max(share * cpu, (1 - share) * gpu)  # the two sides run together
+    if warm.device.type == "cuda":
+        _time_moves(costs, warm, kv_caches)
+    warm.stats = WarmStats()
+    log.info(
+        "spill_costs_measured",
+        warm_block_us=round(costs.warm_block_s * 1e6, 2),
+        move_block_us=None if costs.move_block_s is None else round(costs.move_block_s * 1e6, 2),
+    )
+
+
+def _time_moves(costs: SpillCosts, warm: WarmTier, kv_caches: Sequence[KvCache]) -> None:
+    """M: MOVE_PROBE_BLOCKS zeroed blocks of scratch caches through the tier's store and
+    load, the best of START_RUNS after one round for first calls. (On a CPU-only engine the
+    first few indexing calls take tens of ms, so there M comes from the live stores only.)"""
+    n = min(MOVE_PROBE_BLOCKS, warm.pool.capacity)
+    scratch = [_zeros_like_blocks(kv, n) for kv in kv_caches]
+    times = []
+    for _ in range(START_RUNS + 1):  # the best of START_RUNS after one for first calls
+        start = time.perf_counter()
+        slots = warm.store(scratch, range(n))
+        warm.load(scratch, slots, range(n))
+        _sync(warm.device)
+        times.append((time.perf_counter() - start) / (2 * n))
+        warm.free(slots)
+    costs.move_block_s = min(times[1:])
+    del scratch
+    torch.cuda.empty_cache()  # as place_attn_warm: nothing left to fragment the budget
+
+
+def _zeros_like_blocks(kv: KvCache, n: int) -> KvCache:
+    """A layer's Hot cache of `n` zeroed blocks, shaped and typed as `kv`."""
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+    if isinstance(kv, tuple):
+        return zeros(kv[0]), zeros(kv[1])
+    parts = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)}
+    return dataclasses.replace(kv, **{k: None if t is None else zeros(t) for k, t in parts.items()})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -101,6 +101,11 @@ class StepBudget:
         predicted = self._decode_s(decode_rows) + self.per_unit * units
         self.scale = min(max(_ema(self.scale, seconds / predicted, SCALE_EMA), 0.25), 4.0)
 
+    def decode_step_s(self, rows: int) -> float | None:
+        """A measured decode-only step of `rows` rows (its bucket's, else the nearest
+        bucket's); None before any was measured."""
+        return self._decode_s(rows) if self.decode else None
+
     def _decode_s(self, rows: int) -> float:
         """A decode-only step of `rows` rows: its bucket's time, else the nearest measured."""
         if not rows or not self.decode:

@@ -7,9 +7,11 @@ A sequence's KV is a prefix in Warm and the rest in Hot::
     where:    seq.warm_slots    seq.block_ids (Hot blocks)      S = block_size, W = warm blocks
 
 Blocks move Hot -> Warm when the Hot pool runs short (`WarmOffload.spill` in warm_offload.py,
-oldest blocks of the sequence holding the most Hot blocks first) and when a sequence is
-preempted (`swap_out`: it keeps its computed prefix instead of recomputing it). Cached blocks
-nobody uses go on to Cold (cold_store.py). A sequence admitted with a Warm prefix (swapped
+oldest blocks of the sequence holding the most Hot blocks first), when a sequence is
+preempted (`swap_out`: it keeps its computed prefix instead of recomputing it) and when a
+sequence finishes (`keep`: its prefix outlives Hot, for the next turn of its conversation).
+When Warm needs room, cached blocks nobody uses go on to Cold (cold_store.py), as long as
+keeping them pays (gpu_daemon/prefix_cache.py). A sequence admitted with a Warm prefix (swapped
 out, or a prefix hit) has it copied back into Hot when Hot has room for it (`load`);
 otherwise its keys are read where they live, and Warm attention is part of every decode step
 of that sequence:
@@ -48,6 +50,8 @@ from hybridgen.cpu_daemon.warm_attention import (
 from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gpu_daemon.cold_store import ColdStore
+from hybridgen.gpu_daemon.prefix_cache import KeepGate
+from hybridgen.gpu_daemon.step_budget import StepBudget
 from hybridgen.gpu_daemon.tuner import Tuner
 from hybridgen.gpu_daemon.warm_context import WarmContext
 from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view
@@ -62,6 +66,9 @@ from hybridgen.models.spec import ModelSpec
 
 log = structlog.get_logger()
 
+LOW_WATER_SHARE = 0.25
+"""`age` moves idle cached blocks to Cold only while fewer than this share of Warm's slots is
+free: Warm keeps what it has room for, and keeps room for spills and swaps."""
 STORE_CHUNK = 64
 """Hot blocks encoded and copied to Warm at once: 64 MiB of K and V for llama3-8b, within
 the step workspace. One block at a time took ~2 ms each on the H200 (a swap of 3,452 blocks
@@ -126,6 +133,13 @@ class WarmTier:
             self.pool.unlink()
         self.index = PrefixIndex(self.pool)
         """Warm blocks by prefix hash: they outlive their sequence until the space is needed."""
+        self.index.demote = self._to_cold
+        self.cold_gate = KeepGate()
+        """Whether an evicted or aged block is worth lz4 into Cold (prefix_cache.py)."""
+        self.step_times: StepBudget | None = None
+        """Set by the engine: its measured prefill cost prices a block's recompute."""
+        self.last_promoted = 0
+        """Cold blocks the last lookup brought back."""
         self.stats = WarmStats()
         self.remote: WarmLinkClient | None = None
         """Set under the daemons: the CPU daemon computes the CPU share (else this process)."""
@@ -141,21 +155,47 @@ class WarmTier:
             self.split = 0.5
 
     def age(self) -> int:
-        """Move cached Warm blocks nobody used for cold_threshold_ms to Cold (lz4 of their
-        records, in host memory), freeing their Warm slots; returns how many moved. Blocks of
-        sequences in flight are held by them, so only cached prefixes age."""
+        """While fewer than LOW_WATER_SHARE of Warm's slots are free, move cached blocks
+        nobody used for cold_threshold_ms to Cold (lz4 of their records, in host memory),
+        least recently used first and as long as that pays, freeing their Warm slots;
+        returns how many moved. Blocks of sequences in flight are held by them, so only
+        cached prefixes age."""
+        low = self.pool.capacity * LOW_WATER_SHARE
+        if self.pool.num_free >= low:
+            return 0
         moved = 0
         for key, slot in self.index.idle_since(time.monotonic() - self.cold.threshold_s):
-            self.cold.put(key, self.pool.record_view(slot).tobytes())
+            if self.pool.num_free >= low or not self._to_cold(key, slot):
+                break
             self.index.drop(key)
             moved += 1
-        self.stats.cold_blocks += moved
         return moved
+
+    def _to_cold(self, key: bytes, slot: int) -> bool:
+        """Copy a cached block's records into Cold if keeping it there pays (its recompute,
+        priced from the measured prefill cost, against the measured lz4 time); whether it
+        did. The caller drops the Warm entry."""
+        if not self.cold_gate.pays(self._recompute_block_s()):
+            return False
+        start = time.perf_counter()
+        self.cold.put(key, self.pool.record_view(slot).tobytes())
+        self.cold_gate.kept_blocks(1, time.perf_counter() - start)
+        self.stats.cold_blocks += 1
+        return True
+
+    def _recompute_block_s(self) -> float | None:
+        """Seconds to compute one block's tokens again (at no context: the least it costs);
+        None until prefill was measured."""
+        st = self.step_times
+        if st is None or st.per_unit is None:
+            return None
+        return st.per_unit * st.units(self.block_size, 0)
 
     def lookup(self, keys: Seq[bytes]) -> list[int]:
         """Warm slots of the longest cached prefix of this key chain (one reference each),
-        promoting Cold blocks that continue it back into Warm."""
+        promoting Cold blocks that continue it back into Warm (`last_promoted` of them)."""
         slots = self.index.lookup_keys(keys)
+        start, warm = time.perf_counter(), len(slots)
         for key in keys[len(slots) :]:
             data = self.cold.take(key) if self.room(1) else None
             if data is None:
@@ -165,6 +205,8 @@ class WarmTier:
             slots.append(slot)
             self.index.insert_keys(keys[: len(slots)], slots)
             self.stats.promoted_blocks += 1
+        self.last_promoted = len(slots) - warm
+        self.cold_gate.returned_blocks(self.last_promoted, time.perf_counter() - start)
         return slots
 
     def cpu_partial(
@@ -204,6 +246,7 @@ class WarmTier:
             "cpu_attention_ms": st.cpu.attn_s * 1e3,
             "pcie_h2d_bytes": st.h2d_bytes,
             "pcie_d2h_bytes": st.d2h_bytes,
+            "cold_blocks": len(self.cold),
         }
 
     def store(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int]) -> list[int]:

@@ -177,6 +177,7 @@ class HybridGenConfig:
             warm_codec=self.kv_cache.warm_codec,
             cold_threshold_ms=self.kv_cache.cold_threshold_ms,
             hot_turn_tokens=self.kv_cache.hot_turn_tokens,
+            spill_policy=self.kv_cache.spill_policy,
             warm_draft_tokens=self.kv_cache.warm_draft_tokens,
             attn_warm="gpu" if pure_gpu else placed.attn_warm or "auto",
             warm_split=placed.warm_split,

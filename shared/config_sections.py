@@ -71,6 +71,12 @@ class KvCacheConfig:
     hot_turn_tokens: int = at_least(0, 0)
     """With a Warm tier: sequences that each fit Hot but not all at once take turns of this
     many generated tokens there (swapped to Warm between turns); 0: first come, first served."""
+    spill_policy: Literal["auto", "always", "never"] = "auto"
+    """With a Warm tier: when a waiting sequence fits Hot alone but not beside the running
+    ones, auto weighs waiting, swapping newer ones out, turns (hot_turn_tokens) and spilling
+    to Warm by their predicted completion times from measured costs; always waits (or takes
+    turns) and spills only a sequence too long for Hot alone; never never spills (Hot must
+    hold model.max_model_len, as in pure_gpu)."""
     warm_draft_tokens: int = between(0, 0, MAX_DRAFT_TOKENS)
     """With a Warm tier: a decode step that reads Warm first drafts this many tokens attending
     Hot alone, then checks them over Hot and Warm in one step (the tokens stay exactly those

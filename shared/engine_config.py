@@ -89,6 +89,12 @@ class EngineConfig:
     sequence fits Hot alone but not beside the running ones, a running one that generated
     this many tokens since it came in swaps to Warm and queues again, so sequences take turns
     in Hot instead of one waiting for another to finish. 0: first come, first served."""
+    spill_policy: str = "auto"
+    """With a Warm tier (kv_cache.spill_policy), what a waiting sequence that fits Hot alone
+    but not beside the running ones does: auto (wait, swap others out, take turns or spill
+    to Warm, whichever measured costs predict finishes the affected requests soonest),
+    always (wait or take turns; spill only what cannot fit Hot alone) or never (never spill:
+    Hot must hold max_model_len, as in pure_gpu)."""
     warm_draft_tokens: int = 0
     """With a Warm tier, self-speculative decoding (kv_cache.warm_draft_tokens): a decode batch
     holding Warm keys first drafts this many tokens attending Hot alone, then checks them in
@@ -234,6 +240,12 @@ class EngineConfig:
         _check(self.cold_threshold_ms > 0, "cold_threshold_ms", self.cold_threshold_ms, "> 0")
         _check(self.hot_turn_tokens >= 0, "hot_turn_tokens", self.hot_turn_tokens, ">= 0")
         _check(
+            self.spill_policy in ("auto", "always", "never"),
+            "spill_policy",
+            self.spill_policy,
+            "auto, always or never",
+        )
+        _check(
             0 <= self.warm_draft_tokens <= MAX_DRAFT_TOKENS,
             "warm_draft_tokens",
             self.warm_draft_tokens,
@@ -308,6 +320,12 @@ class EngineConfig:
             0 <= self.step_latency_ms <= 10000, "step_latency_ms", self.step_latency_ms, "0..10000"
         )
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
+
+    @property
+    def warm_extends_hot(self) -> bool:
+        """A Warm tier that running sequences may spill into, so that Hot need not hold a
+        whole sequence (spill_policy never: it must)."""
+        return self.warm_pool_mb > 0 and self.spill_policy != "never"
 
     def torch_device(self) -> torch.device:
         name = self.device

@@ -13,13 +13,16 @@ from tests.hf_reference import hf_greedy
 
 
 def small_engine(path: Path, **options: object) -> Engine:
-    defaults: dict[str, object] = {"max_num_seqs": 4, "warm_codec": "lossless"}
+    defaults: dict[str, object] = {
+        "max_num_seqs": 4,
+        "warm_codec": "lossless",
+        "max_model_len": 256,
+        "max_num_batched_tokens": 32,
+    }
     config = EngineConfig(
         model=str(path),
         device="cpu",
         block_size=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
         **{**defaults, **options},  # type: ignore[arg-type]
     )
     return Engine(config)

@@ -31,6 +31,7 @@ FULL: dict[str, Any] = {
         "warm_region_mb": 8192,
         "cold_threshold_ms": 150,
         "hot_turn_tokens": 64,
+        "spill_policy": "never",
         "warm_draft_tokens": 8,
         "hot_codec": "native",
         "warm_codec": "int4",
@@ -133,6 +134,7 @@ def test_every_section_parses() -> None:
     kv = config.kv_cache
     assert (kv.hot_region_mb, kv.warm_region_mb, kv.cold_threshold_ms) == (4096, 8192, 150)
     assert kv.hot_turn_tokens == 64 and kv.warm_draft_tokens == 8
+    assert kv.spill_policy == "never"
     assert (kv.hot_codec, kv.warm_codec, kv.block_size, kv.prefix_reuse) == (
         "native",
         "int4",
@@ -395,6 +397,7 @@ def test_engine_config_mapping() -> None:
         warm_pool_mb=8192,
         warm_codec="int4",
         hot_turn_tokens=64,
+        spill_policy="never",
         warm_draft_tokens=8,
         attn_warm="split",
         prefix_reuse=False,

@@ -4,6 +4,7 @@ placement. tests/test_serving.py drives it through real backpressure between the
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,26 @@ def test_softmax_threshold_decides_where_the_degrade_softmax_goes(checkpoint) ->
     pinned = _engine(path, softmax_threshold_mflops=work, degrade_softmax="cpu")
     assert pinned.degrade.set(True) and pinned.degrade.sample_placement == "cpu"
     pinned.release()
+
+
+def test_regions_measured_slower_on_the_cpu_stay_put(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A shift must pay: where the start-up timing found the CPU slower (sample placed on
+    the device, attn_warm's probe placing the Warm blocks there), the degrade path leaves the
+    region alone; a pinned placements.softmax: cpu still moves the pick."""
+    from hybridgen.gpu_daemon.degrade import Degrade
+
+    engine = _engine(checkpoint("llama3"), num_kv_blocks=6, warm_pool_mb=2, attn_warm="gpu")
+    warm, vocab = engine.warm, engine.spec.vocab_size
+    assert warm is not None
+    measured = Degrade(engine.config, warm, vocab, measured_warm=True)
+    measured.place_sample("gpu")  # what the start-up timing does when the device is faster
+    assert measured.set(True) and measured.active
+    assert (measured.sample_placement, warm.mode, warm.split) == ("gpu", "gpu", 0.0)
+    unmeasured = Degrade(engine.config, warm, vocab)
+    assert unmeasured.set(True) and unmeasured.sample_placement == "cpu"
+    assert (warm.mode, warm.split) == ("split", DEGRADE_WARM_SHARE)
+    unmeasured.set(False)
+    forced = Degrade(dataclasses.replace(engine.config, degrade_softmax="cpu"), None, vocab)
+    forced.place_sample("gpu")
+    assert forced.set(True) and forced.sample_placement == "cpu"
+    engine.release()

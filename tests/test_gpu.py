@@ -137,6 +137,54 @@ def test_warm_tier_on_cuda_matches_hf(checkpoint, mode: str) -> None:  # type: i
     assert got == expected
 
 
+@pytest.mark.parametrize("case", ["wait", "spill", "swap"])
+def test_spill_choices_on_cuda_match_hf(checkpoint, case: str) -> None:  # type: ignore[no-untyped-def]
+    """The spill decision's three constructed cases (tests/test_spill_policy.py, their CPU
+    twin) with the engine on CUDA: the start-up probes run there (a Warm block's read, a
+    block's move), then with the costs fixed each case makes its choice, with HF's tokens."""
+    from tests.test_spill_policy import CASES, fixed_costs, hf_pair, run_pair
+
+    path = checkpoint("llama3")
+    lengths, new, c, choice = CASES[case]
+    prompts = sample_prompts(path, 2, list(lengths))
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cuda", gpu_memory_mb=2048, block_size=8, num_kv_blocks=12,
+            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, warm_pool_mb=2,
+            warm_codec="lossless", step_latency_ms=0,
+        )
+    )  # fmt: skip
+    costs = engine.spill_costs
+    assert costs is not None and costs.warm_block_s and costs.move_block_s  # probed on CUDA
+    fixed_costs(engine, c, per_unit=c.prefill_s / 40)
+    got = run_pair(engine, (prompts[0], new[0]), (prompts[1], new[1]))
+    policy = engine.scheduler.policy
+    engine.release()
+    assert got == hf_pair(path, prompts, new)
+    assert policy is not None and policy.counts[choice] >= 1
+
+
+def test_next_turn_from_warm_on_cuda_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A finished turn written back to Warm on CUDA (one DMA into the registered pool) and
+    copied back into Hot for the next turn: HF's tokens (tests/test_prefix_cache.py, its CPU
+    twin)."""
+    from tests.test_prefix_cache import chat
+
+    path = checkpoint("llama3")
+    system, *users = sample_prompts(path, 4, [16, 24, 60, 16])
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cuda", gpu_memory_mb=2048, block_size=8, num_kv_blocks=12,
+            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, warm_pool_mb=2,
+            warm_codec="lossless",
+        )
+    )  # fmt: skip
+    chat(engine, path, system, users)
+    hits = engine.scheduler.prefix_hits
+    engine.release()
+    assert hits.warm_hits == 1 and hits.warm_tokens > 0
+
+
 @pytest.mark.parametrize("mode", ["gpu", "split"])
 def test_warm_drafts_on_cuda_match_hf(checkpoint, mode: str) -> None:  # type: ignore[no-untyped-def]
     """Drafts attending Hot from the CUDA graphs, checked by the Triton kernels with each

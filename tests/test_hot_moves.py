@@ -61,6 +61,7 @@ def test_sequences_that_fit_hot_one_at_a_time_take_turns(checkpoint, hot: str) -
     engine = small_engine(
         path, num_kv_blocks=12, warm_pool_mb=2, hot_codec=hot,
         warm_codec="lossless" if hot == "native" else hot, hot_turn_tokens=8,
+        spill_policy="always",  # the mechanism: turns whenever the next one does not fit
     )  # fmt: skip
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)

@@ -29,7 +29,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "model:\n  max_model_len: 192\n  max_num_seqs: 2\n  max_num_batched_tokens: 32\n"
         "  dtype: float32\n"
         f"kv_cache:\n  hot_region_mb: {hot_mb}\n  warm_region_mb: 2\n  warm_codec: lossless\n"
-        "  block_size: 16\n  hot_turn_tokens: 4\n  warm_draft_tokens: 3\n"
+        "  block_size: 16\n  hot_turn_tokens: 4\n  warm_draft_tokens: 3\n  spill_policy: always\n"
         "placements:\n  attn_warm: cpu\n"
     )
     srv = Server(path, tmp_path_factory.mktemp("serve_warm"), engine_config=config)
@@ -52,6 +52,13 @@ def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) 
     logs = Path(server.log.name).parent / "run" / server.instance
     assert "attn_warm_worker_serving" in (logs / "cpu.log").read_text()  # the CPU daemon answered
     assert "attn_warm_link_down" not in (logs / "gpu.log").read_text()  # ... every request
+    # The next turn starts from the first one's KV, held in Warm: GetModelInfo counts it.
+    second = prompt + expected + sample_prompts(path, 2, [150, 8])[1]
+    assert server.greedy(second, NEW_TOKENS) == hf_greedy(path, [second], NEW_TOKENS)[0]
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.prefix_warm_hits >= 1 and info.prefix_warm_tokens >= 128
+    saved = info.prefix_hot_tokens + info.prefix_warm_tokens + info.prefix_cold_tokens
+    assert saved == info.prefix_cached_tokens
 
 
 @pytest.mark.slow
@@ -82,3 +89,12 @@ def test_served_sequences_that_fit_hot_one_at_a_time_take_turns(server: Server, 
     assert got == expected
     (a0, a1), (b0, b1) = (times[0][0], times[0][-1]), (times[1][0], times[1][-1])
     assert a0 < b1 and b0 < a1  # each streamed while the other did
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.spill_policy == "always" and info.spill_decisions_turns >= 1
+    assert info.spill_last_choice == "turns (policy)"
+    deadline = time.monotonic() + 30  # `serve --explain` prints once serving
+    while "prefix cache: " not in server.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    explained = server.log_path.read_text()
+    assert "spill policy: always; decisions so far: wait 0" in explained
+    assert "prefix cache: " in explained

@@ -323,14 +323,45 @@ def test_lru_eviction_frees_unreferenced_slots_tail_first(pool: WarmPool) -> Non
     assert sorted(got) == sorted([*old[2:], next(s for s in range(8) if s not in old + new)])
     assert index.lookup(tokens(1, 2, 3, 4)) == old[:2]  # the head survives
     pool.free(old[:2])
-    # Entries whose slots a sequence still holds are dropped but their slots are not freed.
+    # Entries whose slots a sequence still holds stay: dropping them would free nothing.
     with pytest.raises(WarmPoolFull, match=CONFIG_KEY):
         index.alloc(4)
-    assert len(index) == 0
-    assert all(pool.refcount(s) == 1 for s in new)
+    assert len(index) == 3
+    assert all(pool.refcount(s) == 2 for s in new)
     pool.free(new)
+    assert index.evict(pool.capacity) == 3 and len(index) == 0
     pool.free(got)
     assert pool.num_free == pool.capacity
+
+
+def test_eviction_weighs_reuse_beside_recency(pool: WarmPool) -> None:
+    """A prefix hit again and again (a shared system prompt) outlives a more recent one never
+    hit (pure LRU would evict it first); the tail goes before its head, and each victim
+    passes through `demote` while its slot is readable."""
+    from hybridgen.kvcodec import prefix_index
+
+    index = PrefixIndex(pool)
+    clock = iter(range(0, 10_000, 10))
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(prefix_index.time, "monotonic", lambda: float(next(clock)))
+    try:
+        shared = pool.alloc(2)
+        index.insert(tokens(1, 2), shared)
+        pool.free(shared)
+        for _ in range(3):  # three conversations start from it
+            pool.free(index.lookup(tokens(1, 2)))
+        once = pool.alloc(2)
+        index.insert(tokens(5, 6), once)  # newer, never hit
+        pool.free(once)
+        demoted: list[int] = []
+        index.demote = lambda key, slot: demoted.append(slot)
+        index.evict(pool.num_free + 2)
+        assert demoted == [once[1], once[0]]  # the newer, unshared one goes, tail first
+        assert index.lookup(tokens(1, 2)) == shared
+        pool.free(shared)
+        assert index.lookup(tokens(5, 6)) == []
+    finally:
+        monkey.undo()
 
 
 def test_insert_of_a_free_slot_changes_nothing(pool: WarmPool) -> None:

@@ -278,8 +278,8 @@ def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-
 @pytest.mark.slow
 def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A finished turn's Warm blocks, unused past cold_threshold_ms, move to Cold (lz4 over
-    the warm records) and free their slots; the next turn promotes them back, and its tokens
-    are still HF's."""
+    the warm records) when Warm runs short, and free their slots; the next turn promotes them
+    back, and its tokens are still HF's."""
     path = checkpoint("llama3")
     first, extra = sample_prompts(path, 2, [150, 10])
     engine = small_engine(
@@ -289,8 +289,10 @@ def test_unused_prefix_goes_cold_and_comes_back(checkpoint) -> None:  # type: ig
     assert warm is not None
     answer = engine.generate([first], GREEDY)[0].token_ids
     time.sleep(0.01)
+    held = warm.pool.alloc(warm.pool.num_free)  # other sequences fill Warm
     moved = warm.age()
     assert moved > 0 and len(warm.cold) == moved and warm.cold.nbytes > 0
+    warm.pool.free(held)
     assert warm.pool.num_free == warm.pool.capacity  # Cold holds them now, not Warm
     second = first + answer + extra
     expected = hf_greedy(path, [second], NEW_TOKENS)

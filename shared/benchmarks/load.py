@@ -4,6 +4,8 @@
         [--target HOST:PORT] --requests N [--concurrency C] --prompt-len L [--prompt-len-max H]
         [--max-new-tokens T] [--arrival all | poisson --rate R] [--runs 3] [--warmup 1]
         [--name LABEL] [--out FILE.json]
+    python -m hybridgen.benchmarks.load --config FILE --chat WORKLOAD.json [--concurrency C] ...
+        (a multi-turn chat workload, replayed as its users would send it: chat_replay.py)
 
 Starts `hybridgen serve` with --config (or uses the server at --target) and streams Generate
 over grpc.aio: N requests of random prompt token ids (distinct per request and run, so no
@@ -47,6 +49,8 @@ from typing import Any
 import structlog
 
 from hybridgen import log as hlog
+from hybridgen.benchmarks.chat_workload import WorkloadError
+from hybridgen.benchmarks.chat_workload import load as load_chat
 from hybridgen.benchmarks.e2e_benchmark import BenchmarkError, int_range, served
 from hybridgen.benchmarks.e2e_plot import percentile
 from hybridgen.benchmarks.report import machine_info
@@ -293,6 +297,10 @@ def print_table(name: str, result: dict[str, Any]) -> None:
     print(f"| load | {' | '.join(FIGURES)} | failed |")
     print(f"|---|{'---|' * len(FIGURES)}---|")
     print(f"| {name} | {' | '.join(cells)} | {med['failed']} |")
+    if "counters" in med:  # a chat run (chat_replay.py)
+        from hybridgen.benchmarks.chat_replay import prefix_line
+
+        print(prefix_line(med["counters"]))
     local = result.get("inprocess")
     if local is not None:
         print(
@@ -333,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--inprocess", action="store_true", help="time the engine in this process first"
     )
+    ap.add_argument(
+        "--chat",
+        type=Path,
+        default=None,
+        metavar="WORKLOAD",
+        help="replay a multi-turn chat workload (bench/make_chat_workload.py) instead; "
+        "--concurrency: conversations in flight (chat_replay.py)",
+    )
     return ap
 
 
@@ -356,6 +372,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.mode = load_config(args.config).mode
     except ConfigError as exc:
         ap.error(f"argument --config: {exc}")
+    if args.chat is not None and args.inprocess:
+        ap.error("argument --inprocess: not with --chat (it times one batch of fresh prompts)")
+    if args.chat is not None:
+        try:
+            load_chat(args.chat)
+        except WorkloadError as exc:
+            ap.error(f"argument --chat: {exc}")
     return args
 
 
@@ -370,14 +393,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         local = inprocess(args) if args.inprocess else None
+        run = bench
+        if args.chat is not None:
+            from hybridgen.benchmarks.chat_replay import bench_chat
+
+            run = bench_chat
         if args.target:
-            result = bench(args.target, args)
+            result = run(args.target, args)
         else:
             report: dict[str, Any] = {}
             folder = args.serve_dir or (args.out.parent if args.out else Path("bench/out"))
             folder = folder / f"serve-{args.name}"
             with served(args, args.mode, folder, report) as target:
-                result = bench(target, args)
+                result = run(target, args)
             result["server"] = report
     except (BenchmarkError, RuntimeError, TimeoutError) as exc:
         log.error("load_failed", error=str(exc))

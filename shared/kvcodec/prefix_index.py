@@ -1,13 +1,22 @@
-"""The Warm pool's prefix index: chained block hashes -> Warm slots, LRU, for prefix reuse."""
+"""The Warm pool's prefix index: chained block hashes -> Warm slots, for prefix reuse, evicted
+by recency and reuse."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybridgen.block_hash import block_hashes
 from hybridgen.kvcodec.warm_pool import WarmPool
+
+REUSE_BONUS_S = 30.0
+"""In eviction order, each earlier hit of an entry counts as this many seconds of recency: a
+shared system prompt that every conversation hits outlives the turns of one conversation."""
+MAX_BONUS_HITS = 8
+"""Hits beyond this many add no more bonus, so that a prefix once popular still ages out."""
+EVICT_WINDOW = 64
+"""Least recently used entries an eviction weighs (the one to go is among them)."""
 
 
 class PrefixIndex:
@@ -18,9 +27,14 @@ class PrefixIndex:
     * Each entry holds exactly one pool reference to its slot (taken by `insert`, dropped by
       eviction), so a cached slot is never handed out while it is cached.
     * Entries are kept in LRU order, and every touch refreshes a chain from its tail back to
-      its head, so a block is always at least as recent as any block that extends it.
-      Evicting least-recent first therefore drops tails before heads and never leaves an
-      entry unreachable behind an evicted parent.
+      its head, so a block is always at least as recent as any block that extends it, and
+      comes later in LRU order. A lookup counts a hit on every block it found, so a block
+      has at least as many hits as any block that extends it.
+    * Eviction drops the entry whose last use plus REUSE_BONUS_S per hit is oldest, among
+      the EVICT_WINDOW least recently used that only the index holds (an entry a sequence
+      holds frees nothing), the first in LRU order on a tie. By the two invariants above a
+      tail always goes before its head, so no entry is left unreachable behind an evicted
+      parent.
     """
 
     def __init__(self, pool: WarmPool) -> None:
@@ -29,6 +43,10 @@ class PrefixIndex:
         self.block_size: int = pool.codec.spec.block_size
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # chain hash -> slot, LRU first
         self._touched: dict[bytes, float] = {}  # chain hash -> time.monotonic() of last use
+        self._hits: dict[bytes, int] = {}  # chain hash -> lookups that found it
+        self.demote: Callable[[bytes, int], None] | None = None
+        """Called with (key, slot) of an entry about to be evicted, while its slot is still
+        readable (the Warm tier moves it to Cold)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -53,7 +71,7 @@ class PrefixIndex:
     def drop(self, key: bytes) -> None:
         """Forget one entry and release the index's reference to its slot."""
         slot = self._entries.pop(key)
-        del self._touched[key]
+        del self._touched[key], self._hits[key]
         self.pool.free([slot])
 
     def lookup(self, token_ids: Sequence[int]) -> list[int]:
@@ -72,6 +90,8 @@ class PrefixIndex:
                 break
             found.append(key)
         self._touch(found)
+        for key in found:
+            self._hits[key] += 1
         slots = [self._entries[k] for k in found]
         self.pool.share(slots)
         return slots
@@ -88,20 +108,41 @@ class PrefixIndex:
         new = {k: s for k, s in zip(keys, slots, strict=False) if k not in self._entries}
         self.pool.share(new.values())
         self._entries.update(new)
+        self._hits.update(dict.fromkeys(new, 0))
         self._touch(keys)
         return len(new)
 
-    def evict(self, need_free: int) -> int:
-        """Drop LRU entries until the pool has `need_free` free slots or nothing is cached.
+    def get(self, key: bytes) -> int | None:
+        """The slot cached under `key`, or None; takes no reference and touches nothing."""
+        return self._entries.get(key)
 
-        A dropped entry frees its slot only if no sequence still holds it. Returns how many
-        entries were dropped.
-        """
+    def evict(self, need_free: int) -> int:
+        """Drop entries (class doc) until the pool has `need_free` free slots or no entry only
+        the index holds is left; each goes through `demote` first. Returns how many were
+        dropped."""
         dropped = 0
-        while self.pool.num_free < need_free and self._entries:
-            self.drop(next(iter(self._entries)))
+        while self.pool.num_free < need_free:
+            key = self._victim()
+            if key is None:
+                break
+            if self.demote is not None:
+                self.demote(key, self._entries[key])
+            self.drop(key)
             dropped += 1
         return dropped
+
+    def _victim(self) -> bytes | None:
+        """The entry eviction drops next (class doc), or None when every entry is held."""
+        best, best_score = None, float("inf")
+        for seen, (key, slot) in enumerate(self._entries.items()):
+            if seen >= EVICT_WINDOW and best is not None:
+                break
+            if self.pool.refcount(slot) != 1:
+                continue
+            score = self._touched[key] + REUSE_BONUS_S * min(self._hits[key], MAX_BONUS_HITS)
+            if score < best_score:
+                best, best_score = key, score
+        return best
 
     def evictable(self) -> int:
         """Entries whose slot only the index holds: what `evict` could free."""

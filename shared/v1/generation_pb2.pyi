@@ -165,7 +165,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes", "mode", "gpu_mem_peak_reserved_mb", "op_regions", "degraded", "degrade_entries", "degraded_steps", "expert_cache_hit_rate", "cpu_experts", "cpu_daemon_experts", "gpu_experts", "expert_bytes_h2d", "warm_drafted_tokens", "warm_accepted_drafts")
+    __slots__ = ("model", "architecture", "synthetic", "vocab_size", "max_model_len", "dtype", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "max_num_seqs", "running_requests", "queued_requests", "max_queue", "family", "eos_token_ids", "ring_occupancy_c2g", "ring_occupancy_g2c", "gpu_heartbeat_jitter_p99_ms", "cpu_heartbeat_jitter_p99_ms", "gpu_backpressure", "prefix_cached_tokens", "warm_blocks_total", "warm_blocks_used", "hot_hit_rate", "warm_decompress_p50_ms", "warm_decompress_p95_ms", "cpu_attention_ms", "pcie_h2d_bytes", "pcie_d2h_bytes", "mode", "gpu_mem_peak_reserved_mb", "op_regions", "degraded", "degrade_entries", "degraded_steps", "expert_cache_hit_rate", "cpu_experts", "cpu_daemon_experts", "gpu_experts", "expert_bytes_h2d", "warm_drafted_tokens", "warm_accepted_drafts", "spill_policy", "spill_decisions_wait", "spill_decisions_swap", "spill_decisions_turns", "spill_decisions_spill", "spill_last_choice", "spill_predicted_wait_s", "spill_predicted_swap_s", "spill_predicted_turns_s", "spill_predicted_spill_s", "spill_decode_step_ms", "spill_prefill_ms", "spill_warm_step_ms", "spill_warm_block_us", "spill_move_block_us", "prefix_hot_hits", "prefix_warm_hits", "prefix_cold_hits", "prefix_hot_tokens", "prefix_warm_tokens", "prefix_cold_tokens", "warm_kept_blocks", "warm_keep_skipped", "cold_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SYNTHETIC_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,30 @@ class GetModelInfoResponse(_message.Message):
     EXPERT_BYTES_H2D_FIELD_NUMBER: _ClassVar[int]
     WARM_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WARM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DECISIONS_WAIT_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DECISIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DECISIONS_TURNS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DECISIONS_SPILL_FIELD_NUMBER: _ClassVar[int]
+    SPILL_LAST_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    SPILL_PREDICTED_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SPILL_PREDICTED_SWAP_S_FIELD_NUMBER: _ClassVar[int]
+    SPILL_PREDICTED_TURNS_S_FIELD_NUMBER: _ClassVar[int]
+    SPILL_PREDICTED_SPILL_S_FIELD_NUMBER: _ClassVar[int]
+    SPILL_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_WARM_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_WARM_BLOCK_US_FIELD_NUMBER: _ClassVar[int]
+    SPILL_MOVE_BLOCK_US_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_WARM_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_COLD_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_WARM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_COLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARM_KEPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WARM_KEEP_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    COLD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     synthetic: bool
@@ -252,7 +276,31 @@ class GetModelInfoResponse(_message.Message):
     expert_bytes_h2d: int
     warm_drafted_tokens: int
     warm_accepted_drafts: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., gpu_mem_peak_reserved_mb: _Optional[float] = ..., op_regions: _Optional[_Iterable[_Union[OpRegion, _Mapping]]] = ..., degraded: _Optional[bool] = ..., degrade_entries: _Optional[int] = ..., degraded_steps: _Optional[int] = ..., expert_cache_hit_rate: _Optional[float] = ..., cpu_experts: _Optional[int] = ..., cpu_daemon_experts: _Optional[int] = ..., gpu_experts: _Optional[int] = ..., expert_bytes_h2d: _Optional[int] = ..., warm_drafted_tokens: _Optional[int] = ..., warm_accepted_drafts: _Optional[int] = ...) -> None: ...
+    spill_policy: str
+    spill_decisions_wait: int
+    spill_decisions_swap: int
+    spill_decisions_turns: int
+    spill_decisions_spill: int
+    spill_last_choice: str
+    spill_predicted_wait_s: float
+    spill_predicted_swap_s: float
+    spill_predicted_turns_s: float
+    spill_predicted_spill_s: float
+    spill_decode_step_ms: float
+    spill_prefill_ms: float
+    spill_warm_step_ms: float
+    spill_warm_block_us: float
+    spill_move_block_us: float
+    prefix_hot_hits: int
+    prefix_warm_hits: int
+    prefix_cold_hits: int
+    prefix_hot_tokens: int
+    prefix_warm_tokens: int
+    prefix_cold_tokens: int
+    warm_kept_blocks: int
+    warm_keep_skipped: int
+    cold_blocks: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., synthetic: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., family: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ring_occupancy_c2g: _Optional[float] = ..., ring_occupancy_g2c: _Optional[float] = ..., gpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., cpu_heartbeat_jitter_p99_ms: _Optional[float] = ..., gpu_backpressure: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., warm_blocks_total: _Optional[int] = ..., warm_blocks_used: _Optional[int] = ..., hot_hit_rate: _Optional[float] = ..., warm_decompress_p50_ms: _Optional[float] = ..., warm_decompress_p95_ms: _Optional[float] = ..., cpu_attention_ms: _Optional[float] = ..., pcie_h2d_bytes: _Optional[int] = ..., pcie_d2h_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., gpu_mem_peak_reserved_mb: _Optional[float] = ..., op_regions: _Optional[_Iterable[_Union[OpRegion, _Mapping]]] = ..., degraded: _Optional[bool] = ..., degrade_entries: _Optional[int] = ..., degraded_steps: _Optional[int] = ..., expert_cache_hit_rate: _Optional[float] = ..., cpu_experts: _Optional[int] = ..., cpu_daemon_experts: _Optional[int] = ..., gpu_experts: _Optional[int] = ..., expert_bytes_h2d: _Optional[int] = ..., warm_drafted_tokens: _Optional[int] = ..., warm_accepted_drafts: _Optional[int] = ..., spill_policy: _Optional[str] = ..., spill_decisions_wait: _Optional[int] = ..., spill_decisions_swap: _Optional[int] = ..., spill_decisions_turns: _Optional[int] = ..., spill_decisions_spill: _Optional[int] = ..., spill_last_choice: _Optional[str] = ..., spill_predicted_wait_s: _Optional[float] = ..., spill_predicted_swap_s: _Optional[float] = ..., spill_predicted_turns_s: _Optional[float] = ..., spill_predicted_spill_s: _Optional[float] = ..., spill_decode_step_ms: _Optional[float] = ..., spill_prefill_ms: _Optional[float] = ..., spill_warm_step_ms: _Optional[float] = ..., spill_warm_block_us: _Optional[float] = ..., spill_move_block_us: _Optional[float] = ..., prefix_hot_hits: _Optional[int] = ..., prefix_warm_hits: _Optional[int] = ..., prefix_cold_hits: _Optional[int] = ..., prefix_hot_tokens: _Optional[int] = ..., prefix_warm_tokens: _Optional[int] = ..., prefix_cold_tokens: _Optional[int] = ..., warm_kept_blocks: _Optional[int] = ..., warm_keep_skipped: _Optional[int] = ..., cold_blocks: _Optional[int] = ...) -> None: ...
 
 class OpRegion(_message.Message):
     __slots__ = ("name", "scope", "label", "placement", "source", "measured")

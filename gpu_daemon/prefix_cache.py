@@ -1,0 +1,118 @@
+"""Host memory as a prefix cache across conversations: when keeping a block in a lower tier
+pays, and what the prefix cache served from each tier.
+
+A finished sequence's full Hot blocks are written back to Warm (WarmOffload.keep), and Warm
+blocks evicted for room go on to Cold (lz4, WarmTier), so the next turn of any conversation,
+and a shared system prompt, is loaded instead of computed again beyond what Hot holds. Each
+of those copies costs time in the step loop (a device -> host copy, an lz4 pass), which pays
+only when enough of the kept blocks come back. `KeepGate` decides from measurements: the
+time a block's copy took, the time a block takes to compute (the step budget's prefill cost),
+and the share of kept blocks that a later request took back. A workload of distinct prompts
+thus stops paying for copies nobody reads, and a chat workload keeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_BLOCKS = 64.0
+"""The gate starts as if this many blocks had been kept and all of them had come back: it
+keeps until measurements say otherwise (where a copy costs 2 % of a recompute, it stops
+after some 3,200 kept blocks that nobody took back: a few long prompts)."""
+HALF_LIFE_BLOCKS = 8192.0
+"""Kept and returned counts halve every this many kept blocks, so the share follows a
+workload that changes."""
+EXPLORE_EVERY = 8
+"""While the gate is shut, every this-many-th candidate is kept anyway, so that a workload
+that starts reusing is seen."""
+COST_EMA = 0.2
+"""Weight of a new timing in the gate's cost averages."""
+
+
+class KeepGate:
+    """Whether copying blocks into a lower tier pays (module doc): it does while
+
+        returned / kept * (recompute - back) > keep
+
+    per block, `keep` and `back` being the measured seconds to copy a block in and back out,
+    `recompute` the seconds to compute it again, and returned / kept the decayed share of
+    kept blocks that were taken back."""
+
+    def __init__(self) -> None:
+        self.kept = PRIOR_BLOCKS
+        """Blocks kept (decayed)."""
+        self.returned = PRIOR_BLOCKS
+        """Blocks taken back from the tier (decayed the same way)."""
+        self.keep_s: float | None = None
+        """Seconds to copy one block into the tier (measured)."""
+        self.back_s: float | None = None
+        """Seconds to bring one block back (measured; the copy in until measured)."""
+        self.shut = 0
+        """Candidates not kept because it did not pay."""
+        self._asked = 0
+
+    @property
+    def share(self) -> float:
+        """Kept blocks that came back, as a share (decayed)."""
+        return min(self.returned / self.kept, 1.0)
+
+    def pays(self, recompute_s: float | None) -> bool:
+        """Whether to keep a candidate whose blocks take `recompute_s` each to compute (None:
+        not measured yet: keep)."""
+        if recompute_s is None or self.keep_s is None:
+            return True
+        back = self.back_s if self.back_s is not None else self.keep_s
+        if self.share * (recompute_s - back) > self.keep_s:
+            return True
+        self._asked += 1
+        if self._asked % EXPLORE_EVERY == 0:
+            return True
+        self.shut += 1
+        return False
+
+    def kept_blocks(self, n: int, seconds: float) -> None:
+        """`n` blocks were copied into the tier in `seconds`."""
+        if n <= 0:
+            return
+        decay = 0.5 ** (n / HALF_LIFE_BLOCKS)
+        self.kept = self.kept * decay + n
+        self.returned *= decay
+        self.keep_s = _ema(self.keep_s, seconds / n)
+
+    def returned_blocks(self, n: int, seconds: float | None = None) -> None:
+        """`n` kept blocks were taken back (in `seconds`, when timed)."""
+        if n <= 0:
+            return
+        self.returned += n
+        if seconds is not None:
+            self.back_s = _ema(self.back_s, seconds / n)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_EMA * (new - old)
+
+
+@dataclass
+class PrefixHits:
+    """What the prefix cache served since start, by tier: requests that took blocks from a
+    tier at their first admission, and the prompt tokens those blocks held (not computed)."""
+
+    hot_hits: int = 0
+    warm_hits: int = 0
+    cold_hits: int = 0
+    hot_tokens: int = 0
+    warm_tokens: int = 0
+    cold_tokens: int = 0
+
+    def add(self, hot: int, warm: int, cold: int, block_size: int) -> None:
+        """One admission's prefix: `hot`, `warm` and `cold` blocks from each tier."""
+        self.hot_hits += hot > 0
+        self.warm_hits += warm > 0
+        self.cold_hits += cold > 0
+        self.hot_tokens += hot * block_size
+        self.warm_tokens += warm * block_size
+        self.cold_tokens += cold * block_size
+
+    def info(self) -> dict[str, int]:
+        """The counters, keyed by GetModelInfo field names."""
+        return {f"prefix_{k}": v for k, v in vars(self).items()}

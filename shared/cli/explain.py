@@ -1,0 +1,57 @@
+"""What `hybridgen serve --explain` prints beyond the op-region table: the spill decision
+(kv_cache.spill_policy) with its measured inputs, and the prefix cache by tier, read from
+GetModelInfo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHOICES = ("wait", "swap", "turns", "spill")
+
+
+def _figure(value: float, unit: str) -> str:
+    return "not measured yet" if value < 0 else f"{value:.3g} {unit}"
+
+
+def spill_lines(info: Any) -> list[str]:
+    """The spill decision: policy, decisions so far, the last one's predictions, the inputs
+    (a GetModelInfoResponse, or anything with its field names)."""
+    if info.spill_policy in ("", "off"):
+        return ["spill policy: off (no Warm tier: a sequence that does not fit Hot waits)"]
+    counts = ", ".join(f"{c} {getattr(info, f'spill_decisions_{c}')}" for c in CHOICES)
+    lines = [f"spill policy: {info.spill_policy}; decisions so far: {counts}"]
+    if info.spill_last_choice:
+        weighed = [
+            f"{c} {getattr(info, f'spill_predicted_{c}_s'):.3g} s"
+            for c in CHOICES
+            if getattr(info, f"spill_predicted_{c}_s") >= 0
+        ]
+        sums = f" (predicted completion sums: {', '.join(weighed)})" if weighed else ""
+        lines.append(f"  last: {info.spill_last_choice}{sums}")
+    lines.append(
+        "  inputs: decode step "
+        + _figure(info.spill_decode_step_ms, "ms")
+        + ", prefill of the candidate "
+        + _figure(info.spill_prefill_ms, "ms")
+        + ", a step holding Warm "
+        + _figure(info.spill_warm_step_ms, "ms")
+        + " beyond its blocks, a Warm block read "
+        + _figure(info.spill_warm_block_us, "us")
+        + " a step, a block moved Hot <-> Warm "
+        + _figure(info.spill_move_block_us, "us")
+    )
+    return lines
+
+
+def prefix_lines(info: Any) -> list[str]:
+    """The prefix cache: hits and tokens not computed, by tier; blocks kept for reuse."""
+    tiers = ", ".join(
+        f"{t} {getattr(info, f'prefix_{t}_hits')} requests / {getattr(info, f'prefix_{t}_tokens')}"
+        " tokens"
+        for t in ("hot", "warm", "cold")
+    )
+    return [
+        f"prefix cache: {info.prefix_cached_tokens} prompt tokens not computed ({tiers}); "
+        f"{info.warm_kept_blocks} finished blocks kept in Warm, {info.warm_keep_skipped} "
+        f"write-backs skipped as not paying, {info.cold_blocks} blocks in Cold"
+    ]
