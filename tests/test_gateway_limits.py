@@ -23,6 +23,7 @@ from hybridgen.config import parse_config
 from hybridgen.engine_config import EngineConfig
 from hybridgen.gateway.backend import EngineBackend
 from hybridgen.gateway.server import ServerConfig
+from hybridgen.startup_error import EXIT_STARTUP
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.gateway_harness import InProcessGateway, ScriptedBackend, serving
@@ -337,6 +338,6 @@ def test_a_taken_metrics_port_is_logged_with_the_reason(tmp_path: Path) -> None:
         metrics = taken.getsockname()[1]
         proc = _gateway_main(tmp_path, f"  port: {_free_port()}\n  metrics_port: {metrics}\n")
         out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == EXIT_STARTUP  # a start-up error: the unit does not restart it
     assert "cannot_serve_metrics" in out and f"127.0.0.1:{metrics}" in out, out
     assert "Address already in use" in out
