@@ -43,7 +43,7 @@ class DefaultServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
-        wait_serving(self.port, timeout=300)
+        wait_serving(self.port, timeout=300, proc=self.proc)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)

@@ -86,7 +86,7 @@ def served(tmp_path: Path) -> Iterator[object]:
 
     def start(model: str) -> GgufServer:
         servers.append(GgufServer(model, tmp_path))
-        wait_serving(servers[-1].port, timeout=300)
+        wait_serving(servers[-1].port, timeout=300, proc=servers[-1].proc)
         return servers[-1]
 
     yield start

@@ -28,6 +28,8 @@ from hybridgen.cli.preflight import (
 from hybridgen.config import HybridGenConfig
 from hybridgen.config_layers import layered_config
 from hybridgen.ipc.shm import list_instance
+from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
+from hybridgen.models.errors import bad_model_path
 
 CLI = [sys.executable, "-m", "hybridgen.cli.main"]
 
@@ -96,12 +98,19 @@ def test_bad_host_is_named() -> None:
 def test_model_path_and_preset_mistakes(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"did you mean 'tiny-llama'\?.*hybridgen models"):
         check_model(_config(model__name_or_path="tiny-lama"))
-    with pytest.raises(PreflightError, match="no such folder; give a checkpoint folder"):
+    with pytest.raises(PreflightError, match="no such file or folder; give a checkpoint folder"):
         check_model(_config(model__name_or_path=str(tmp_path / "missing")))
+    (tmp_path / "notes.txt").write_text("not weights")
+    with pytest.raises(PreflightError, match="neither a folder nor a GGUF file; .* a GGUF file"):
+        check_model(_config(model__name_or_path=str(tmp_path / "notes.txt")))
     with pytest.raises(PreflightError, match=r"config\.json"):
         check_model(_config(model__name_or_path=str(tmp_path)))  # a folder, but no model
     assert check_model(_config(model__name_or_path="tiny-llama")).name == "tiny-llama"
     assert check_model(_config()).num_layers > 0  # the default model, with its tokenizer
+    # A GGUF file is a model path too (the default model is one): found by its magic bytes.
+    gguf = resolve_model(DEFAULT_MODEL)
+    assert bad_model_path(gguf) is None and gguf.endswith(".gguf")
+    assert check_model(_config(model__name_or_path=gguf)).num_layers > 0
 
 
 def test_checkpoint_without_tokenizer_is_found(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -170,7 +179,7 @@ def test_serve_ends_at_once_with_one_line(
     free, busy = str(_free_port()), str(listener)
     ports = {"--port": free, "--metrics-port": "0", "--http-port": "0"}
     flags, expected = {
-        "model path": (["--model", str(tmp_path / "Llama-3-8B")], "no such folder"),
+        "model path": (["--model", str(tmp_path / "Llama-3-8B")], "no such file or folder"),
         "preset": (["--model", "llama3-8"], "did you mean 'llama3-8b'?"),
         "grpc port": (
             ["--port", busy],
@@ -250,5 +259,7 @@ def test_a_missing_model_path_is_found_before_the_model_code_loads() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     first, modules = done.stdout.splitlines()
-    assert first.startswith("model '/models/nowhere': no such folder") and first.endswith("None")
+    assert first.startswith("model '/models/nowhere': no such file or folder") and first.endswith(
+        "None"
+    )
     assert modules == "['hybridgen.models.errors']"

@@ -116,7 +116,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     srv = Server(
         checkpoint("llama3"), tmp_path_factory.mktemp("serve-pure-gpu"), "mode: pure_gpu\n"
     )
-    wait_serving(srv.port)
+    wait_serving(srv.port, proc=srv.proc)
     yield srv
     assert srv.stop() == 0
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"

@@ -97,7 +97,7 @@ def wait_idle(srv: Server, timeout: float = 20.0) -> pb.GetModelInfoResponse:
 @pytest.fixture(scope="module")
 def server(checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start(checkpoint("llama3"), tmp_path_factory.mktemp("reliability"))
-    wait_serving(srv.port)
+    wait_serving(srv.port, proc=srv.proc)
     yield srv
     assert srv.stop() == 0, srv.log_path.read_text()[-3000:]
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
@@ -476,7 +476,7 @@ def test_kill_9_of_each_process_fails_streams_fast_and_recovers(
     while pids(server)[victim] in (None, pid):
         assert time.monotonic() < deadline, f"{victim} was not restarted"
         time.sleep(0.2)
-    wait_serving(server.port, timeout=120)
+    wait_serving(server.port, timeout=120, proc=server.proc)
     good_request(server)
     wait_idle(server)
 
@@ -486,7 +486,7 @@ def test_kill_9_of_the_supervisor_takes_the_instance_down_and_serve_starts_again
 ) -> None:
     srv = start(checkpoint("llama3"), tmp_path / "first")
     try:
-        wait_serving(srv.port)
+        wait_serving(srv.port, proc=srv.proc)
         children = pids(srv)
         assert None not in children.values(), children
         os.kill(srv.proc.pid, signal.SIGKILL)
@@ -497,7 +497,7 @@ def test_kill_9_of_the_supervisor_takes_the_instance_down_and_serve_starts_again
             time.sleep(0.02)
         again = start(checkpoint("llama3"), tmp_path / "again", srv.instance, srv.port)
         try:
-            wait_serving(again.port, timeout=120)
+            wait_serving(again.port, timeout=120, proc=again.proc)
             good_request(again)
             _sigterm_under_load(again)
         finally:

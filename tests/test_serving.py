@@ -58,10 +58,18 @@ def serving(port: int) -> bool:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_serving(port: int, timeout: float = 120.0, want: bool = True) -> float:
+def wait_serving(
+    port: int,
+    timeout: float = 120.0,
+    want: bool = True,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> float:
+    """Seconds until health is `want`; fails at once if `proc` (the server) has exited."""
     start = time.monotonic()
     while serving(port) != want:
         assert time.monotonic() - start < timeout, f"health never became serving={want}"
+        if proc is not None and want:
+            assert proc.poll() is None, f"the server exited ({proc.returncode}) before serving"
         time.sleep(0.1)
     return time.monotonic() - start
 
@@ -155,7 +163,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # type: ignore[no-untyped-def]
     srv = Server(checkpoint("llama3"), tmp_path_factory.mktemp("serve"))
-    wait_serving(srv.port)
+    wait_serving(srv.port, proc=srv.proc)
     yield srv
     assert srv.stop() == 0
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"
@@ -314,7 +322,7 @@ def test_dead_daemon_fails_streams_then_recovers(server: Server, victim: str) ->
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - killed < 2.0
     wait_serving(server.port, timeout=30, want=False)  # health follows the dead daemon
-    wait_serving(server.port, timeout=120)  # and `hybridgen serve` restarts it
+    wait_serving(server.port, timeout=120, proc=server.proc)  # and `hybridgen serve` restarts it
     done = list(server.stub.Generate(pb.GenerateRequest(prompt="again", max_tokens=3), timeout=60))
     assert done[-1].usage.completion_tokens == 3
 

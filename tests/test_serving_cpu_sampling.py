@@ -23,7 +23,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         tmp_path_factory.mktemp("serve-cpu-sampling"),
         extra_config="placements:\n  sample: cpu\n",
     )
-    wait_serving(srv.port)
+    wait_serving(srv.port, proc=srv.proc)
     yield srv
     assert srv.stop() == 0
     assert srv.segments() == []

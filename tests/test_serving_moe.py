@@ -23,7 +23,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "cold_weights:\n  expert_cache_slots: 4\n  cpu_max_tokens: 1\n"
     )
     srv = Server(checkpoint("mixtral"), tmp_path_factory.mktemp("serve_moe"), engine_config=config)
-    wait_serving(srv.port)
+    wait_serving(srv.port, proc=srv.proc)
     yield srv
     assert srv.stop() == 0
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"

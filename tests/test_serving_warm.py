@@ -33,7 +33,7 @@ def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "placements:\n  attn_warm: cpu\n"
     )
     srv = Server(path, tmp_path_factory.mktemp("serve_warm"), engine_config=config)
-    wait_serving(srv.port)
+    wait_serving(srv.port, proc=srv.proc)
     yield srv
     assert srv.stop() == 0
     assert srv.segments() == [], "a clean stop leaves nothing in /dev/shm"

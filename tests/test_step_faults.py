@@ -124,7 +124,7 @@ def test_served_failed_step_keeps_the_daemon(checkpoint, tmp_path: Path) -> None
     engine_config = "model:\n  max_model_len: 128\n  max_num_seqs: 1\n  dtype: float32\n"
     srv = Server(path, tmp_path, engine_config=engine_config, env={FAULT_ENV: "2:oom"})
     try:
-        wait_serving(srv.port)
+        wait_serving(srv.port, proc=srv.proc)
         pid = find_pid("hybridgen.gpu_daemon.main", srv.instance)
         greedy = pb.SamplingParams(temperature=0.0)
         requests = [
