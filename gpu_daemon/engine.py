@@ -124,7 +124,10 @@ class Engine:
             config, self.loaded.model, self.device
         )
         """Cold-Weights: the shared device cache of experts and the latency model."""
-        self.plan, self.max_model_len = plan_engine_memory(config, self.loaded.model, self.device)
+        held = _reserved_elsewhere(self.device) - self._foreign  # what loading left held
+        self.plan, self.max_model_len = plan_engine_memory(
+            config, self.loaded.model, self.device, held
+        )
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             cap = (self.plan.budget + self._foreign) / total

@@ -228,10 +228,13 @@ def weights_bytes(model: CausalLM) -> int:
 
 
 def plan_engine_memory(
-    config: EngineConfig, model: CausalLM, device: torch.device
+    config: EngineConfig, model: CausalLM, device: torch.device, held: int = 0
 ) -> tuple[MemoryPlan, int]:
     """The engine's plan and max_model_len: the longest context the budget allows (or an
-    error naming what to change)."""
+    error naming what to change). `held`: device bytes the engine's allocator holds now
+    (CUDA: reserved, its cache emptied), counted as weights when above their parameters'
+    bytes: loading can leave segments pinned by small tensors carved from them (int4
+    weights quantized on the device), memory the KV pool cannot have."""
     c, spec = config, model.spec
     length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
     blocks = c.num_kv_blocks
@@ -240,7 +243,7 @@ def plan_engine_memory(
         blocks = max(1, int(c.kv_pool_mb * MIB) // kv_block)
     if blocks is not None and c.max_model_len is None and not c.warm_extends_hot:
         length = min(length, blocks * c.block_size)
-    weights = weights_bytes(model)
+    weights = max(weights_bytes(model), held)
     budget = budget_bytes(c, device)
     measured, graphs = None, 0
     in_place = device.type == "cuda" and ops.HAS_TRITON

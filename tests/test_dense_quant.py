@@ -3,13 +3,16 @@ kernel (CPU interpreter) against a float64 reference on fresh random inputs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from hybridgen.kernels import triton_dense_quant
-from hybridgen.models.dense_quant import from_gguf_blocks, quantize
+from hybridgen.kernels.triton_dense_quant import Tiles
+from hybridgen.models.dense_quant import QuantWeight, from_gguf_blocks, quantize
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,24 +23,103 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return y if bias is None else y + bias.double()
 
 
+def _weight(fmt: str, n: int, k: int) -> QuantWeight:
+    """A fresh random weight in `fmt`: int4 with K not a multiple of its group of 64 comes as
+    GGUF Q4_1 blocks (groups of 32), as a file's would."""
+    w = torch.randn(n, k) * 0.05
+    if fmt == "int8" or k % 64 == 0:
+        return quantize(w, fmt).to(DEVICE)  # type: ignore[arg-type]
+    qw = from_gguf_blocks("Q4_1", gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1))
+    assert qw is not None
+    return qw.to(DEVICE)
+
+
+def _check(qw: QuantWeight, t: int, dtype: torch.dtype, bias: bool, tiles=None) -> None:  # type: ignore[no-untyped-def]
+    n, k = qw.shape
+    x = torch.randn(t, k, device=DEVICE, dtype=dtype)
+    b = torch.randn(n, device=DEVICE) if bias else None
+    got = triton_dense_quant.quant_linear(
+        x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, b, tiles
+    )
+    # The reference multiplies x in its dtype by the exact dequantized weight (the GEMV keeps
+    # it in fp32; the GEMM rounds it to x's dtype for the tensor cores: within tolerance).
+    want = _reference(x, qw.dequantize(torch.float32), b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and got.shape == (t, n)
+    assert (got.double() - want).abs().max() < tol * (1 + want.abs().max())
+
+
+# N = 72 and 130 are no multiple of any BLOCK_N; K = 4096 (llama3-8b's hidden) splits evenly,
+# K = 1184 (37 runs) into a short last tile and slices of unequal length. Under one program
+# per SM (the interpreter assumes the H200's 132) the default tiles split K.
+SHAPES = [(1, 72, 4096), (1, 40, 1184), (3, 72, 4096), (3, 40, 1184), (16, 72, 1184)]
+SHAPES += [(17, 72, 4096), (100, 130, 1184)]
+
+
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize(("t", "n", "k"), [(1, 96, 576), (3, 64, 256), (37, 130, 192)])
-def test_kernel_matches_float64(fmt: str, t: int, n: int, k: int, dtype: torch.dtype) -> None:
-    w = torch.randn(n, k) * 0.05
-    qw = quantize(w, fmt) if fmt == "int8" or k % 64 == 0 else None
-    if qw is None:  # K = 192 is no multiple of the int4 group of 64: GGUF's groups of 32
-        blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
-        qw = from_gguf_blocks("Q4_1", blocks)
-    assert qw is not None
-    qw = qw.to(DEVICE)
-    x, bias = torch.randn(t, k, device=DEVICE, dtype=dtype), torch.randn(n, device=DEVICE)
-    got = triton_dense_quant.quant_linear(x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, bias)
-    # The reference multiplies what the kernel multiplies: x and the weight in x's dtype.
-    want = _reference(x, qw.dequantize(dtype), bias)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert got.dtype == dtype
-    assert (got.double() - want).abs().max() < tol * (1 + want.abs().max())
+@pytest.mark.parametrize(("t", "n", "k"), SHAPES)
+def test_kernel_matches_float64(
+    fmt: str, t: int, n: int, k: int, dtype: torch.dtype, bias: bool
+) -> None:
+    _check(_weight(fmt, n, k), t, dtype, bias)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        Tiles(1, 8, 128, 4, 2, split=1),
+        Tiles(1, 16, 256, 4, 2, split=3),
+        Tiles(16, 16, 64, 4, 2, split=1),
+        Tiles(16, 32, 128, 4, 2, split=4),
+        Tiles(64, 64, 128, 4, 2, split=2),
+    ],
+)
+def test_kernel_tiles_and_splits(fmt: str, tiles: Tiles) -> None:
+    """Every path and explicit splits (also past the K tiles: no empty slice is launched)
+    against the reference; T = 5 runs the GEMV once per row."""
+    _check(_weight(fmt, 24, 1184), 5, torch.bfloat16, True, tiles)
+
+
+def test_split_k_fills_the_device() -> None:
+    """A grid under one program per SM splits K for ~2 per SM, in slices of >= 2 tiles; a
+    whole grid does not split."""
+    assert triton_dense_quant.split_k(512, 4096, 1024, 132) == 1
+    assert triton_dense_quant.split_k(132, 4096, 1024, 132) == 1
+    assert triton_dense_quant.split_k(64, 14336, 512, 132) == 5
+    assert triton_dense_quant.split_k(9, 4096, 1024, 132) == 2  # 2 slices of 2 tiles
+    assert triton_dense_quant.split_k(9, 576, 1024, 132) == 1
+    assert triton_dense_quant.tiles_for(1, "int4").block_m == 1  # decode: the GEMV
+    assert triton_dense_quant.tiles_for(512, "int4").block_m == 128
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("split", [None, 4])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_decode_kernel_in_a_cuda_graph(fmt: str, split: int | None) -> None:
+    """The decode path (and a split-K one, its partials summed by torch) captured in a CUDA
+    graph replays with new inputs as it runs eagerly. CPU twin: test_kernel_tiles_and_splits."""
+    qw = _weight(fmt, 4096, 4096)
+    tiles = replace(triton_dense_quant.tiles_for(1, fmt), split=split)
+    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+
+    def run() -> torch.Tensor:
+        return triton_dense_quant.quant_linear(
+            x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, None, tiles
+        )
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, run())
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -110,3 +192,13 @@ def test_engine_bench_runs_int4_weights(tmp_path) -> None:  # type: ignore[no-un
     result = json.loads(out.read_text())
     assert result["config"]["weights_format"] == "int4"
     assert result["ours"]["1"]["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantize_in_row_chunks_is_exact(fmt: str) -> None:
+    """Quantizing a few rows at a time (bounded temporaries) gives the very same weight."""
+    w = torch.randn(10, 128)
+    whole, chunked = quantize(w, fmt), quantize(w, fmt, chunk_bytes=3 * 128 * 4)  # type: ignore[arg-type]
+    for a, b in [(whole.codes, chunked.codes), (whole.scale, chunked.scale)]:
+        assert torch.equal(a, b)
+    assert whole.zero is None or torch.equal(whole.zero, chunked.zero)  # type: ignore[arg-type]

@@ -44,3 +44,28 @@ def test_in_place_prefill_does_not_grow_with_the_context() -> None:
     rope = 2 * (131072 - 4096) * spec.head_dim * 4 * 1.25
     assert work(131072, True) - work(4096, True) == pytest.approx(rope, abs=1)
     assert work(131072, False) - work(4096, False) > 2 * 127 * 1024 * spec.q_size * 2
+
+
+def test_plan_counts_what_loading_left_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device memory the allocator still holds after loading (on CUDA: segments pinned by the
+    int4 weights quantized on the device; the B1 int4 engine_bench asked for a 34.6 GiB KV
+    pool in a 40 GiB budget that 6.2 GiB already held) counts as weights, so the KV pool
+    leaves the workspace its room. The CPU holds nothing: the held figure is injected."""
+    from hybridgen.gpu_daemon import engine as engine_module
+
+    config = EngineConfig(
+        model="tiny-llama",
+        device="cpu",
+        gpu_memory_mb=512,
+        max_model_len=2048,
+        weights_format="int4",
+        max_num_seqs=1,
+    )
+    plain = Engine(config).plan
+    extra = 8 << 20
+    held = iter([0, plain.weights + extra])  # before loading, then after
+    monkeypatch.setattr(engine_module, "_reserved_elsewhere", lambda device: next(held))
+    plan = Engine(config).plan
+    assert plan.weights == plain.weights + extra and plan.workspace == plain.workspace
+    assert plan.kv_pool <= plain.kv_pool - extra
+    assert plan.weights + plan.workspace + plan.kv_pool <= plan.budget

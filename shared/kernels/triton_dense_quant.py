@@ -1,25 +1,50 @@
 """y = x @ dequant(W).T (+ bias) for a dense layer's int8 / int4 weight (Triton), decode and
 prefill alike: models/dense_quant.py's formats.
 
-One kernel per format, grid (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N)): each program streams its
-BLOCK_N weight rows along K once, dequantizes each [BLOCK_N, BLOCK_K] tile in registers to
-x's dtype and multiplies it with the matching [BLOCK_M, BLOCK_K] tile of x on the tensor
-cores (tl.dot, fp32 accumulation). At decode T is 1 to a few rows, padded to BLOCK_M = 16 in
-registers: the time is the weight's bytes over the memory bandwidth, a quarter of bf16's for
-int4. A prefill re-reads each weight tile once per BLOCK_M rows of x, like a plain GEMM.
+Two kernels per format, both reading the codes once per program and dequantizing in
+registers with the formats' own arithmetic in fp32 (int8 `q * s`, int4 `code * s + z`):
 
-int4 splits each tile into its low and high nibbles: byte j of a 32-input run holds inputs j
-and j + 16, so the low nibbles of a tile are the inputs [32c, 32c + 16) of every run c and
-the high ones [32c + 16, 32c + 32); x is loaded in the same two halves and the tile costs two
-dots of BLOCK_K / 2, with no shuffle of the codes. Scales (and zeros) are per run of 32 (a
-group is a whole number of runs), loaded once per run and broadcast over its 16 inputs.
-fp32 activations multiply in IEEE fp32 (no TF32; bf16 and fp16 ones are unaffected), so the
-CPU interpreter and a float64 reference agree to fp32 rounding.
+GEMV (decode, one row of x: `Tiles.block_m == 1`): grid (cdiv(N, BLOCK_N), T, SPLIT). At
+batch 1 a projection's time is its weight's bytes over the memory bandwidth, so the work is
+spread over many small programs: BLOCK_N = 8 rows gives llama3-8b's narrowest projections
+(o_proj, down_proj: N = 4096) 512 programs, ~4 per SM of the H200's 132, and each streams
+its rows along K in [BLOCK_N, BLOCK_K / 2]-byte tiles with no tl.dot: multiply by x and
+add into a [BLOCK_N, runs, 16] fp32 accumulator, summed once at the end. The old kernel
+(BLOCK_M = 16 tl.dot, BLOCK_N = 64) gave N = 4096 only 64 programs, each looping serially
+over all of K (112 iterations for down_proj), and gathered a scale and a zero per weight:
+52 ms a decode step for ~4.5 GB of int4 weights (~90 GB/s).
+
+GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
+weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
+cores (tl.dot, fp32 accumulation). A 512-token prefill in BLOCK_M = 128 re-reads the weights
+4 times (2.3 GB of int4 reads per 8B-model forward, under a ms), against 32 with the old
+BLOCK_M = 16; its time is the 8.2 TFLOP of the GEMMs. Dequantizing to bf16 first and calling
+cuBLAS would read 0.56, write 2 and re-read 2 bytes a weight (~36 GB, ~8 ms at 4.8 TB/s)
+and need a scratch of the largest projection's bf16 size (the LM head's 1 GB), so the fused
+kernel serves prefill too.
+
+Split-K: a grid under one program per SM (`sm_count`, the device's, cached) splits K into
+SPLIT slices of whole tiles (never shorter than MIN_SPLIT_TILES tiles) so that about
+2 x SMs programs run; the slices write fp32 partials [SPLIT, T, N], summed after in a fixed
+order (deterministic; graph-capturable: no host sync, shapes from the arguments only). A
+whole grid does not split: two more kernels (sum, cast) would cost more than a few-us
+projection gains.
+
+Layouts: int4 byte j of a 32-input run holds inputs j (low nibble) and j + 16 (high), so a
+tile is loaded as [BLOCK_N, runs, 16] bytes and its low and high nibbles meet x's two
+halves of each run, with no shuffle of the codes. Scales (and zeros) are loaded once per
+run, [BLOCK_N, runs], and broadcast over its inputs (a group is a whole number of runs).
+Codes become floats exactly without the slow int -> float conversion: a code c in 0..255
+or'ed into the bits of 2^23 is the float 2^23 + c (int4: c = the nibble; int8: c = q + 128).
+fp32 activations multiply in IEEE fp32 (no TF32), so the CPU interpreter and a float64
+reference agree to fp32 rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,62 +53,125 @@ from torch import Tensor
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Running in Triton's CPU interpreter (the tests without a GPU)."""
-BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 128
+DEFAULT_SMS = 132
+"""SMs assumed off CUDA (the interpreter): the H200's, so the CPU tests split as it does."""
+MIN_SPLIT_TILES = 2
+"""Fewest K tiles in one split-K slice."""
+TWO_23 = 8388608.0
+"""2^23: the float whose low mantissa bits an int in 0..255 fills exactly."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tile sizes and shape."""
+
+    block_m: int
+    """Rows of x per program: 1 is the GEMV (no tl.dot), >= 16 the tensor-core GEMM."""
+    block_n: int
+    """Weight rows (outputs) per program."""
+    block_k: int
+    """Inputs per K step, a multiple of 32 (one run)."""
+    num_warps: int
+    num_stages: int
+    split: int | None = None
+    """K slices; None: `split_k` picks by the grid and the device's SMs."""
+
+
+def tiles_for(t: int, fmt: str) -> Tiles:
+    """The default tiles for `t` rows of x (see the module docstring)."""
+    if t == 1:
+        return Tiles(1, 8, 1024 if fmt == "int4" else 512, 4, 3)
+    if t <= 16:
+        return Tiles(16, 16, 256, 4, 3)
+    if t <= 64:
+        return Tiles(64, 64, 128, 4, 3)
+    return Tiles(128, 128, 128, 8, 3)
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (cached), DEFAULT_SMS off CUDA."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_k(programs: int, k: int, block_k: int, sms: int) -> int:
+    """K slices for a grid of `programs`: 1 with at least one program per SM, else enough for
+    ~2 per SM, each slice at least MIN_SPLIT_TILES tiles long."""
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), k // (MIN_SPLIT_TILES * block_k)))
 
 
 @triton.jit
-def _int8_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    b_ptr,
-    y_ptr,
-    T,
-    N,
-    K,
-    GROUPS,
-    GROUP,
-    HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _exact_float(c):
+    # int32 c in 0..255 -> the same value as fp32 (bit trick: 2^23 + c, minus 2^23).
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _int4_tile(
+    q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K: tl.constexpr
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = rm < T, rn < N
-    rn64 = tl.where(n_ok, rn, 0).to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        x = tl.load(
-            x_ptr + rm[:, None].to(tl.int64) * K + k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        q = tl.load(
-            q_ptr + rn64[:, None] * K + k[None, :],
-            mask=k_ok[None, :],
-            other=0,
-            eviction_policy="evict_first",
-        )
-        s = tl.load(
-            s_ptr + rn64[:, None] * GROUPS + (k // GROUP)[None, :], mask=k_ok[None, :], other=0.0
-        )
-        w = (q.to(tl.float32) * s).to(x.dtype)  # [BLOCK_N, BLOCK_K]
-        acc += _dot(x, w, UPCAST)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    # -> (lo, hi) fp32 [BLOCK_N, runs, 16]: the weights of inputs k0 + 32r + j and
+    # k0 + 32r + 16 + j of `rows` (int64, in range); 0 past K.
+    r = tl.arange(0, BLOCK_K // 32)
+    j = tl.arange(0, 16)
+    run = k0 // 32 + r
+    run_ok = 32 * run < K
+    codes = tl.load(
+        q_ptr + rows[:, None, None] * stride_q + (16 * run)[None, :, None] + j[None, None, :],
+        mask=run_ok[None, :, None],
+        other=0,
+        eviction_policy="evict_first",
+    ).to(tl.int32)
+    g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
+    s = tl.load(s_ptr + g, mask=run_ok[None, :], other=0.0).to(tl.float32)[:, :, None]
+    z = tl.load(z_ptr + g, mask=run_ok[None, :], other=0.0).to(tl.float32)[:, :, None]
+    return _exact_float(codes & 15) * s + z, _exact_float(codes >> 4) * s + z
 
 
 @triton.jit
-def _int4_kernel(
+def _int8_tile(
+    q_ptr, s_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K: tl.constexpr
+):
+    # -> fp32 [BLOCK_N, runs, 32]: the weights of inputs k0 + 32r + j of `rows`; 0 past K.
+    r = tl.arange(0, BLOCK_K // 32)
+    j = tl.arange(0, 32)
+    run = k0 // 32 + r
+    run_ok = 32 * run < K
+    q = tl.load(
+        q_ptr + rows[:, None, None] * stride_q + (32 * run)[None, :, None] + j[None, None, :],
+        mask=run_ok[None, :, None],
+        other=0,
+        eviction_policy="evict_first",
+    ).to(tl.int32)
+    g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
+    s = tl.load(s_ptr + g, mask=run_ok[None, :], other=0.0).to(tl.float32)[:, :, None]
+    # q + 128 in 0..255: 2^23 + 128 + q exactly.
+    return ((q + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * s
+
+
+@triton.jit
+def _store(y_ptr, b_ptr, acc, rm, rn, T, N, HAS_BIAS: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] fp32 of rows rm, outputs rn, K slice program_id(2): into y (one
+    # slice) or its fp32 partials [SPLIT, T, N]; the bias once, with slice 0.
+    split = tl.program_id(2)
+    n_ok = rn < N
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        acc += (bias * (split == 0).to(tl.float32))[None, :]
+    out = y_ptr + (split * T + rm[:, None]).to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < T)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int4_gemv(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -93,7 +181,80 @@ def _int4_kernel(
     T,
     N,
     K,
-    GROUPS,
+    K_SPLIT,
+    stride_q,
+    stride_s,
+    RUNS_PER_GROUP,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range rows re-read row 0
+    t = tl.program_id(1)
+    k_begin = tl.program_id(2) * K_SPLIT
+    k_in = 32 * tl.arange(0, BLOCK_K // 32)[:, None] + tl.arange(0, 16)[None, :]
+    x_row = x_ptr + t.to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        lo, hi = _int4_tile(
+            q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K
+        )
+        k = k0 + k_in
+        x_lo = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + k + 16, mask=k < K, other=0.0).to(tl.float32)
+        acc += lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+
+
+@triton.jit
+def _int8_gemv(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    K_SPLIT,
+    stride_q,
+    stride_s,
+    RUNS_PER_GROUP,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)
+    t = tl.program_id(1)
+    k_begin = tl.program_id(2) * K_SPLIT
+    k_in = 32 * tl.arange(0, BLOCK_K // 32)[:, None] + tl.arange(0, 32)[None, :]
+    x_row = x_ptr + t.to(tl.int64) * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        w = _int8_tile(q_ptr, s_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K)
+        k = k0 + k_in
+        acc += w * tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+
+
+@triton.jit
+def _int4_gemm(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    K_SPLIT,
+    stride_q,
+    stride_s,
     RUNS_PER_GROUP,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -102,39 +263,62 @@ def _int4_kernel(
     BLOCK_K: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCK_K // 2
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = rm < T, rn < N
-    rn64 = tl.where(n_ok, rn, 0).to(tl.int64)
-    # Position h of a half-tile: run h // 16, byte h % 16; its low input is 32 * run + byte.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_begin = tl.program_id(2) * K_SPLIT
     h = tl.arange(0, HALF)
-    run_of, byte_of = h // 16, h % 16
+    k_h = 32 * (h // 16) + h % 16  # the low input of half-tile position h
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * K
+    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        run = k0 // 32 + run_of  # [HALF]
-        k_lo = 32 * run + byte_of
-        ok = k_lo < K
-        packed = tl.load(
-            q_ptr + rn64[:, None] * (K // 2) + (16 * run + byte_of)[None, :],
-            mask=ok[None, :],
-            other=0,
-            eviction_policy="evict_first",
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        lo, hi = _int4_tile(
+            q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K
         )
-        g = (run // RUNS_PER_GROUP)[None, :]
-        s = tl.load(s_ptr + rn64[:, None] * GROUPS + g, mask=ok[None, :], other=0.0)
-        z = tl.load(z_ptr + rn64[:, None] * GROUPS + g, mask=ok[None, :], other=0.0)
-        s, z = s.to(tl.float32), z.to(tl.float32)
-        xrow = x_ptr + rm[:, None].to(tl.int64) * K
-        x_mask = m_ok[:, None] & ok[None, :]
-        x_lo = tl.load(xrow + k_lo[None, :], mask=x_mask, other=0.0)
-        x_hi = tl.load(xrow + (k_lo + 16)[None, :], mask=x_mask, other=0.0)
-        w_lo = ((packed & 15).to(tl.float32) * s + z).to(x_lo.dtype)
-        w_hi = ((packed >> 4).to(tl.float32) * s + z).to(x_lo.dtype)
-        acc += _dot(x_lo, w_lo, UPCAST) + _dot(x_hi, w_hi, UPCAST)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        k = k0 + k_h
+        x_mask = (rm < T)[:, None] & (k < K)[None, :]
+        x_lo = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+        x_hi = tl.load(x_rows + (k + 16)[None, :], mask=x_mask, other=0.0)
+        acc += _dot(x_lo, tl.reshape(lo, (BLOCK_N, HALF)).to(dtype), UPCAST)
+        acc += _dot(x_hi, tl.reshape(hi, (BLOCK_N, HALF)).to(dtype), UPCAST)
+    _store(y_ptr, b_ptr, acc, rm, rn, T, N, HAS_BIAS)
+
+
+@triton.jit
+def _int8_gemm(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    K_SPLIT,
+    stride_q,
+    stride_s,
+    RUNS_PER_GROUP,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_begin = tl.program_id(2) * K_SPLIT
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * K
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        w = _int8_tile(q_ptr, s_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K)
+        k = k0 + kk
+        x = tl.load(x_rows + k[None, :], mask=(rm < T)[:, None] & (k < K)[None, :], other=0.0)
+        acc += _dot(x, tl.reshape(w, (BLOCK_N, BLOCK_K)).to(dtype), UPCAST)
+    _store(y_ptr, b_ptr, acc, rm, rn, T, N, HAS_BIAS)
 
 
 @triton.jit
@@ -154,28 +338,41 @@ def quant_linear(
     zero: Tensor | None,
     group: int,
     bias: Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> Tensor:
     """x [T, K] -> [T, N] in x.dtype for an int8 / int4 weight (dense_quant.QuantWeight's
-    tensors, contiguous)."""
+    tensors, contiguous); `tiles` overrides `tiles_for` (benchmarks)."""
     x = x.contiguous()
     t, k = x.shape
     n, groups = scale.shape
-    assert groups * group == k and k % 32 == 0 and codes.is_contiguous() and scale.is_contiguous()
-    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    b = bias if bias is not None else y  # never read without HAS_BIAS
-    flags = dict(
-        HAS_BIAS=bias is not None,
-        UPCAST=INTERPRETED and x.dtype != torch.float32,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        num_warps=4,
-        num_stages=3,
-    )
-    if fmt == "int8":
-        _int8_kernel[grid](x, codes, scale, b, y, t, n, k, groups, group, **flags)
+    assert groups * group == k and k % 32 == 0 and group % 32 == 0
+    assert codes.is_contiguous() and scale.is_contiguous()
+    cfg = tiles or tiles_for(t, fmt)
+    assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
+    programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m)
+    split = cfg.split or split_k(programs, k, cfg.block_k, sm_count(x.device))
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_split)  # no empty slice
+    if split == 1:
+        y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     else:
-        assert zero is not None and group % 32 == 0
-        _int4_kernel[grid](x, codes, scale, zero, b, y, t, n, k, groups, group // 32, **flags)
-    return y
+        y = torch.empty(split, t, n, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else y  # never read without HAS_BIAS
+    args = [x, codes, scale] + ([] if fmt == "int8" else [zero]) + [b, y, t, n, k, k_split]
+    args += [codes.stride(0), groups, group // 32]
+    launch = dict(
+        HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    assert fmt == "int8" or zero is not None
+    if cfg.block_m == 1:
+        kernel = _int8_gemv if fmt == "int8" else _int4_gemv
+        kernel[(triton.cdiv(n, cfg.block_n), t, split)](*args, **launch)
+    else:
+        kernel = _int8_gemm if fmt == "int8" else _int4_gemm
+        launch.update(UPCAST=INTERPRETED and x.dtype != torch.float32, BLOCK_M=cfg.block_m)
+        kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m), split)](*args, **launch)
+    return y if split == 1 else y.sum(0).to(x.dtype)

@@ -82,22 +82,57 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in parts)
 
 
-def quantize(w: Tensor, fmt: Literal["int8", "int4"]) -> QuantWeight:
-    """A model's float weight [N, K] -> int8 per channel or int4 in groups of INT4_GROUP."""
-    x = w.float()
-    n, k = x.shape
-    if fmt == "int8":
-        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # [N, 1]
-        codes = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
-        return QuantWeight("int8", codes, scale, None, k)
-    if k % INT4_GROUP:
+QUANTIZE_CHUNK_BYTES = 64 << 20
+"""fp32 bytes of the rows quantized at once: bounds the temporaries, which on the device
+otherwise (the LM head's 2 GB of fp32 copies) leave the caching allocator's segments pinned
+by the small results carved from them, memory no KV pool can use."""
+
+
+def quantize(
+    w: Tensor, fmt: Literal["int8", "int4"], chunk_bytes: int = QUANTIZE_CHUNK_BYTES
+) -> QuantWeight:
+    """A model's float weight [N, K] -> int8 per channel or int4 in groups of INT4_GROUP,
+    into outputs allocated first, `chunk_bytes` of fp32 rows at a time."""
+    n, k = w.shape
+    if fmt == "int4" and k % INT4_GROUP:
         raise ValueError(f"int4 needs inputs in groups of {INT4_GROUP}; got K = {k}")
+    groups = 1 if fmt == "int8" else k // INT4_GROUP
+    out = QuantWeight(
+        fmt,
+        torch.empty(
+            n,
+            k if fmt == "int8" else k // 2,
+            dtype=torch.int8 if fmt == "int8" else torch.uint8,
+            device=w.device,
+        ),
+        torch.empty(
+            n, groups, dtype=torch.float32 if fmt == "int8" else torch.float16, device=w.device
+        ),
+        None if fmt == "int8" else torch.empty(n, groups, dtype=torch.float16, device=w.device),
+        k if fmt == "int8" else INT4_GROUP,
+    )
+    rows = max(1, chunk_bytes // (4 * k))
+    for r in range(0, n, rows):
+        _quantize_rows(w[r : r + rows].float(), out, slice(r, r + rows))
+    return out
+
+
+def _quantize_rows(x: Tensor, out: QuantWeight, rows: slice) -> None:
+    """Rows `rows` of `out` from their fp32 values x."""
+    n, k = x.shape
+    if out.fmt == "int8":
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # [n, 1]
+        out.codes[rows] = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+        out.scale[rows] = scale
+        return
+    assert out.zero is not None
     g = x.view(n, -1, INT4_GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-8).half()
     zero = lo.half()
     codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
-    return QuantWeight("int4", pack_int4(codes.to(torch.uint8).view(n, k)), scale, zero, INT4_GROUP)
+    out.codes[rows] = pack_int4(codes.to(torch.uint8).view(n, k))
+    out.scale[rows], out.zero[rows] = scale, zero
 
 
 def pack_int4(codes: Tensor) -> Tensor:

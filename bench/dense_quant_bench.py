@@ -1,0 +1,167 @@
+"""llama3-8b's dense projections with int8 / int4 weights (kernels/triton_dense_quant.py)
+against cuBLAS on the bf16 weights, at decode (T = 1) and prefill (T = 512) (device only).
+
+Timed as bench/gemv_bench.py times (its `time_us`): a CUDA graph replayed over enough weight
+copies (>= 512 MB) that L2 cannot hold them, as in a decode step where each layer reads its
+own weights. Prints microseconds and GB/s of the stored weight bytes (codes, scales, zeros)
+per shape, and the B1 step the projections take (32 layers of qkv, o, gate_up and down, and
+the LM head); writes $OUT/dense_quant.json.
+
+`--sweep decode` (T = 1) or `--sweep prefill` (T = 512) also times a grid of tiles and K
+splits per format and prints, per shape and for the whole model step, the best of them
+against the defaults (tiles_for, split_k): what to set as the defaults.
+
+    python3 bench/dense_quant_bench.py                  # defaults, T = 1 and 512
+    python3 bench/dense_quant_bench.py --sweep decode   # + tiles and splits at T = 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from gemv_bench import time_us  # bench/, beside this script
+
+from hybridgen.benchmarks.report import machine_info, write_out
+from hybridgen.kernels.triton_dense_quant import Tiles, quant_linear, tiles_for
+from hybridgen.models.dense_quant import QuantWeight, quantize
+
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+LAYERS = 32
+"""llama3-8b's layers: a step runs each projection but the LM head this many times."""
+DECODE_TILES = [
+    Tiles(1, bn, bk, w, s, split)
+    for bn, bk, w, s, split in itertools.product(
+        (4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4), (None, 1, 2, 4)
+    )
+    if bn * bk <= 64 * 32 * w  # the fp32 accumulator within 64 registers a thread
+] + [Tiles(16, bn, bk, 4, 3) for bn, bk in itertools.product((16, 32), (128, 256))]
+PREFILL_TILES = [
+    Tiles(bm, bn, bk, w, s, split)
+    for bm, bn, bk, (w, s), split in itertools.product(
+        (64, 128), (64, 128, 256), (64, 128), ((4, 3), (8, 3), (8, 4)), (None, 1)
+    )
+]
+
+
+def key(t: Tiles) -> str:
+    return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}p{t.split or 'auto'}"
+
+
+def _copies(w: QuantWeight, nbytes: int) -> list[QuantWeight]:
+    count = max(2, -(-512 * 2**20 // nbytes))
+    zero = w.zero
+    return [
+        QuantWeight(
+            w.fmt,
+            w.codes.clone(),
+            w.scale.clone(),
+            None if zero is None else zero.clone(),
+            w.group,
+        )
+        for _ in range(count)
+    ]
+
+
+def _fused(tiles: Tiles | None) -> Callable[[torch.Tensor, QuantWeight], torch.Tensor]:
+    def run(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        return quant_linear(x, w.fmt, w.codes, w.scale, w.zero, w.group, None, tiles)
+
+    return run
+
+
+def bench_shape(n: int, k: int, t: int, sweep: list[Tiles]) -> tuple[dict, dict]:
+    """-> (microseconds, GB/s) by method for one [n, k] projection at t rows of x."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    us: dict[str, float] = {}
+    stored: dict[str, int] = {}
+    dense = [w] + [w.clone() for _ in range(max(1, -(-512 * 2**20 // (n * k * 2)) - 1))]
+    us["bf16 cublas"], stored["bf16 cublas"] = time_us(F.linear, dense, x), n * k * 2
+    del dense
+    for fmt in ("int8", "int4"):
+        qw = quantize(w, fmt)  # type: ignore[arg-type]
+        ref = x.double() @ qw.dequantize(torch.float32).double().T
+        copies = _copies(qw, qw.nbytes)
+        methods = {f"{fmt} default": None} | {f"{fmt} {key(c)}": c for c in sweep}
+        for name, tiles in methods.items():
+            fn = _fused(tiles)
+            err = float((fn(x, copies[0]).double() - ref).norm() / ref.norm())
+            assert err < 1e-2, (n, k, t, name, err)
+            us[name], stored[name] = time_us(fn, copies, x), qw.nbytes
+        del copies
+        torch.cuda.empty_cache()
+    return us, {m: stored[m] / v / 1e3 for m, v in us.items()}
+
+
+def step_us(us: dict[str, dict[str, float]], method: str) -> float:
+    """A model step's projections by `method`: LAYERS x the layer's four, plus the LM head."""
+    return sum(us[s][method] * (1 if s == "lm_head" else LAYERS) for s in SHAPES)
+
+
+def report(t: int, us: dict[str, dict[str, float]], gbs: dict[str, dict[str, float]]) -> dict:
+    """Prints one T's table and the best tiles; returns its summary."""
+    summary: dict[str, Any] = {}
+    for s in SHAPES:
+        row = us[s]
+        line = (
+            f"T={t:<4} {s:8} bf16 {row['bf16 cublas']:8.1f} us ({gbs[s]['bf16 cublas']:5.0f} GB/s)"
+        )
+        for fmt in ("int8", "int4"):
+            d = f"{fmt} default"
+            best = min((m for m in row if m.startswith(fmt)), key=row.__getitem__)
+            line += f" | {fmt} {row[d]:8.1f} us ({gbs[s][d]:5.0f} GB/s)"
+            if best != d:
+                line += f", best {best.split()[1]} {row[best]:.1f}"
+        print(line, flush=True)
+    for fmt in ("bf16", "int8", "int4"):
+        methods = [m for m in us["qkv"] if m.startswith(fmt)]
+        steps = {m: step_us(us, m) for m in methods}
+        best = min(steps, key=steps.__getitem__)
+        default = "bf16 cublas" if fmt == "bf16" else f"{fmt} default"
+        summary[fmt] = {
+            "default_ms": steps[default] / 1e3,
+            "best": best,
+            "best_ms": steps[best] / 1e3,
+        }
+        print(
+            f"T={t} model step ({LAYERS} layers + LM head), {fmt}: default "
+            f"{steps[default] / 1e3:.3f} ms; best single tiles {best} {steps[best] / 1e3:.3f} ms",
+            flush=True,
+        )
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--tokens", default="1,512", help="rows of x, comma-separated")
+    ap.add_argument("--sweep", choices=("decode", "prefill"), default=None)
+    args = ap.parse_args()
+    result: dict[str, Any] = {"machine": machine_info(), "defaults": {}, "by_tokens": {}}
+    for t in (int(v) for v in args.tokens.split(",")):
+        sweep = []
+        if args.sweep == "decode" and t == 1:
+            sweep = DECODE_TILES
+        elif args.sweep == "prefill" and t > 16:
+            sweep = PREFILL_TILES
+        us: dict[str, dict[str, float]] = {}
+        gbs: dict[str, dict[str, float]] = {}
+        for name, (n, k) in SHAPES.items():
+            us[name], gbs[name] = bench_shape(n, k, t, sweep)
+        result["defaults"][t] = {f: key(tiles_for(t, f)) for f in ("int8", "int4")}
+        result["by_tokens"][t] = {"us": us, "gb_per_s": gbs, "step": report(t, us, gbs)}
+    write_out("dense_quant.json", result)
+
+
+if __name__ == "__main__":
+    main()
