@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from hybridgen import log as hlog
-from hybridgen.config import load_config
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.file import load_config
+from hybridgen.engine.engine import Engine
+from hybridgen.runtime import log as hlog
 from hybridgen.sampling.params import SamplingParams
 
 HERE = Path(__file__).parent

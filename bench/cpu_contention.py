@@ -14,8 +14,8 @@ from multiprocessing.synchronize import Event
 import torch
 from cpu_expert_bench import HIDDEN, expert_weights  # bench/, beside this script
 
-from hybridgen.models.expert_format import PackedMatrices, swiglu_packed
-from hybridgen.timing import best_of
+from hybridgen.experts.format import PackedMatrices, swiglu_packed
+from hybridgen.placement.timing import best_of
 
 
 def _spin(stop: Event) -> None:

@@ -14,8 +14,8 @@ import functools
 import torch
 
 from hybridgen.benchmarks.report import machine_info, write_out
-from hybridgen.models.expert_format import PackedMatrices, swiglu_packed
-from hybridgen.timing import best_of
+from hybridgen.experts.format import PackedMatrices, swiglu_packed
+from hybridgen.placement.timing import best_of
 
 HIDDEN, INTER = 4096, 14336
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import structlog
 
-from hybridgen import log
 from hybridgen.benchmarks.engine_bench import random_prompts
 from hybridgen.benchmarks.report import machine_info
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.models.loader import LoadedModel, load_model
+from hybridgen.runtime import log
 from hybridgen.sampling.params import SamplingParams
 
 

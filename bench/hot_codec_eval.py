@@ -36,14 +36,14 @@ from typing import Any
 
 import structlog
 
-from hybridgen import log
 from hybridgen.benchmarks.engine_bench import median_runs, random_prompts
 from hybridgen.benchmarks.prompt_file import load_prompts
 from hybridgen.benchmarks.report import machine_info
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.models.default_model import DEFAULT_MODEL
 from hybridgen.models.loader import LoadedModel, load_model
+from hybridgen.runtime import log
 from hybridgen.sampling.params import SamplingParams
 
 AGREEMENT_BAR = 0.95

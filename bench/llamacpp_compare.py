@@ -28,8 +28,8 @@ import torch
 
 from hybridgen.benchmarks.engine_bench import timed_run
 from hybridgen.benchmarks.report import machine_info
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
 from hybridgen.sampling.params import SamplingParams

@@ -7,7 +7,7 @@ N conversations of T turns after one shared system prompt; each conversation's c
 grows to a length drawn from --context (its user tokens split over its turns). Replay it
 with `python -m hybridgen.benchmarks.load --config FILE --chat bench/chat_b6.json
 --concurrency 32` (conversations in flight). The format is in
-shared/benchmarks/chat_workload.py.
+benchmarks/chat_workload.py.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hybridgen.benchmarks.report import machine_info, write_out
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.models.moe import moe_blocks
 from hybridgen.sampling.params import SamplingParams
 

@@ -24,11 +24,11 @@ import torch
 
 from hybridgen.benchmarks import moe_bench
 from hybridgen.benchmarks.report import machine_info, write_out
-from hybridgen.cpu_daemon.expert_link import ExpertLinkClient
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.engine.engine import Engine
+from hybridgen.experts.link import ExpertLinkClient
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
+from hybridgen.placement.timing import best_of
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.timing import best_of
 
 RESULT: dict[str, Any] = {}
 

@@ -17,10 +17,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hybridgen import log
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.kernels import ops
+from hybridgen.runtime import log
 from hybridgen.sampling.params import SamplingParams
 
 log.configure(level="warning")

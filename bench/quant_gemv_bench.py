@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from gemv_bench import time_us  # bench/, beside this script
 
 from hybridgen.benchmarks.report import machine_info, write_out
+from hybridgen.experts.format import GROUP, PackedMatrices
 from hybridgen.kernels.triton_quant_gemv import Int4Config, int4_linear, int8_linear
-from hybridgen.models.expert_format import GROUP, PackedMatrices
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = (1, 4)

@@ -18,10 +18,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 
 from hybridgen.benchmarks.engine_bench import random_prompts
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon import warm_context as wc
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.warm_tier import warm_mb_for
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.kvtiers import warm_context as wc
+from hybridgen.kvtiers.warm_tier import warm_mb_for
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 

@@ -23,9 +23,9 @@ import uuid
 import torch
 from torch import Tensor
 
-from hybridgen.cpu_daemon.warm_attention import WarmAttnStats, WarmSpan, warm_decode_attention
-from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import WarmPool
+from hybridgen.kvtiers.codec import get_codec
+from hybridgen.kvtiers.warm_attention import WarmAttnStats, WarmSpan, warm_decode_attention
+from hybridgen.kvtiers.warm_pool import WarmPool
 
 S, HKV, D, HQ, LAYERS = 16, 8, 128, 32, 2
 LAYER = 1

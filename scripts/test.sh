@@ -11,5 +11,5 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 "$py" -m ruff check .
 "$py" -m ruff format --check .
-"$py" -m mypy shared gpu_daemon cpu_daemon gateway
+"$py" -m mypy shared/hybridgen gateway/hybridgen cpu_daemon/hybridgen gpu_daemon/hybridgen bench/hybridgen
 "$py" -m pytest -q ${select[@]+"${select[@]}"} "$@"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy
 

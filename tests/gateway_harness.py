@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from hybridgen.gateway.backend import Backend
-from hybridgen.gateway.delta import Delta, Finish
-from hybridgen.gateway.metrics import Metrics
-from hybridgen.gateway.server import Gateway, ServerConfig, build
-from hybridgen.gpu_daemon.validation import check_text_size, validate_request
+from hybridgen.engine.validation import check_text_size, validate_request
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.serving.backend import Backend
+from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.metrics import Metrics
+from hybridgen.serving.server import Gateway, ServerConfig, build
 
 VOCAB, MAX_LEN = 1000, 128
 

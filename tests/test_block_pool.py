@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridgen.gpu_daemon.block_pool import BlockPool, OutOfBlocks
+from hybridgen.engine.block_pool import BlockPool, OutOfBlocks
 
 
 def test_allocate_is_all_or_nothing() -> None:

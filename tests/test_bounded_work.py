@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gateway.backend import EngineBackend
+from hybridgen.config.engine import EngineConfig
 from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.serving.engine_backend import EngineBackend
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.checkpoints import CORPUS

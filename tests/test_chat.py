@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.config import HybridGenConfig
+from hybridgen.config.file import HybridGenConfig
 from hybridgen.models.chat import MAX_MESSAGES, ChatMessage, InvalidChat, chat_prompt_ids
 from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
 from hybridgen.models.errors import ModelLoadError

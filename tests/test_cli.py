@@ -149,7 +149,7 @@ def test_bad_config_exit_is_not_retried_and_sigkill_after_timeout(tmp_path: Path
     assert any("stopped gpu (killed by SIGKILL)" in line for line in lines)
 
 
-# A daemon that finds a start-up error, as hybridgen.startup_error has the real ones report it.
+# A daemon that finds a start-up error, as runtime/startup_error.py has the real ones report it.
 FAILS_TO_START = r"""
 import os, socket, sys
 with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -213,7 +213,7 @@ def _free_port() -> int:
 def gateway_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = _free_port()
     log = tmp_path_factory.mktemp("gateway") / "server.log"
-    argv = [sys.executable, "-m", "hybridgen.gateway.server", "--model", "tiny-llama"]
+    argv = [sys.executable, "-m", "hybridgen.gateway.standalone", "--model", "tiny-llama"]
     argv += ["--port", str(port), "--metrics-port", "0", "--device", "cpu"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)

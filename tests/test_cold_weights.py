@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.info import engine_regions
-from hybridgen.models.expert_format import host_alloc
-from hybridgen.models.expert_latency import LatencyModel
-from hybridgen.models.expert_store import ExpertCache, ExpertStore, MoeStats
+from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import engine_regions
+from hybridgen.experts.format import host_alloc
+from hybridgen.experts.latency import LatencyModel
+from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights
 from hybridgen.sampling.params import SamplingParams
@@ -235,7 +235,7 @@ def test_observed_cpu_times_move_the_placement() -> None:
     the engine it took 2.35 ms. Observations pull cpu_scale toward what the CPU really takes
     (one outlier counts at most CPU_SCALE_LIMIT), and a lone miss beside a cached expert is
     then fetched; of two misses one still goes to the CPU, which runs beside the device."""
-    from hybridgen.models.expert_latency import CPU_SCALE_LIMIT
+    from hybridgen.experts.latency import CPU_SCALE_LIMIT
 
     model = LatencyModel(0.9e-3, 0.6e-3, 1e9, 1_830_000, gpu_s=0.17e-3)
     assert model.cpu_experts(1, [(4, 1)], overlap=True) == {4}
@@ -283,7 +283,7 @@ def test_moe_counters_start_with_the_first_served_step(
 ) -> None:  # type: ignore[no-untyped-def]
     """What the start-up runs through the model (on CUDA a profiling prefill of one token
     repeated, which routes everything to two experts) is not counted as served."""
-    import hybridgen.gpu_daemon.engine as engine_module
+    import hybridgen.engine.engine as engine_module
 
     path = checkpoint("mixtral")
     measure = engine_module.measure_regions
@@ -307,7 +307,7 @@ def test_moe_counters_start_with_the_first_served_step(
 def test_a_stalled_cpu_timing_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """One token timed slower than sixteen is a stall, not the CPU's speed: both are timed
     again (up to CALIBRATION_ATTEMPTS), so the model does not keep the CPU out for good."""
-    from hybridgen.models import expert_latency
+    from hybridgen.experts import latency as expert_latency
 
     timings = iter([12e-3, 10.9e-3, 1.5e-3, 10.9e-3])  # 1 token, 16 tokens, then again
     monkeypatch.setattr(expert_latency, "best_of", lambda runs, fn, device: next(timings))
@@ -325,7 +325,7 @@ def test_a_stalled_cpu_timing_is_taken_again(monkeypatch: pytest.MonkeyPatch) ->
 def test_calibration_is_affine_and_takes_configured_bandwidths() -> None:
     """The CPU is timed at 1 and 16 tokens (a fixed read plus a cost per token); a configured
     host or device bandwidth replaces the measured weight-read time."""
-    from hybridgen.models.expert_latency import calibrate
+    from hybridgen.experts.latency import calibrate
 
     store = _store()
     cache = ExpertCache(2, store, torch.device("cpu"), MoeStats())

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridgen.config import (
+from hybridgen.config.engine import ConfigError as EngineConfigError
+from hybridgen.config.engine import EngineConfig
+from hybridgen.config.file import (
     ConfigError,
     HybridGenConfig,
     load_config,
     parse_config,
 )
-from hybridgen.engine_config import ConfigError as EngineConfigError
-from hybridgen.engine_config import EngineConfig
 from hybridgen.models.default_model import DEFAULT_MODEL
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "hybridgen_config.example.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgen.config import ConfigError, parse_config, parse_cpu_list
+from hybridgen.config.file import ConfigError, parse_config, parse_cpu_list
 from tests.test_config import _with
 
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from hybridgen.cli.main import main
-from hybridgen.config import ConfigError, HybridGenConfig, load_config
-from hybridgen.config_layers import (
+from hybridgen.config.file import ConfigError, HybridGenConfig, load_config
+from hybridgen.config.layers import (
     config_document,
     format_layered,
     layered_config,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.config import ConfigError, parse_config
-from hybridgen.gpu_daemon.degrade import DEGRADE_WARM_SHARE
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.info import engine_regions
+from hybridgen.config.file import ConfigError, parse_config
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import engine_regions
+from hybridgen.placement.degrade import DEGRADE_WARM_SHARE
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -100,7 +100,7 @@ def test_regions_measured_slower_on_the_cpu_stay_put(checkpoint) -> None:  # typ
     """A shift must pay: where the start-up timing found the CPU slower (sample placed on
     the device, attn_warm's probe placing the Warm blocks there), the degrade path leaves the
     region alone; a pinned placements.softmax: cpu still moves the pick."""
-    from hybridgen.gpu_daemon.degrade import Degrade
+    from hybridgen.placement.degrade import Degrade
 
     engine = _engine(checkpoint("llama3"), num_kv_blocks=6, warm_pool_mb=2, attn_warm="gpu")
     warm, vocab = engine.warm, engine.spec.vocab_size

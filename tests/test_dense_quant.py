@@ -145,8 +145,8 @@ def test_quantize_error_is_bounded(fmt: str, bound: float) -> None:
 def test_repacked_gguf_gives_the_native_tokens(tmp_path, qtype: str, fmt: str) -> None:  # type: ignore[no-untyped-def]
     """A GGUF's Q4_0/Q4_1/Q8_0 blocks repacked hold exactly the dequantized values, so the
     int4/int8 engine decodes as the native one (CPU, fp32); weights.format is honoured."""
-    from hybridgen.config import parse_config
-    from hybridgen.gpu_daemon.engine import Engine
+    from hybridgen.config.file import parse_config
+    from hybridgen.engine.engine import Engine
     from hybridgen.models.dense_quant import QuantLinear
     from hybridgen.sampling.params import SamplingParams
     from tests.test_gguf import _prompts, tiny_gguf

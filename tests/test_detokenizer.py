@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tests.checkpoints as ck
-from hybridgen.cpu_daemon.detokenizer import IncrementalDetokenizer
 from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.serving.detokenizer import IncrementalDetokenizer
 
 STYLES = ("llama3", "qwen2", "llama2", "synthetic")
 FFFD = "\ufffd"

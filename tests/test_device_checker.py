@@ -14,7 +14,7 @@ import pytest
 import structlog
 import torch
 
-from hybridgen.engine_config import ConfigError
+from hybridgen.config.engine import ConfigError
 from hybridgen.tools import device_checker as dc
 
 GPU_PCI = "0000:17:00.0"

@@ -18,7 +18,7 @@ import pytest
 from hybridgen.benchmarks.e2e_benchmark import BenchmarkError, check_fit, main, write_config
 from hybridgen.benchmarks.e2e_plot import PERCENTILES, RequestResult, percentile, summarize
 from hybridgen.benchmarks.prompt_file import load_prompts
-from hybridgen.config import load_config
+from hybridgen.config.file import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.sampling.params import SamplingParams
 from tests.conftest import KINDS
 from tests.hf_reference import hf_greedy, sample_prompts

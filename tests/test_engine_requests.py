@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
-from hybridgen.gpu_daemon.sequence import FinishReason
+from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.sequence import FinishReason
+from hybridgen.engine.validation import InvalidRequest
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
 
@@ -114,7 +115,7 @@ def test_budget_accounting_holds_on_cpu(hot_codec: str) -> None:
     prompts = [list(range(1, 300)) for _ in range(40)]
     engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert engine.stats.peak_blocks_used <= plan.num_blocks
-    from hybridgen.gpu_daemon.memory import BudgetTooSmall
+    from hybridgen.engine.memory import BudgetTooSmall
 
     with pytest.raises(BudgetTooSmall, match=r"device_topology\.gpu\.memory_mb=64"):
         Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=64, max_model_len=1024))

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridgen.config import ConfigError, parse_config
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.models.expert_format import GROUP, PackedMatrices, swiglu_packed
+from hybridgen.config.engine import EngineConfig
+from hybridgen.config.file import ConfigError, parse_config
+from hybridgen.engine.engine import Engine
+from hybridgen.experts.format import GROUP, PackedMatrices, swiglu_packed
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import sample_prompts
 

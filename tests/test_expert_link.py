@@ -9,14 +9,14 @@ import uuid
 import pytest
 import torch
 
-from hybridgen.cpu_daemon.expert_link import (
+from hybridgen.experts.arena import ExpertArena
+from hybridgen.experts.link import (
     ExpertLinkClient,
     ExpertLinkWorker,
     decode_request,
     encode_request,
 )
 from hybridgen.ipc import shm
-from hybridgen.models.expert_arena import ExpertArena
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import SparseMoeBlock
 

@@ -30,10 +30,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hybridgen.gateway.metrics import Metrics
-from hybridgen.gateway.server import ServerConfig, build
-from hybridgen.gateway.service import SERVICE_NAME
 from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.serving.metrics import Metrics
+from hybridgen.serving.server import ServerConfig, build
+from hybridgen.serving.service import SERVICE_NAME
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -103,7 +103,7 @@ def server(checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     args += ["--max-queue", "1", "--max-num-seqs", "2", "--max-model-len", str(MAX_MODEL_LEN)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridgen.gateway.server", *args], stdout=out, stderr=out
+            [sys.executable, "-m", "hybridgen.gateway.standalone", *args], stdout=out, stderr=out
         )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hybridgen.config_sections import TlsConfig
-from hybridgen.engine_config import ConfigError
-from hybridgen.gateway.auth import ApiKeys
+from hybridgen.config.engine import ConfigError
+from hybridgen.config.sections import TlsConfig
+from hybridgen.serving.auth import ApiKeys
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.gateway_harness import InProcessGateway, ScriptedBackend, serving
@@ -204,6 +204,6 @@ def _write(path: Path, text: str) -> Path:
 
 
 def _config(**settings: object):  # type: ignore[no-untyped-def]
-    from hybridgen.gateway.server import ServerConfig
+    from hybridgen.serving.server import ServerConfig
 
     return ServerConfig(port=0, metrics_port=0, **settings)  # type: ignore[arg-type]

@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 import pytest
 
-from hybridgen.config import parse_config
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gateway.backend import EngineBackend
-from hybridgen.gateway.server import ServerConfig
-from hybridgen.startup_error import EXIT_STARTUP
+from hybridgen.config.engine import EngineConfig
+from hybridgen.config.file import parse_config
+from hybridgen.runtime.startup_error import EXIT_STARTUP
+from hybridgen.serving.engine_backend import EngineBackend
+from hybridgen.serving.server import ServerConfig
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.gateway_harness import InProcessGateway, ScriptedBackend, serving

@@ -31,12 +31,12 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
-from hybridgen.gateway.delta import Delta, Finish
-from hybridgen.gateway.metrics import Metrics
 from hybridgen.gateway.proxy_backend import POLL_S, ProxyBackend
-from hybridgen.gateway.server import ServerConfig, build, remove_stale_socket
-from hybridgen.gateway.service import SERVICE_NAME
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.metrics import Metrics
+from hybridgen.serving.server import ServerConfig, build, remove_stale_socket
+from hybridgen.serving.service import SERVICE_NAME
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -44,7 +44,7 @@ from tests.test_gateway import GRPCURL, START_TIMEOUT_S, _free_port, _json_strea
 
 MAX_MODEL_LEN = 512
 _SERVING = health_pb2.HealthCheckResponse.SERVING
-_SERVER = [sys.executable, "-m", "hybridgen.gateway.server", "--log-console"]
+_SERVER = [sys.executable, "-m", "hybridgen.gateway.standalone", "--log-console"]
 
 
 class Upstream:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.gguf_file import GgufFile
 from hybridgen.models.loader import load_tokenizer, model_spec

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.info import memory_info
-from hybridgen.gpu_daemon.moe_graphs import MoeDecodeGraphs
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import memory_info
+from hybridgen.engine.moe_graphs import MoeDecodeGraphs
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, sample_prompts
 
@@ -264,8 +264,8 @@ def test_cuda_oom_in_a_step_ends_only_its_requests(checkpoint) -> None:  # type:
     """A real CUDA out-of-memory inside a step (the fault drill allocates more than the
     device has): the request in that step ends with RESOURCE_EXHAUSTED, its KV is freed, the
     queued requests then get HF's tokens, and the device keeps working."""
-    from hybridgen.gpu_daemon.step_faults import FaultDrill
-    from hybridgen.step_errors import ErrorCode
+    from hybridgen.engine.step_errors import ErrorCode
+    from hybridgen.engine.step_faults import FaultDrill
 
     path = checkpoint("llama3")
     prompts = sample_prompts(path, 3, [9, 14, 6])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.gpu_daemon.heartbeat import NO_SEQ_SLOTS, PEER_DEAD
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
 from hybridgen.ipc.messages import StepResult, decode_step_result, encode_new_seq

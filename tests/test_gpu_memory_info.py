@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hybridgen.benchmarks.e2e_plot import gpu_mem_peak
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gateway.backend import EngineBackend
-from hybridgen.gateway.metrics import Metrics
-from hybridgen.gateway.service import model_info_to_pb
-from hybridgen.gpu_daemon import info as info_module
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine import info as info_module
+from hybridgen.serving.engine_backend import EngineBackend
+from hybridgen.serving.metrics import Metrics
+from hybridgen.serving.service import model_info_to_pb
 from hybridgen.v1 import generation_pb2 as pb
 
 GAUGE = "hybridgen_gpu_memory_peak_reserved_bytes"

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from hybridgen.benchmarks.engine_bench import random_prompts
-from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.sampling.params import SamplingParams
 
 TOKENS = 256

@@ -26,7 +26,7 @@ from hybridgen.kernels.kv_quant import (
     dequantize_tokens,
     hot_kv_bytes_per_token,
 )
-from hybridgen.kvcodec import BlockSpec, Int4Codec, Int8Codec
+from hybridgen.kvtiers.codec import BlockSpec, Int4Codec, Int8Codec
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import RopeSpec
 from tests.kernel_helpers import DEVICE, FP32_TOL, LOW_TOL, randn, rel_err, tol

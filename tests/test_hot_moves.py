@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from hybridgen.gpu_daemon.block_pool import BlockPool
-from hybridgen.gpu_daemon.sequence import Sequence
-from hybridgen.gpu_daemon.warm_offload import WarmOffload
-from hybridgen.gpu_daemon.warm_tier import WarmTier, warm_codec_for
-from hybridgen.kvcodec.warm_pool import HEADER_SIZE, slot_bytes_for
+from hybridgen.engine.block_pool import BlockPool
+from hybridgen.engine.sequence import Sequence
+from hybridgen.kvtiers.warm_offload import WarmOffload
+from hybridgen.kvtiers.warm_pool import HEADER_SIZE, slot_bytes_for
+from hybridgen.kvtiers.warm_tier import WarmTier, warm_codec_for
 from hybridgen.models.presets import PRESETS
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import reference_tokens, small_engine

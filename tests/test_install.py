@@ -87,9 +87,9 @@ def test_serving_runs_without_the_tools() -> None:
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
-    gateway = [sys.executable, "-c", BLOCKER, blocked, "hybridgen.gateway.server", "--help"]
+    gateway = [sys.executable, "-c", BLOCKER, blocked, "hybridgen.gateway.standalone", "--help"]
     assert subprocess.run(gateway, capture_output=True, timeout=120).returncode == 0
-    offline = ["hybridgen.gpu_daemon.offline", "Hello", "--max-tokens", "4", "--device", "cpu"]
+    offline = ["hybridgen.cli.offline", "Hello", "--max-tokens", "4", "--device", "cpu"]
     done = subprocess.run(
         [sys.executable, "-c", BLOCKER, blocked, *offline],
         capture_output=True,

@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch import Tensor
 
+from hybridgen.experts.format import GROUP, PackedMatrices
 from hybridgen.kernels import ops, reference
 from hybridgen.kernels import triton_activation as t_act
 from hybridgen.kernels import triton_gemv as t_gemv
 from hybridgen.kernels import triton_norm as t_norm
 from hybridgen.kernels import triton_quant_gemv as t_qgemv
 from hybridgen.kernels import triton_rope_cache as t_rope
-from hybridgen.models.expert_format import GROUP, PackedMatrices
 from tests.kernel_helpers import DEVICE, FP32_TOL, randn, rel_err, tol
 
 # ----------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from hybridgen.kvcodec import CODECS, CorruptRecord, Lz4Codec, get_codec
-from hybridgen.kvcodec.quant import pack_u4, unpack_u4
+from hybridgen.kvtiers.codec import CODECS, CorruptRecord, Lz4Codec, get_codec
+from hybridgen.kvtiers.quant import pack_u4, unpack_u4
 
 S, H, D = 16, 4, 128  # block_size, num_kv_heads, head_dim
 EXACT, LOSSY = ("lossless", "lz4"), ("int8", "int4")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.memory import BudgetTooSmall, workspace_bytes
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.memory import BudgetTooSmall, workspace_bytes
 from hybridgen.models.presets import preset_spec
 
 

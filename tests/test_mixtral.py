@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.cuda_graphs import graph_sizes
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.memory import graph_batch_size, workspace_bytes
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.cuda_graphs import graph_sizes
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.memory import graph_batch_size, workspace_bytes
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.loader import copy_weights, load_model
 from hybridgen.models.moe import SparseMoeBlock

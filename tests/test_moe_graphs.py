@@ -1,4 +1,4 @@
-"""A MoE model's piecewise decode (gpu_daemon/moe_graphs.py): one piece per layer up to its
+"""A MoE model's piecewise decode (engine/moe_graphs.py): one piece per layer up to its
 router's pick, the experts placed on the host between the pieces, a last piece to the logits.
 
 On the CPU the pieces run eagerly (`graphed=False`) through the same static buffers, padding
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.moe_graphs import MoeDecodeGraphs
-from hybridgen.gpu_daemon.startup import place_moe_gate
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.moe_graphs import MoeDecodeGraphs
+from hybridgen.engine.startup import place_moe_gate
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, sample_prompts
 

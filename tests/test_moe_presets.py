@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine, load_configured
-from hybridgen.gpu_daemon.memory import BudgetTooSmall
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine, load_configured
+from hybridgen.engine.memory import BudgetTooSmall
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
@@ -88,7 +88,7 @@ def test_auto_cache_takes_what_the_budget_leaves() -> None:
 def test_host_tiers_must_fit_the_host_budget() -> None:
     """device_topology.cpu.memory_mb bounds the Warm and Cold tiers and the experts; a budget
     too small is an error naming the keys, before anything is allocated."""
-    from hybridgen.config import parse_config
+    from hybridgen.config.file import parse_config
 
     too_small = parse_config(
         {
@@ -108,7 +108,7 @@ def test_host_tiers_must_fit_the_host_budget() -> None:
 def test_shared_memory_must_hold_the_pool_and_the_arena(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Warm pool and (under the daemons) the expert arena live in /dev/shm: when it is too
     small the engine says so at once, instead of dying of SIGBUS on the first write past it."""
-    from hybridgen.gpu_daemon import host_memory
+    from hybridgen.engine import host_memory
 
     monkeypatch.setattr(host_memory, "shm_free_bytes", lambda: 8 * 2**20)
     config = EngineConfig(model="tiny-mixtral", device="cpu", warm_pool_mb=16)
@@ -123,7 +123,7 @@ def test_a_loaded_models_arena_is_not_counted_twice(
     """An engine given a loaded model (moe_bench skews its routers first) finds the arena
     already in /dev/shm: what is free there no longer includes it, so only the rest is
     checked (mixtral-8x22b's 72.5 GB arena was refused against the 55 GB left beside it)."""
-    from hybridgen.gpu_daemon import host_memory
+    from hybridgen.engine import host_memory
 
     config = EngineConfig(model="tiny-mixtral", device="cpu", expert_cache_slots=4,
                           expert_format="int4", shm_instance=instance)  # fmt: skip

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.config import parse_config
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.info import engine_regions
-from hybridgen.op_regions import GPU_BOUND_LAYER, format_table
+from hybridgen.config.file import parse_config
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import engine_regions
+from hybridgen.placement.op_regions import GPU_BOUND_LAYER, format_table
 
 
 def _engine(path: Path, yaml: dict[str, object]) -> Engine:
@@ -55,9 +55,9 @@ def test_start_up_measurement_places_sample_and_kv_codec(checkpoint, monkeypatch
     asked for (measure_regions), and kv_codec's timing is replaced to force the CPU side."""
     import dataclasses
 
-    from hybridgen.gpu_daemon import startup
-    from hybridgen.gpu_daemon.region_timing import SAMPLE_ROUND_TRIP_MS
-    from hybridgen.tuning_profile import RegionProfile
+    from hybridgen.engine import startup
+    from hybridgen.placement.region_timing import SAMPLE_ROUND_TRIP_MS
+    from hybridgen.placement.tuning_profile import RegionProfile
 
     path = checkpoint("llama3")
     forced = RegionProfile("cpu", None, {"cpu_ms": 0.1, "gpu_ms": 0.5})

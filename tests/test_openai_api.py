@@ -16,13 +16,13 @@ from typing import Any
 import openai
 import pytest
 
-from hybridgen.gateway.delta import Delta, Finish
-from hybridgen.gateway.http_server import HttpServer
-from hybridgen.gateway.metrics import Metrics
-from hybridgen.gateway.openai_http import OpenAIApi
-from hybridgen.gateway.service import GenerationService
-from hybridgen.gpu_daemon.validation import validate_request
+from hybridgen.engine.validation import validate_request
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.http_server import HttpServer
+from hybridgen.serving.metrics import Metrics
+from hybridgen.serving.openai_http import OpenAIApi
+from hybridgen.serving.service import GenerationService
 
 MAX_QUEUE = 4
 

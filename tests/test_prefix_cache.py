@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.prefix_cache import EXPLORE_EVERY, KeepGate, PrefixHits
-from hybridgen.gpu_daemon.warm_tier import warm_codec_for
-from hybridgen.kvcodec.warm_pool import HEADER_SIZE, slot_bytes_for
+from hybridgen.engine.engine import Engine
+from hybridgen.kvtiers.prefix_cache import EXPLORE_EVERY, KeepGate, PrefixHits
+from hybridgen.kvtiers.warm_pool import HEADER_SIZE, slot_bytes_for
+from hybridgen.kvtiers.warm_tier import warm_codec_for
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -95,9 +95,9 @@ def check_model_info_and_metrics(engine: Engine) -> None:
     """The prefix counters by tier survive GetModelInfo's protobuf and land in the Prometheus
     gauges (the spill decisions': test_spill_policy.py)."""
     from hybridgen.cli.explain import prefix_lines
-    from hybridgen.gateway.metrics import Metrics
-    from hybridgen.gateway.service import model_info_to_pb
-    from hybridgen.gpu_daemon.info import engine_info
+    from hybridgen.engine.info import engine_info
+    from hybridgen.serving.metrics import Metrics
+    from hybridgen.serving.service import model_info_to_pb
 
     stats = engine.tier_stats()
     pb = model_info_to_pb({**engine_info(engine), **stats, "max_queue": 1})

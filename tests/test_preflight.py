@@ -25,8 +25,8 @@ from hybridgen.cli.preflight import (
     preflight,
     server_ports,
 )
-from hybridgen.config import HybridGenConfig
-from hybridgen.config_layers import layered_config
+from hybridgen.config.file import HybridGenConfig
+from hybridgen.config.layers import layered_config
 from hybridgen.ipc.shm import list_instance
 from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
 from hybridgen.models.errors import bad_model_path
@@ -210,9 +210,9 @@ def test_checks_run_in_order_ports_first(tmp_path: Path, listener: int) -> None:
 def test_cpu_budget_is_capped_at_the_free_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the budget is host memory, which the Hot pool fills: one above what is
     available could not be allocated (--gpu-memory-mb 24576 on a 24 GB machine)."""
-    from hybridgen.engine_config import EngineConfig
-    from hybridgen.gpu_daemon import host_memory
-    from hybridgen.gpu_daemon.memory import MIB, budget_bytes
+    from hybridgen.config.engine import EngineConfig
+    from hybridgen.engine import host_memory
+    from hybridgen.engine.memory import MIB, budget_bytes
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 10_000 * MIB)
     cpu = torch.device("cpu")

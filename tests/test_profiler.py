@@ -16,21 +16,21 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
-from hybridgen.config import ConfigError, load_config
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon import engine as engine_module
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.info import engine_regions
-from hybridgen.gpu_daemon.region_timing import choose_placement
-from hybridgen.sampling.params import SamplingParams
-from hybridgen.tools import profiler
-from hybridgen.tuning_profile import (
+from hybridgen.config.engine import EngineConfig
+from hybridgen.config.file import ConfigError, load_config
+from hybridgen.engine import engine as engine_module
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import engine_regions
+from hybridgen.placement.region_timing import choose_placement
+from hybridgen.placement.tuning_profile import (
     RegionProfile,
     TuningProfile,
     load_profile,
     resolve_placements,
     save_profile,
 )
+from hybridgen.sampling.params import SamplingParams
+from hybridgen.tools import profiler
 from tests.hf_reference import sample_prompts
 
 PROFILER = str(Path(sys.executable).with_name("hybridgen-profiler"))

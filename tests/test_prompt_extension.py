@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine, InvalidRequest
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.validation import InvalidRequest
 from hybridgen.sampling.params import SamplingParams
 
 NEW = 12

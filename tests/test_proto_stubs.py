@@ -30,9 +30,9 @@ def test_stubs_match_the_proto(tmp_path: Path) -> None:
         capture_output=True,
     )
     for name in STUBS:
-        committed = (ROOT / "shared" / "v1" / name).read_bytes()
+        committed = (ROOT / "shared" / "hybridgen" / "v1" / name).read_bytes()
         assert (tmp_path / name).read_bytes() == committed, (
-            f"shared/v1/{name} is stale: run scripts/gen_proto.sh and commit the result"
+            f"shared/hybridgen/v1/{name} is stale: run scripts/gen_proto.sh and commit the result"
         )
 
 

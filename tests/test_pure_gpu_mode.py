@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.config import (
+from hybridgen.config.engine import EngineConfig
+from hybridgen.config.file import (
     ConfigError,
     HybridGenConfig,
     KvCacheConfig,
@@ -21,9 +22,8 @@ from hybridgen.config import (
     load_config,
     parse_config,
 )
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.info import engine_info, memory_info
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import engine_info, memory_info
 from hybridgen.v1 import generation_pb2 as pb
 from tests.hf_reference import hf_greedy, sample_prompts
 from tests.test_config import EXAMPLE

@@ -338,7 +338,7 @@ def runtime_installed(s: Session, done: Done) -> None:
     recorded("sudo git clone")(s, done)
     py = s.tmp / "opt/hybridgen/.venv/bin/python"
     tools = ("pytest", "transformers", "ruff", "mypy", "hypothesis")
-    probe = "import importlib.util as u, hybridgen.gpu_daemon.main, hybridgen.gateway.server\n"
+    probe = "import importlib.util as u, hybridgen.gpu_daemon.main, hybridgen.serving.server\n"
     probe += f"print([m for m in {tools} if u.find_spec(m)])"
     found = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, timeout=300)
     assert found.returncode == 0, found.stderr

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from hybridgen.config.engine import EngineConfig
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.step_errors import ErrorCode
 from hybridgen.ipc import shm
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
 from hybridgen.ipc.messages import (
@@ -33,7 +34,6 @@ from hybridgen.ipc.peer import STALL_TIMEOUT_S, pid_alive
 from hybridgen.ipc.ring import HEADER_SIZE, SLOT_SIZE, SLOT_TICKET_OFFSET, Ring
 from hybridgen.ipc.ticket import CorruptPayload, Op, Ticket
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.step_errors import ErrorCode
 from tests.test_gpu_daemon import GREEDY, collect, daemon, send  # noqa: F401 - a fixture
 
 # -- the pieces ---------------------------------------------------------------------------

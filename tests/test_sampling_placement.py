@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.sampling.candidates import Candidates, sample_candidates
 from hybridgen.sampling.noise import gumbel_at, gumbel_noise, row_keys
 from hybridgen.sampling.params import SamplingParams

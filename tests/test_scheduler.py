@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from hybridgen.gpu_daemon.block_pool import BlockPool
-from hybridgen.gpu_daemon.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from hybridgen.gpu_daemon.sequence import Sequence, Status
+from hybridgen.engine.block_pool import BlockPool
+from hybridgen.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from hybridgen.engine.sequence import Sequence, Status
 from hybridgen.sampling.params import SamplingParams
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen import sd_notify
+from hybridgen.runtime import sd_notify
 
 
 @pytest.fixture

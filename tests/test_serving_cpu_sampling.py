@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.v1 import generation_pb2 as pb
 from tests.hf_reference import hf_greedy, sample_prompts

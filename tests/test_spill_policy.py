@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.spill_policy import Costs, Job, rule, weigh
+from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.spill_policy import Costs, Job, rule, weigh
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -182,9 +182,9 @@ def check_model_info_and_metrics(engine: Engine, policy: str, choice: str) -> No
     """The decisions, the last one with its predictions and inputs, survive GetModelInfo's
     protobuf and land in the Prometheus gauges."""
     from hybridgen.cli.explain import spill_lines
-    from hybridgen.gateway.metrics import Metrics
-    from hybridgen.gateway.service import model_info_to_pb
-    from hybridgen.gpu_daemon.info import engine_info
+    from hybridgen.engine.info import engine_info
+    from hybridgen.serving.metrics import Metrics
+    from hybridgen.serving.service import model_info_to_pb
 
     stats = engine.tier_stats()
     pb = model_info_to_pb({**engine_info(engine), **stats, "max_queue": 1})
@@ -226,7 +226,7 @@ def test_serve_flag_and_variable_set_the_policy() -> None:
     """kv_cache.spill_policy is `hybridgen serve --kv-spill-policy` and
     HYBRIDGEN_KV_SPILL_POLICY (the flag over the variable), down to the engine's config; a bad
     value names the flag and the allowed ones."""
-    from hybridgen.config_layers import flag_for, layered_config
+    from hybridgen.config.layers import flag_for, layered_config
 
     assert flag_for("kv_cache.spill_policy") == "--kv-spill-policy"
     env = {"HYBRIDGEN_KV_SPILL_POLICY": "always"}

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hybridgen.ipc.shm import list_instance
-from hybridgen.startup_error import STATUS_PREFIX
+from hybridgen.runtime.startup_error import STATUS_PREFIX
 
 CLI = [sys.executable, "-m", "hybridgen.cli.main"]
 

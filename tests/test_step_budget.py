@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.block_pool import BlockPool
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.scheduler import Scheduler, SchedulerConfig
-from hybridgen.gpu_daemon.sequence import Sequence
-from hybridgen.gpu_daemon.step_budget import MIN_TOKENS, StepBudget, key_weight
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.block_pool import BlockPool
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.scheduler import Scheduler, SchedulerConfig
+from hybridgen.engine.sequence import Sequence
+from hybridgen.engine.step_budget import MIN_TOKENS, StepBudget, key_weight
 from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import SamplingParams
 

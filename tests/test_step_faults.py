@@ -10,11 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.step_faults import FAULT_ENV, FaultDrill
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.step_errors import ErrorCode
+from hybridgen.engine.step_faults import FAULT_ENV, FaultDrill
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.step_errors import ErrorCode
 from hybridgen.v1 import generation_pb2 as pb
 from tests.hf_reference import hf_greedy, sample_prompts
 from tests.test_serving import Server, find_pid, wait_serving

@@ -7,8 +7,8 @@ import threading
 import time
 import uuid
 
-from hybridgen.engine_config import EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
 from hybridgen.gpu_daemon.heartbeat import GpuHeartbeat, StepVouch
 from hybridgen.ipc import shm
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload

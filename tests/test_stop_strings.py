@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridgen.cpu_daemon.detokenizer import IncrementalDetokenizer
-from hybridgen.cpu_daemon.stop_strings import (
+from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.serving.detokenizer import IncrementalDetokenizer
+from hybridgen.serving.stop_strings import (
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     StopStringError,
     StopStringMatcher,
 )
-from hybridgen.models.tokenizer import Tokenizer
 
 HYPOTHESIS = settings(deadline=None, max_examples=100)
 

@@ -147,7 +147,7 @@ def test_a_child_that_outlives_a_dead_parent_at_once_exits(tmp_path: Path) -> No
 
 
 def test_policy_stop_timeout_outlasts_the_gateways_drain() -> None:
-    from hybridgen.gateway.server import ServerConfig
+    from hybridgen.serving.server import ServerConfig
 
     assert Policy().stop_timeout_s > ServerConfig().grace_s
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen.startup_error import EXIT_STARTUP
+from hybridgen.runtime.startup_error import EXIT_STARTUP
 
 UNIT_DIR = Path(__file__).resolve().parents[1] / "systemd"
 SERVICES = {

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridgen import log as hlog
 from hybridgen.cli.terminal import Terminal
-from hybridgen.log import PROGRESS_STATUS
+from hybridgen.runtime import log as hlog
+from hybridgen.runtime.log import PROGRESS_STATUS
 
 
 def test_progress_statuses_are_bars_on_a_terminal() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridgen.config import parse_config
-from hybridgen.gpu_daemon.info import engine_regions
-from hybridgen.gpu_daemon.tuner import MAX_OVERHEAD, Tuner
+from hybridgen.config.file import parse_config
+from hybridgen.engine.info import engine_regions
+from hybridgen.placement.tuner import MAX_OVERHEAD, Tuner
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts

@@ -20,16 +20,16 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.cpu_daemon.warm_attention import (
+from hybridgen.kernels.reference import merge_attention_partials, paged_decode_attention
+from hybridgen.kvtiers.codec import get_codec
+from hybridgen.kvtiers.warm_attention import (
     WarmAttnStats,
     WarmSpan,
     _decode,
     _Layer,
     warm_decode_attention,
 )
-from hybridgen.kernels.reference import merge_attention_partials, paged_decode_attention
-from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import WarmPool
+from hybridgen.kvtiers.warm_pool import WarmPool
 
 S, HKV, D, L = 16, 2, 64, 2  # block_size, num_kv_heads, head_dim, layers per slot
 LAYER = 1

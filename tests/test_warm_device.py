@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.gpu_daemon.warm_device import WarmDeviceView, device_view, gather_reference
-from hybridgen.gpu_daemon.warm_tier import WarmTier
 from hybridgen.kernels import triton_block_gather as t_gather
 from hybridgen.kernels import triton_paged_decode as t_decode
 from hybridgen.kernels.kv_quant import QuantKvCache
-from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import WarmPool
+from hybridgen.kvtiers.codec import get_codec
+from hybridgen.kvtiers.warm_device import WarmDeviceView, device_view, gather_reference
+from hybridgen.kvtiers.warm_pool import WarmPool
+from hybridgen.kvtiers.warm_tier import WarmTier
 from hybridgen.models.presets import PRESETS
 
 S, HKV, D, L, HQ = 16, 2, 64, 3, 8

@@ -1,4 +1,4 @@
-"""Self-speculative decoding over the Warm tier (gpu_daemon/warm_drafts.py): drafts attending
+"""Self-speculative decoding over the Warm tier (kvtiers/warm_drafts.py): drafts attending
 Hot alone, checked over Hot and Warm in one step. The tokens must be exactly plain decoding's
 (HF's, greedy; the same seeded samples), whatever the drafts are, and Warm must be read once
 per round instead of once per token."""
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.scheduler import ScheduledBatch
-from hybridgen.gpu_daemon.sequence import Sequence
-from hybridgen.gpu_daemon.warm_drafts import STACKED_HEADS, WarmDrafts
-from hybridgen.gpu_daemon.warm_tier import WarmTier
+from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.engine.scheduler import ScheduledBatch
+from hybridgen.engine.sequence import Sequence
+from hybridgen.kvtiers.warm_drafts import STACKED_HEADS, WarmDrafts
+from hybridgen.kvtiers.warm_tier import WarmTier
 from hybridgen.models.presets import PRESETS
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import small_engine

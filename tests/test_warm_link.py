@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybridgen.cpu_daemon.warm_attention import WarmSpan, warm_decode_attention
-from hybridgen.cpu_daemon.warm_link import WarmLinkClient, WarmLinkDown, WarmLinkWorker
 from hybridgen.ipc import shm
-from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.warm_pool import WarmPool
+from hybridgen.kvtiers.codec import get_codec
+from hybridgen.kvtiers.warm_attention import WarmSpan, warm_decode_attention
+from hybridgen.kvtiers.warm_link import WarmLinkClient, WarmLinkDown, WarmLinkWorker
+from hybridgen.kvtiers.warm_pool import WarmPool
 
 L, S, HKV, D, HQ = 2, 8, 2, 16, 4
 

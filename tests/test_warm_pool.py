@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from hybridgen.ipc import shm
-from hybridgen.kvcodec import get_codec
-from hybridgen.kvcodec.prefix_index import PrefixIndex
-from hybridgen.kvcodec.warm_pool import (
+from hybridgen.kvtiers.codec import get_codec
+from hybridgen.kvtiers.prefix_index import PrefixIndex
+from hybridgen.kvtiers.warm_pool import (
     CONFIG_KEY,
     HEADER_SIZE,
     WarmPool,
@@ -338,7 +338,7 @@ def test_eviction_weighs_reuse_beside_recency(pool: WarmPool) -> None:
     """A prefix hit again and again (a shared system prompt) outlives a more recent one never
     hit (pure LRU would evict it first); the tail goes before its head, and each victim
     passes through `demote` while its slot is readable."""
-    from hybridgen.kvcodec import prefix_index
+    from hybridgen.kvtiers import prefix_index
 
     index = PrefixIndex(pool)
     clock = iter(range(0, 10_000, 10))

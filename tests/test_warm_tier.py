@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from hybridgen.engine_config import ConfigError, EngineConfig
-from hybridgen.gpu_daemon.engine import Engine
-from hybridgen.gpu_daemon.scheduler import ScheduledBatch
+from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.scheduler import ScheduledBatch
 from hybridgen.sampling.params import SamplingParams
 from tests.engine_helpers import reference_tokens, small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -53,7 +53,7 @@ def test_split_copies_the_cpu_queries_before_queuing_the_device_share(  # type: 
     """Mode (c) overlaps: at every layer the CPU share's queries reach the host before the
     device's share is queued (on CUDA a copy after it would wait for that share to finish,
     and the two would run one after the other), and the CPU computes from that copy."""
-    from hybridgen.gpu_daemon import warm_context
+    from hybridgen.kvtiers import warm_context
 
     path = checkpoint("llama3")
     engine = small_engine(
@@ -161,9 +161,9 @@ def test_warm_tier_settings_are_checked(checkpoint) -> None:  # type: ignore[no-
 def test_tier_stats_reach_model_info_and_metrics(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """After Warm use, the engine's tier figures are set, survive GetModelInfo's protobuf,
     and land in the Prometheus gauges."""
-    from hybridgen.gateway.metrics import Metrics
-    from hybridgen.gateway.service import model_info_to_pb
-    from hybridgen.gpu_daemon.info import engine_info
+    from hybridgen.engine.info import engine_info
+    from hybridgen.serving.metrics import Metrics
+    from hybridgen.serving.service import model_info_to_pb
 
     path = checkpoint("llama3")
     engine = small_engine(
@@ -265,7 +265,7 @@ def test_warm_pool_is_named_after_the_server_instance(checkpoint) -> None:  # ty
 def test_unpinned_attn_warm_is_measured(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Without a pin (auto) the engine picks the placement: the CPU on a CPU-only engine;
     on CUDA from measured times, through choose_placement."""
-    from hybridgen.gpu_daemon.region_timing import choose_placement
+    from hybridgen.placement.region_timing import choose_placement
 
     engine = small_engine(checkpoint("llama3"), num_kv_blocks=8, warm_pool_mb=1, attn_warm="auto")
     assert engine.warm is not None and engine.warm.mode == "cpu"
@@ -316,7 +316,7 @@ def test_private_warm_pool_leaves_nothing_in_dev_shm(checkpoint) -> None:  # typ
 def test_cold_store_counts_a_re_aged_prefix_once() -> None:
     """The same prefix can age into Cold twice (recomputed in between): its bytes count once,
     and the byte cap drops the least recently stored first."""
-    from hybridgen.gpu_daemon.cold_store import ColdStore
+    from hybridgen.kvtiers.cold_store import ColdStore
 
     record = bytes(range(256)) * 8
     cold = ColdStore(capacity=10_000, threshold_s=0.1)

@@ -1,0 +1,116 @@
+"""Entry point of the CPU daemon (systemd unit hybridgen-cpu.service).
+
+    python -m hybridgen.cpu_daemon.main --config C [--model M] [--instance I] --listen unix:PATH
+
+Attaches to the GPU daemon's rings, serves the public GenerationService to the gateway over
+a unix socket (detokenization, stop strings and streaming happen here), and tells systemd
+READY once the GPU daemon has reported its model. If the GPU daemon dies, in-flight
+requests end with UNAVAILABLE and the process exits non-zero so that it is restarted with
+its peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import structlog
+
+from hybridgen.config import sections as config_sections
+from hybridgen.config.file import ConfigError, load_config
+from hybridgen.cpu_daemon.ring_backend import RingBackend
+from hybridgen.experts.link import ExpertLinkWorker
+from hybridgen.ipc.channels import Channels
+from hybridgen.kvtiers.warm_link import WarmLinkWorker
+from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.loader import load_tokenizer
+from hybridgen.runtime import log as hlog
+from hybridgen.runtime.affinity import bind
+from hybridgen.runtime.startup_error import startup_failed
+from hybridgen.serving.metrics import Metrics
+from hybridgen.serving.server import ServerConfig, serve
+
+log = structlog.get_logger()
+
+PEER_DEAD = 3
+"""Exit status when the GPU daemon died: systemd (or `hybridgen serve`) restarts the pair."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="HybridGen CPU daemon")
+    ap.add_argument("--config", default=None, help="hybridgen_config.yaml (default: built-in)")
+    ap.add_argument("--model", default=None, help="override model.name_or_path")
+    ap.add_argument("--instance", default=None, help="override server.instance")
+    ap.add_argument(
+        "--listen",
+        default=None,
+        help="unix:PATH for the gateway (default: <server.runtime_dir>/cpu.sock)",
+    )
+    ap.add_argument(
+        "--attach-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the GPU daemon's rings",
+    )
+    return ap.parse_args(argv)
+
+
+async def run(backend: RingBackend, listen: str, server: config_sections.ServerConfig) -> int:
+    async def watch_peer() -> None:
+        while backend.dead is None:
+            await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # drain and stop: the streams already failed
+
+    watcher = asyncio.create_task(watch_peer())
+    # The gateway in front enforces the public limits (keys, timeouts); this socket is the
+    # daemons' own (mode 0660), and takes whatever message size the gateway lets through.
+    config = ServerConfig(
+        listen=listen,
+        metrics_port=0,
+        max_queue=server.max_queue,
+        max_message_bytes=server.max_message_bytes,
+        grace_s=2.0,
+    )
+    await serve(backend, config, Metrics(), watchdog=False)  # the heartbeat pings it
+    watcher.cancel()
+    return PEER_DEAD if backend.dead is not None else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hlog.configure(json=True)
+    try:
+        config = load_config(args.config)
+        bind(config.device_topology.cpu.cores, "device_topology.cpu.cores")
+    except ConfigError as e:
+        return startup_failed("hybridgen-cpu", str(e))
+    config = config.with_model(args.model)
+    instance = args.instance or config.server.instance
+    listen = args.listen or f"unix:{config.server.runtime_dir}/cpu.sock"
+    structlog.contextvars.bind_contextvars(process="cpu_daemon", instance=instance)
+    try:
+        tokenizer = load_tokenizer(config.model.name_or_path)
+    except ModelLoadError as e:
+        return startup_failed("hybridgen-cpu", str(e))
+    channels = Channels.attach(instance, wait=args.attach_timeout)
+    workers: list[WarmLinkWorker | ExpertLinkWorker] = []
+    if config.warm_pool_mb:  # the GPU daemon asks for attn_warm's CPU share
+        workers.append(WarmLinkWorker(instance))
+    if config.cold_weights.expert_cache_slots is not None:  # ... and Cold-Weights' CPU experts
+        workers.append(ExpertLinkWorker(instance))
+    for worker in workers:
+        worker.start()
+    try:
+        backend = RingBackend(channels, tokenizer)
+        return asyncio.run(run(backend, listen, config.server))
+    finally:
+        for worker in workers:
+            worker.stop()
+        channels.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,0 @@
-"""HybridGen: an LLM inference server that uses the CPU and the GPU as partners."""

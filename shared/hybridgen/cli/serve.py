@@ -1,0 +1,323 @@
+"""`hybridgen serve`: a flag for every config key (config_layers), the checks made before any
+daemon starts (preflight), the three daemons under the Supervisor, and what the terminal
+shows (terminal.py's progress, and the banner once serving).
+
+The daemons read the merged configuration from `config.yaml` in the instance's runtime
+folder, written here, so that flags and HYBRIDGEN_* variables reach them as the file does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from hybridgen.cli.supervisor import ChildSpec
+    from hybridgen.config.file import HybridGenConfig
+
+__all__ = ["add_arguments", "cmd_serve", "connect_host", "runtime_dir"]
+
+EXIT_OK, EXIT_STARTUP = 0, 2
+
+
+def _err(message: str) -> None:
+    print(f"hybridgen: {message}", file=sys.stderr, flush=True)
+
+
+# -- flags ------------------------------------------------------------------------------------
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """serve's own flags, then one per config key, grouped by section."""
+    from hybridgen.config.layers import settings
+
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=os.environ.get("HYBRIDGEN_CONFIG"),
+        help="hybridgen_config.yaml (env HYBRIDGEN_CONFIG); flags and HYBRIDGEN_* variables "
+        "override its keys",
+    )
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve.add_argument(
+        "--explain",
+        action="store_true",
+        help="once serving, print the op-region table: labels, placements and why",
+    )
+    serve.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the merged configuration and where each value came from, and exit",
+    )
+    groups: dict[str, Any] = {}
+    for s in settings():
+        section = s.key.rsplit(".", 1)[0] if "." in s.key else "top level"
+        if section not in groups:
+            groups[section] = serve.add_argument_group(f"config: {section}")
+        default = "null" if s.default is None else s.default
+        extra: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction} if s.is_bool else {"metavar": s.metavar}
+        )
+        groups[section].add_argument(
+            s.flag,
+            dest=s.key,
+            default=None,
+            help=f"{s.doc} [{s.key}, {s.env}; default {default}]".replace("%", "%%"),
+            **extra,
+        )
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, object]:
+    from hybridgen.config.layers import settings
+
+    return {s.key: getattr(args, s.key) for s in settings()}
+
+
+# -- the runtime folder -----------------------------------------------------------------------
+
+
+def runtime_dir(configured: str, instance: str) -> Path:
+    """The per-instance folder of sockets and logs: the configured runtime_dir if we may write
+    there (systemd creates /run/hybridgen), else $XDG_RUNTIME_DIR/hybridgen, else /tmp."""
+    bases = [Path(configured)]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        bases.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridgen")
+    bases.append(Path(f"/tmp/hybridgen-{os.getuid()}"))
+    for base in bases:
+        path = base / instance
+        try:
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+            st = path.lstat()
+        except OSError:
+            continue
+        # In a shared /tmp, someone else's folder (or a planted symlink) must not be used.
+        mine = st.st_uid == os.getuid() and stat.S_ISDIR(st.st_mode)  # lstat: no symlink
+        if mine and os.access(path, os.W_OK | os.X_OK):
+            return path
+    raise OSError(
+        f"server.runtime_dir (--runtime-dir): no writable folder among {[str(b) for b in bases]}"
+        "; give one this user may write"
+    )
+
+
+def _lock_instance(rt: Path, instance: str) -> IO[bytes] | None:
+    """An exclusive lock held while any process of the instance lives (the children inherit
+    it): a second supervisor, or one started beside orphans of a killed one, would share
+    their rings and ports."""
+    from hybridgen.cli.supervisor import lock_holders
+
+    path = rt / "serve.lock"
+    f = open(path, "ab")  # noqa: SIM115 - held open for the life of the process
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        pids = " ".join(str(p) for p in lock_holders(path)) or "unknown: another user"
+        _err(
+            f"instance '{instance}' is still running (pids {pids}, lock {path}); stop it "
+            "(kill those pids) or pick another --instance"
+        )
+        return None
+    return f
+
+
+def _write_config(config: HybridGenConfig, rt: Path) -> Path:
+    """The merged configuration as the file the daemons read."""
+    import yaml
+
+    from hybridgen.config.layers import config_document
+
+    path = rt / "config.yaml"
+    text = "# written by hybridgen serve: the merged configuration this instance runs\n"
+    path.write_text(text + yaml.safe_dump(config_document(config), sort_keys=False))
+    return path
+
+
+# -- the daemons ------------------------------------------------------------------------------
+
+
+def connect_host(host: str) -> str:
+    """Where a local client reaches a server bound to `host` (wildcards mean loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+
+
+def child_specs(config_file: Path, device: str, rt: Path, instance: str) -> list[ChildSpec]:
+    """The three processes of one instance, in start order. Each reads the merged config
+    (`--instance` also shows in `ps` which instance a process serves)."""
+    from hybridgen.cli.supervisor import ChildSpec
+
+    py = sys.executable
+    common = ("--config", str(config_file), "--instance", instance)
+    cpu_sock = rt / "cpu.sock"
+    gateway = (py, "-m", "hybridgen.gateway.main", "--upstream", f"unix:{cpu_sock}")
+    return [
+        ChildSpec(
+            "gpu",
+            (py, "-m", "hybridgen.gpu_daemon.main", *common, "--device", device),
+            log_path=rt / "gpu.log",
+        ),
+        ChildSpec(
+            "cpu",
+            (py, "-m", "hybridgen.cpu_daemon.main", *common, "--listen", f"unix:{cpu_sock}"),
+            depends_on=("gpu",),  # the GPU daemon re-creates the rings the CPU daemon maps
+            log_path=rt / "cpu.log",
+        ),
+        # Not restarted with the CPU daemon: its channel to cpu.sock reconnects by itself and
+        # clients meanwhile get UNAVAILABLE instead of a refused public port.
+        ChildSpec("gateway", (*gateway, "--config", str(config_file)), log_path=rt / "gateway.log"),
+    ]
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridgen.cli.preflight import PreflightError, preflight
+    from hybridgen.config.file import ConfigError
+    from hybridgen.config.layers import format_layered, layered_config, unknown_variables
+    from hybridgen.runtime import log as hlog
+
+    for line in unknown_variables(os.environ):
+        _err(line)
+    try:
+        layered = layered_config(args.config, os.environ, _flag_values(args))
+    except ConfigError as exc:
+        _err(str(exc))
+        return EXIT_STARTUP
+    if args.print_config:
+        print(format_layered(layered), flush=True)
+        return EXIT_OK
+    config = layered.config
+    # Only what needs the user's eye: the daemons' own logs are files in the runtime folder.
+    hlog.configure(json=False, level=os.environ.get("HYBRIDGEN_LOG_LEVEL", "warning"))
+    try:
+        preflight(config, args.device, config.server.instance)
+        rt = runtime_dir(config.server.runtime_dir, config.server.instance)
+    except (PreflightError, OSError) as exc:
+        _err(str(exc))
+        return EXIT_STARTUP
+    lock = _lock_instance(rt, config.server.instance)
+    if lock is None:
+        return EXIT_STARTUP
+    with lock:
+        return _supervise(config, _write_config(config, rt), args, rt, lock)
+
+
+def _supervise(
+    config: HybridGenConfig, config_file: Path, args: argparse.Namespace, rt: Path, lock: IO[bytes]
+) -> int:
+    from hybridgen.cli.supervisor import Policy, Supervisor
+    from hybridgen.cli.terminal import Terminal
+    from hybridgen.ipc.shm import unlink_all
+
+    terminal = Terminal()
+    announced: list[bool] = []
+
+    def announce() -> None:
+        terminal.close()
+        host, port = connect_host(config.server.host), config.server.port
+        if announced:  # every child is ready again after a restart
+            print(f"HybridGen is serving again on {host}:{port}", flush=True)
+            return
+        announced.append(True)
+        srv = config.server  # behind TLS or API keys this plain channel is not let in
+        plain = not srv.tls.enabled and srv.api_key_file is None
+        print(banner(config, rt, _model_info(host, port) if plain else None), flush=True)
+        if args.explain:
+            _print_regions(host, port)
+
+    instance = config.server.instance
+    terminal.line(f"instance {instance}: model {config.model.name_or_path}, logs in {rt}")
+    supervisor = Supervisor(
+        child_specs(config_file, args.device, rt, instance),
+        rt,
+        Policy(progress_every_s=5.0),
+        report=terminal.line,
+        on_all_ready=announce,
+        inherit_fds=(lock.fileno(),),
+        on_status=terminal.status,
+    )
+    status = supervisor.run()
+    terminal.close()
+    # After SIGKILLs the GPU daemon could not clean up; a clean stop leaves nothing.
+    removed = unlink_all(instance)
+    if removed:
+        _err(f"removed {len(removed)} leftover shared-memory objects")
+    return status
+
+
+# -- once serving -----------------------------------------------------------------------------
+
+
+def _model_info(host: str, port: int) -> Any:
+    """The served model's GetModelInfo, or None if it does not answer."""
+    import grpc
+
+    from hybridgen.v1 import generation_pb2 as pb
+    from hybridgen.v1 import generation_pb2_grpc as pb_grpc
+
+    try:
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    except grpc.RpcError as exc:
+        _err(f"GetModelInfo failed: {exc.code().name}")
+        return None
+
+
+def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
+    """What is served, where, and how to try it."""
+    srv = config.server
+    host = connect_host(srv.host)
+    name = info.model if info is not None else config.model.name_or_path
+    lines = [f"HybridGen is serving {name} on {host}:{srv.port} (gRPC)"]
+    if info is not None:
+        what = (
+            "a synthetic preset: seeded random weights, so its text is noise"
+            if info.synthetic
+            else f"{info.architecture}, {info.dtype}"
+        )
+        lines.append(f"  model    {what}")
+        lines.append(
+            f"  engine   {info.mode} mode on {info.device}, context {info.max_model_len:,} "
+            f"tokens, up to {info.max_num_seqs} sequences"
+        )
+    if srv.http_port:
+        lines.append(f"  OpenAI   http://{host}:{srv.http_port}/v1")
+    if srv.metrics_port:
+        lines.append(
+            f"  metrics  http://{connect_host(srv.metrics_host)}:{srv.metrics_port}/metrics"
+        )
+    lines.append(f"  logs     {rt}/{{gpu,cpu,gateway}}.log")
+    lines.append(f'  try      hybridgen generate --port {srv.port} "Hello"   (Ctrl-C stops)')
+    return "\n".join(lines)
+
+
+def _print_regions(host: str, port: int) -> None:
+    """The served engine's op-region table (GetModelInfo.op_regions), as text."""
+    from hybridgen.cli.explain import prefix_lines, spill_lines
+    from hybridgen.placement.op_regions import Label, Region, Scope, format_table
+
+    info = _model_info(host, port)
+    if info is None:
+        return
+    rows = [
+        Region(
+            r.name,
+            cast(Scope, r.scope),
+            cast(Label, r.label),
+            r.placement,
+            r.source,
+            dict(r.measured),
+        )
+        for r in info.op_regions
+    ]
+    print(f"op-regions of {info.model} ({info.mode} mode, {info.device}):", flush=True)
+    print(format_table(rows), flush=True)
+    print("\n".join([*spill_lines(info), *prefix_lines(info)]), flush=True)

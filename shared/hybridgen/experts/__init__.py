@@ -1,0 +1,3 @@
+"""MoE experts in host memory (Cold-Weights): their formats, the shared arena, the device cache's
+store, the latency model and the CPU daemon's link.
+"""

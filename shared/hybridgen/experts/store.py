@@ -1,0 +1,210 @@
+"""Cold-Weights: MoE expert weights in host memory and a cache of them on the device;
+the latency model that decides, per step and routed expert, where that expert runs is
+expert_latency.py.
+
+DESIGN.md "Shared memory" (Cold-Weights) and "Op-Regions" (moe_experts). Attention, norms,
+embeddings and the router stay on the device; only the experts move:
+
+    host  ExpertStore (one per layer)   gate_up [E, 2I, H], down [E, H, I]   (pinned on CUDA),
+                                        native, int8 or int4 (expert_format.py)
+            |                    \\
+            | fetch (H2D, LFU)     \\ x -> CPU, SwiGLU on the host, result -> device
+            v                      v
+    device ExpertCache (shared)      slots: gate_up [N, 2I, H], down [N, H, I], as stored
+
+An uncached expert runs on the CPU when the latency model says the CPU's time for its
+routed tokens beats a fetch plus a device call; a cached expert always runs on the device.
+Both paths compute the same SwiGLU in the model dtype from the same stored weights
+(`swiglu_packed`), so exact mode stays exact.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from hybridgen.experts.format import Alloc, Format, PackedMatrices, swiglu_packed
+
+
+class RemoteDown(RuntimeError):
+    """The CPU daemon did not take or answer an EXPERT_RUN request; compute locally."""
+
+
+class RemoteExperts(Protocol):
+    """The CPU daemon computing experts (cpu_daemon.expert_link.ExpertLinkClient)."""
+
+    def submit(self, layer: int, jobs: list[tuple[int, Tensor]]) -> int: ...
+
+    def wait(self, seq: int, jobs: list[tuple[int, Tensor]]) -> list[Tensor]: ...
+
+
+@dataclass
+class MoeStats:
+    """Cold-Weights counters since start, over every layer."""
+
+    cache_hits: int = 0
+    """Device computations whose expert was already in the cache."""
+    cache_misses: int = 0
+    """Fetches: an expert copied host -> device into a cache slot."""
+    cpu_experts: int = 0
+    """(layer, expert) computations on the CPU with the host weights."""
+    cpu_daemon_experts: int = 0
+    """Of those, the ones the CPU daemon computed (EXPERT_RUN) while the device worked."""
+    gpu_experts: int = 0
+    """(layer, expert) computations on the device from the cache (hits + misses)."""
+    bytes_h2d: int = 0
+    """Expert bytes copied host -> device."""
+    routed: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Tokens routed to each (layer, expert)."""
+
+    def count_routed(self, layer: int, experts: list[tuple[int, int]]) -> None:
+        """One step of one layer: (expert, tokens routed to it)."""
+        for expert, tokens in experts:
+            key = (layer, expert)
+            self.routed[key] = self.routed.get(key, 0) + tokens
+
+    def top2_share(self) -> float:
+        """Share of the routed tokens that went to each layer's two busiest experts, averaged
+        over the layers (2 / num_experts when routing is even; 1.0 when two take all)."""
+        layers: dict[int, list[int]] = {}
+        for (layer, _), tokens in self.routed.items():
+            layers.setdefault(layer, []).append(tokens)
+        shares = [sum(sorted(c)[-2:]) / sum(c) for c in layers.values()]
+        return sum(shares) / len(shares) if shares else 0.0
+
+    def figures(self, steps: int) -> dict[str, float]:
+        """The counters, the cache hit rate, experts per engine step on each device, and the
+        busiest two experts' share of the routed tokens."""
+        out: dict[str, float] = {k: v for k, v in vars(self).items() if k != "routed"}
+        out["top2_share"] = self.top2_share()
+        fetches = self.cache_hits + self.cache_misses
+        out["cache_hit_rate"] = self.cache_hits / fetches if fetches else 0.0
+        out["cpu_experts_per_step"] = self.cpu_experts / max(steps, 1)
+        out["gpu_experts_per_step"] = self.gpu_experts / max(steps, 1)
+        return out
+
+
+class ExpertStore:
+    """Every expert of one layer in host memory, in its stored format (expert_format.py).
+
+    Invariant: the tensors never move to the device; the cache copies from them.
+    """
+
+    def __init__(self, gate_up: PackedMatrices, down: PackedMatrices) -> None:
+        self.gate_up, self.down = gate_up, down  # [E, 2I, H], [E, H, I] as stored
+
+    @classmethod
+    def from_dense(cls, gate_up: Tensor, down: Tensor, fmt: Format, alloc: Alloc) -> ExpertStore:
+        """gate_up [E, 2I, H], down [E, H, I] in the model dtype -> `fmt`, in tensors from
+        `alloc` (pinned host memory, the shared expert arena)."""
+        return cls(*(PackedMatrices.pack(w, fmt).moved(alloc) for w in (gate_up, down)))
+
+    @property
+    def fmt(self) -> Format:
+        return self.gate_up.fmt
+
+    @property
+    def hidden_size(self) -> int:
+        return int(next(iter(self.down.parts.values())).shape[1])
+
+    @property
+    def expert_bytes(self) -> int:
+        """One expert's gate_up and down as stored: what a fetch copies."""
+        return self.gate_up.matrix_bytes + self.down.matrix_bytes
+
+    def convert(self, fmt: Format, alloc: Alloc) -> ExpertStore:
+        """This native store in `fmt`, in tensors from `alloc`."""
+        assert self.fmt == "native", "only native experts convert"
+        return ExpertStore.from_dense(self.gate_up.parts["w"], self.down.parts["w"], fmt, alloc)
+
+    def run_cpu(self, expert: int, x: Tensor) -> Tensor:
+        """x: [N, H] on any device -> the expert's output [N, H] on x's device, computed on
+        the CPU."""
+        return swiglu_packed(x.to("cpu"), self.gate_up, self.down, expert).to(x.device)
+
+
+class ExpertCache:
+    """`slots` device slots shared by all layers, each holding one expert in the store's
+    format. The experts routed to most often stay: a miss evicts the least often routed
+    cached expert (the least recently used among equals) only when it is itself routed to
+    more often; otherwise it is copied into a scratch slot, used once and displaces nothing.
+    LRU alone keeps nothing useful once a token's experts outnumber the slots: the layers come
+    round in a cycle, so each layer's experts are evicted before the next token returns to
+    them (B4 mixtral-8x22b, 64 slots and 112 experts a token: hit rate 0.2 %).
+
+    Invariant: `_slots` maps (layer, expert) -> slot index, in use order (oldest first), and
+    slot s holds exactly that expert's weights; with 2 slots or more the last is the scratch
+    slot and in no entry.
+    """
+
+    def __init__(
+        self, slots: int, store: ExpertStore, device: torch.device, stats: MoeStats
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"expert_cache_slots={slots}; expected >= 1 (or None: no cache)")
+        self.gate_up = store.gate_up.empty(slots, device)
+        self.down = store.down.empty(slots, device)
+        self.device = device
+        self.capacity, self.stats = slots, stats
+        self.scratch: int | None = slots - 1 if slots >= 2 else None
+        self.expert_bytes = store.expert_bytes
+        self._slots: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.remote: RemoteExperts | None = None
+        """Under the daemons: the CPU daemon computes the CPU's experts (set by the GPU
+        daemon; dropped when it stops answering)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.expert_bytes
+
+    def resize(self, slots: int) -> None:
+        """Reallocate with `slots` empty slots (cold_weights.expert_cache_slots: auto, once the
+        budget's split is known); what was cached is dropped."""
+        device = self.device
+        self.gate_up = self.gate_up.empty(0, device)  # free the old slots first
+        self.down = self.down.empty(0, device)
+        self.gate_up, self.down = self.gate_up.empty(slots, device), self.down.empty(slots, device)
+        self.capacity = slots
+        self.scratch = slots - 1 if slots >= 2 else None
+        self._slots.clear()
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._slots
+
+    def fetch(self, layer: int, expert: int, store: ExpertStore) -> int:
+        """The slot holding `expert` of `layer`, copied in from `store` on a miss (into the
+        scratch slot when it is routed to no more often than every cached expert)."""
+        key = (layer, expert)
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._slots.move_to_end(key)
+            self.stats.cache_hits += 1
+            return slot
+        admit = True
+        if len(self._slots) < self.capacity - (self.scratch is not None):
+            slot = len(self._slots)
+        else:
+            uses = self.stats.routed.get
+            victim = min(self._slots, key=lambda k: uses(k, 0))  # the oldest of the least used
+            if self.scratch is None or uses(key, 0) > uses(victim, 0):
+                slot = self._slots.pop(victim)
+            else:
+                slot, admit = self.scratch, False
+        # Same stream as the computations: a slot is overwritten only after the work that
+        # read it was queued, so the copy may be asynchronous.
+        non_blocking = self.device.type == "cuda"
+        self.gate_up.copy_(slot, store.gate_up, expert, non_blocking)
+        self.down.copy_(slot, store.down, expert, non_blocking)
+        if admit:
+            self._slots[key] = slot
+        self.stats.cache_misses += 1
+        self.stats.bytes_h2d += self.expert_bytes
+        return slot
+
+    def run(self, slot: int, x: Tensor) -> Tensor:
+        """The expert in `slot` on x [N, H] (on the device)."""
+        return swiglu_packed(x, self.gate_up, self.down, slot)

@@ -1,0 +1,248 @@
+"""Device dispatch for the model's hot ops.
+
+Each op runs its Triton kernel when the input lives on CUDA and Triton imports, else the torch
+reference (the CPU production path). The partial merge is torch on every device. Note the one
+aliasing difference: on CUDA, add_rms_norm writes residual_out into the `residual` buffer; on
+the CPU it allocates. Callers must treat `residual` as consumed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypeAlias
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from hybridgen.kernels import reference
+from hybridgen.kernels.kv_quant import QuantKvCache
+from hybridgen.kernels.reference import merge_attention_partials, paged_prefill_attention
+
+try:
+    from hybridgen.kernels import (
+        triton_activation,
+        triton_dense_quant,
+        triton_gemv,
+        triton_norm,
+        triton_paged_decode,
+        triton_paged_prefill,
+        triton_quant_gemv,
+        triton_rope_cache,
+    )
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs ship without triton
+    HAS_TRITON = False
+
+if TYPE_CHECKING:
+    from hybridgen.models.dense_quant import QuantWeight
+
+__all__ = [
+    "HAS_TRITON",
+    "KvCache",
+    "add_rms_norm",
+    "decode_attention",
+    "linear",
+    "merge_attention_partials",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "prefill_attention",
+    "quant_dense_linear",
+    "quant_int4_linear",
+    "quant_int8_linear",
+    "rope_and_cache",
+    "silu_and_mul",
+    "write_kv",
+]
+
+KvCache: TypeAlias = tuple[Tensor, Tensor] | QuantKvCache
+"""One layer's Hot-KV: native (k_cache, v_cache) [N, S, Hkv, D], or int8/int4 (kv_quant)."""
+
+
+def _use_triton(t: Tensor) -> bool:
+    return HAS_TRITON and t.is_cuda
+
+
+USE_GEMV = True
+"""One-row projections on CUDA take the Triton GEMV (False: cuBLAS for every shape; for
+benchmarks that compare the two)."""
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    # x: [T, K]; weight: [N, K]; bias: [N] -> [T, N]
+    if USE_GEMV and x.shape[0] == 1 and _use_triton(x):
+        return triton_gemv.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _quant_fused(x: Tensor) -> bool:
+    return _use_triton(x) and x.shape[0] <= triton_quant_gemv.MAX_ROWS
+
+
+def quant_int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor | None:
+    """x [T, K] @ (q * s).T for int8 experts as stored (experts/format.py) by the fused
+    Triton kernel, on CUDA for up to triton_quant_gemv.MAX_ROWS rows; else None, and the
+    caller dequantizes and multiplies."""
+    return triton_quant_gemv.int8_linear(x, q, s) if _quant_fused(x) else None
+
+
+def quant_int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor | None:
+    """The same for int4 experts in expert_format's layout (codes q, scales and zeros sz)."""
+    return triton_quant_gemv.int4_linear(x, q, sz, group) if _quant_fused(x) else None
+
+
+def quant_dense_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """x [T, K] @ dequant(w).T (+ bias) for a dense layer's int8 / int4 weight: the fused
+    Triton kernel on CUDA, else dequantize to x's dtype and multiply (the CPU path)."""
+    if _use_triton(x):
+        return triton_dense_quant.quant_linear(x, w.fmt, w.codes, w.scale, w.zero, w.group, bias)
+    return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    # x, residual: [T, H]; weight: [H] -> (out [T, H], residual_out [T, H])
+    if _use_triton(x):
+        return triton_norm.add_rms_norm(x, residual, weight, eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    # x: [T, 2I] -> [T, I]
+    if _use_triton(x):
+        return triton_activation.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def rope_and_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
+    # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [N, S, Hkv, D]; q and k are rotated in place.
+    fn = triton_rope_cache.rope_and_cache if _use_triton(q) else reference.rope_and_cache
+    fn(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # q: [B, Hq, D]; caches: [N, S, Hkv, D]; block_tables: [B, M]; seq_lens: [B]
+    fn = (
+        triton_paged_decode.paged_decode_attention
+        if _use_triton(q)
+        else reference.paged_decode_attention
+    )
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window=sliding_window,
+        out=out,
+        return_lse=return_lse,
+        num_splits=num_splits,
+    )
+
+
+def write_kv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv: KvCache,
+    slot_mapping: Tensor,
+) -> None:
+    """RoPE on q and k in place, then k and v into the layer's cache, whatever its codec."""
+    if not isinstance(kv, QuantKvCache):
+        rope_and_cache(q, k, v, positions, cos, sin, kv[0], kv[1], slot_mapping)
+        return
+    fn = (
+        triton_rope_cache.rope_and_cache_quant if _use_triton(q) else reference.rope_and_cache_quant
+    )
+    fn(q, k, v, positions, cos, sin, kv, slot_mapping)
+
+
+def decode_attention(
+    q: Tensor,
+    kv: KvCache,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """paged_decode_attention over the layer's cache; a quantized one is dequantized to
+    q.dtype inside the kernel."""
+    if not isinstance(kv, QuantKvCache):
+        return paged_decode_attention(
+            q, kv[0], kv[1], block_tables, seq_lens, scale, sliding_window, out, return_lse
+        )
+    fn = (
+        triton_paged_decode.paged_decode_attention_quant
+        if _use_triton(q)
+        else reference.paged_decode_attention_quant
+    )
+    return fn(
+        q,
+        kv,
+        block_tables,
+        seq_lens,
+        scale,
+        sliding_window=sliding_window,
+        out=out,
+        return_lse=return_lse,
+    )
+
+
+def prefill_attention(
+    q: Tensor,
+    kv: KvCache,
+    block_tables: Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: int = 0,
+    prefixes: list[tuple[Tensor, Tensor] | None] | None = None,
+) -> Tensor:
+    """On CUDA one Triton launch for the step, reading the cache in place (a quantized one
+    dequantized in registers); on the CPU the torch reference, where a quantized cache
+    dequantizes only the blocks the queries see. `prefixes`: per sequence, dense K and V of
+    its leading keys kept outside this cache (the Warm tier); its block table then starts
+    after them."""
+    if _use_triton(q):
+        operands = (
+            triton_paged_prefill.quant_kv(kv)
+            if isinstance(kv, QuantKvCache)
+            else triton_paged_prefill.native_kv(*kv)
+        )
+        return triton_paged_prefill.paged_prefill_attention(
+            q, operands, block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes
+        )
+    if isinstance(kv, QuantKvCache):
+        return reference.paged_prefill_attention_quant(
+            q, kv, block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes
+        )
+    return paged_prefill_attention(
+        q, kv[0], kv[1], block_tables, query_start_loc, seq_lens, scale, sliding_window, prefixes
+    )

@@ -1,0 +1,248 @@
+"""Mixtral's sparse mixture-of-experts block, which replaces the dense MLP of a decoder layer.
+
+A router scores every expert for each token and keeps the top k; each kept expert is an
+ordinary SwiGLU MLP that sees only the tokens routed to it, so a step costs one matmul pair
+per *active* expert. The router (`route`) and the per-expert call (`run_expert`) stay separate
+methods: expert offloading hooks in at `run_expert`, without touching the routing. With
+Cold-Weights on (`to_cold_weights`), the experts live in host memory (expert_store.py) and each
+one runs on the CPU or from the shared device cache, as the latency model places the layer's
+uncached experts (expert_latency.LatencyModel.cpu_experts).
+
+Order of operations and dtypes follow transformers' MixtralSparseMoeBlock, so fp32 results are
+HF's to the last bit up to matmul blocking:
+  logits = x W_gate^T (model dtype) -> softmax in fp32 -> top-k -> divide by their sum (fp32);
+  out[t] = sum over its experts, ascending id, of (expert_e(x[t]) * w[t, e]).to(model dtype).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+from torch import nn
+
+from hybridgen.experts.format import PackedMatrices
+from hybridgen.experts.latency import LatencyModel, calibrate
+from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats, RemoteDown
+from hybridgen.kernels import ops
+from hybridgen.models.spec import ModelSpec
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One expert of a step and the tokens routed to it."""
+
+    expert: int
+    rows: torch.Tensor | slice
+    """Their rows of x [N], or every row (a step of one token: a view, no gather)."""
+    slot: torch.Tensor | int
+    """Their positions in the top k [N], or the one position of a one-token step."""
+    tokens: int
+
+
+class SparseMoeBlock(nn.Module):
+    """`gate` ([E, H] router weight) and `experts` (E dense MLPs); names follow HF's `mlp.`.
+
+    Cold-Weights: `experts` is empty and `store` holds their weights in host memory.
+    """
+
+    def __init__(self, spec: ModelSpec, expert: Callable[[ModelSpec], nn.Module]) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = spec.num_local_experts, spec.num_experts_per_tok
+        self.gate = nn.Linear(spec.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(expert(spec) for _ in range(self.num_experts))
+        self.gate_on = "gpu"
+        """Where route() picks experts: gpu (on the model's device) or cpu (the router's
+        logits to the host first; placements.moe_gate)."""
+        self.store: ExpertStore | None = None
+        self.cold: tuple[int, ExpertCache, LatencyModel] | None = None
+        """Cold-Weights: (this layer's index, the shared device cache, the latency model)."""
+
+    def experts_to_host(self) -> ExpertStore:
+        """This block's experts' weights as a native host ExpertStore (the loader converts it
+        to the configured format); the expert modules go."""
+        if self.store is None:
+            gate_up = [e.get_parameter("gate_up_proj.weight").detach().cpu() for e in self.experts]
+            down = [e.get_parameter("down_proj.weight").detach().cpu() for e in self.experts]
+            self.store = ExpertStore(
+                PackedMatrices.pack(torch.stack(gate_up), "native"),
+                PackedMatrices.pack(torch.stack(down), "native"),
+            )
+            self.experts = nn.ModuleList()
+        return self.store
+
+    def to_cold_weights(self, layer: int, cache: ExpertCache, latency: LatencyModel) -> None:
+        """Run the experts from host memory: on the CPU or through `cache`, per step."""
+        assert self.store is not None, "experts_to_host first"
+        self.cold = (layer, cache, latency)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32 summing to 1 per token,
+        on x's device). With the gate on the CPU the same math runs on the host, and the ids
+        stay there: the host groups the tokens by expert from them."""
+        logits = self.router_logits(x)
+        if self.gate_on == "cpu":
+            ids, weights = route_top_k(logits.cpu(), self.top_k)
+            return ids, weights.to(x.device, non_blocking=True)
+        return route_top_k(logits, self.top_k)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> every expert's score [T, E], in the model dtype as HF."""
+        return ops.linear(x, self.gate.weight)
+
+    def run_expert(self, expert: int, x: torch.Tensor, on_cpu: bool = False) -> torch.Tensor:
+        """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]; with Cold-Weights
+        on the CPU when `on_cpu`, else from the device cache."""
+        if self.store is None:
+            return self.experts[expert](x)
+        if self.cold is None:  # host experts without a device cache: all on the CPU
+            return self.store.run_cpu(expert, x)
+        layer, cache, latency = self.cold
+        if on_cpu:
+            cache.stats.cpu_experts += 1
+            rows = x.to("cpu")
+            start = time.perf_counter()
+            y = self.store.run_cpu(expert, rows)
+            latency.observe_cpu(1, rows.shape[0], time.perf_counter() - start)
+            return y.to(x.device)
+        slot = cache.fetch(layer, expert, self.store)
+        cache.stats.gpu_experts += 1
+        return cache.run(slot, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.combine(x, *self.route(x))
+
+    def combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' outputs on x [T, H], weighted and summed -> [T, H]. ids [T, k]
+        on the host or x's device (route()'s), weights [T, k] on x's device."""
+        routed = self._group(ids, x.device)
+        if self.cold is not None:
+            self.cold[1].stats.count_routed(self.cold[0], [(r.expert, r.tokens) for r in routed])
+        on_cpu = self._cpu_experts(routed)
+        # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
+        # launched while it computes them, and only then is its answer awaited.
+        remote = self._send_cpu_experts(x, routed, on_cpu)
+        sent = remote[1] if remote is not None else {}
+        ys = {r.expert: self.run_expert(r.expert, x[r.rows], r.expert in on_cpu)
+              for r in routed if r.expert not in sent}  # fmt: skip
+        if remote is not None:
+            ys.update(self._collect_cpu_experts(x, *remote))
+        # Ascending expert order fixes each token's summation order (HF's, too); one token
+        # adds its experts' outputs up directly, which is the same sum from zero.
+        out = torch.zeros_like(x) if x.shape[0] > 1 else None  # [T, H]
+        for r in routed:
+            y = (ys[r.expert] * weights[r.rows, r.slot, None]).to(x.dtype)
+            if out is None:
+                out = y
+            elif isinstance(r.rows, slice):
+                out = out + y
+            else:
+                out.index_add_(0, r.rows, y)
+        assert out is not None
+        return out
+
+    @staticmethod
+    def _group(ids: torch.Tensor, device: torch.device) -> list[Routed]:
+        """The step's experts in ascending order, each with its tokens (rows on `device`).
+        One token (decode at batch 1) reads its k ids back once and gathers nothing; more
+        find each expert's rows where the ids are."""
+        if ids.shape[0] == 1:
+            experts = ids[0].tolist()
+            order = sorted(range(len(experts)), key=experts.__getitem__)
+            return [Routed(experts[k], slice(None), k, 1) for k in order]
+        routed = []
+        for e in torch.unique(ids).tolist():
+            rows, slot = (t.to(device) for t in torch.where(ids == e))
+            routed.append(Routed(e, rows, slot, len(rows)))
+        return routed
+
+    def _cpu_experts(self, routed: list[Routed]) -> set[int]:
+        """The experts of this step the CPU computes: under Cold-Weights, the latency model's
+        pick among those not in the device cache."""
+        if self.cold is None:
+            return set()
+        layer, cache, latency = self.cold
+        uncached = [(r.expert, r.tokens) for r in routed if (layer, r.expert) not in cache]
+        cached = len(routed) - len(uncached)
+        return latency.cpu_experts(cached, uncached, overlap=cache.remote is not None)
+
+    def _send_cpu_experts(
+        self,
+        x: torch.Tensor,
+        routed: list[Routed],
+        on_cpu: set[int],
+    ) -> tuple[int, dict[int, torch.Tensor], float] | None:
+        """EXPERT_RUN for the experts in `on_cpu`, when the CPU daemon computes them:
+        (request number, {expert: its rows}, when they were handed over); None to compute
+        them here."""
+        if self.cold is None or self.cold[1].remote is None or not on_cpu:
+            return None
+        layer, cache, _ = self.cold
+        jobs = {r.expert: x[r.rows] for r in routed if r.expert in on_cpu}
+        start = time.perf_counter()
+        try:
+            return cache.remote.submit(layer, list(jobs.items())), jobs, start  # type: ignore[union-attr]
+        except RemoteDown as exc:
+            self._drop_remote(exc)
+            return None
+
+    def _collect_cpu_experts(
+        self, x: torch.Tensor, seq: int, jobs: dict[int, torch.Tensor], start: float
+    ) -> dict[int, torch.Tensor]:
+        """The CPU daemon's answer to `seq` on x's device (computed here if it fails); the
+        time since `start` goes to the latency model."""
+        assert self.cold is not None and self.store is not None
+        _, cache, latency = self.cold
+        try:
+            assert cache.remote is not None
+            ys = cache.remote.wait(seq, list(jobs.items()))
+            tokens = sum(rows.shape[0] for rows in jobs.values())
+            latency.observe_cpu(len(jobs), tokens, time.perf_counter() - start)
+            cache.stats.cpu_daemon_experts += len(jobs)
+        except RemoteDown as exc:
+            self._drop_remote(exc)
+            ys = [self.store.run_cpu(e, rows) for e, rows in jobs.items()]
+        cache.stats.cpu_experts += len(jobs)
+        return {e: y.to(x.device) for e, y in zip(jobs, ys, strict=True)}
+
+    def _drop_remote(self, exc: RemoteDown) -> None:
+        """The CPU daemon stopped answering: every layer computes its CPU experts here now
+        (a dead CPU daemon restarts the pair anyway)."""
+        assert self.cold is not None
+        log.warning("expert_link_down", reason=str(exc))
+        self.cold[1].remote = None
+
+
+def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's pick from its logits [T, E]: softmax in fp32, the top k, renormalised to
+    sum to 1 per token (HF's order) -> (expert ids [T, k], weights [T, k])."""
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """A model's sparse MoE blocks, in layer order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def enable_cold_weights(
+    blocks: list[SparseMoeBlock],
+    slots: int,
+    cpu_max_tokens: int | None,
+    device: torch.device,
+    bandwidths_gbps: tuple[float | None, float | None] = (None, None),
+) -> tuple[ExpertCache, LatencyModel]:
+    """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory (as
+    loaded), one `slots`-expert device cache shared by all layers, and the latency model
+    timed here (`bandwidths_gbps`: the config's CPU and GPU memory bandwidths, if set)."""
+    stores = [block.experts_to_host() for block in blocks]
+    cache = ExpertCache(slots, stores[0], device, MoeStats())
+    latency = calibrate(stores[0], cache, device, cpu_max_tokens, *bandwidths_gbps)
+    for layer, block in enumerate(blocks):
+        block.to_cold_weights(layer, cache, latency)
+    return cache, latency

@@ -1,0 +1,252 @@
+"""Synthetic presets: real model shapes with seeded random weights, for machines with no weights.
+
+Every output that comes from a preset is labelled synthetic (ModelSpec.synthetic). Weights
+are drawn directly on the target device, so an 8B model builds in seconds on a GPU.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+from torch import nn
+
+from hybridgen.experts.format import Alloc, Format, PackedMatrices, host_alloc
+from hybridgen.experts.store import ExpertStore
+from hybridgen.models.errors import ModelLoadError, bad_model_path
+from hybridgen.models.llama import CausalLM, empty_model
+from hybridgen.models.moe import SparseMoeBlock, moe_blocks
+from hybridgen.models.spec import ModelSpec, RopeSpec
+from hybridgen.runtime.log import Progress
+
+STD = 0.02
+"""Standard deviation of every synthetic weight (norms are 1)."""
+
+_LLAMA3_ROPE = RopeSpec(
+    theta=500000.0,
+    rope_type="llama3",
+    factor=8.0,
+    original_max_position=8192,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+)
+
+
+def _spec(name: str, **kw: object) -> ModelSpec:
+    defaults: dict[str, object] = dict(
+        architecture="LlamaForCausalLM",
+        family="llama",
+        rms_norm_eps=1e-5,
+        dtype=torch.bfloat16,
+        synthetic=True,
+        name=name,
+    )
+    defaults.update(kw)
+    return ModelSpec(**defaults)  # type: ignore[arg-type]
+
+
+def _mixtral(name: str, **kw: object) -> ModelSpec:
+    """Mixtral's shape: 8 experts, top-2, 8 KV heads of 128, rope theta 1e6 (unless given)."""
+    defaults: dict[str, object] = dict(
+        architecture="MixtralForCausalLM",
+        family="mixtral",
+        num_kv_heads=8,
+        head_dim=128,
+        rope=RopeSpec(theta=1000000.0),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    )
+    return _spec(name, **{**defaults, **kw})
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny-llama": _spec(
+        "tiny-llama",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rope=RopeSpec(theta=10000.0),
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "llama3-8b": _spec(
+        "llama3-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope=_LLAMA3_ROPE,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "llama3-70b": _spec(
+        "llama3-70b",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope=_LLAMA3_ROPE,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "qwen2-7b": _spec(
+        "qwen2-7b",
+        architecture="Qwen2ForCausalLM",
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope=RopeSpec(theta=1000000.0),
+        attention_bias=True,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "mistral-7b": _spec(
+        "mistral-7b",
+        architecture="MistralForCausalLM",
+        family="mistral",
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope=RopeSpec(theta=1000000.0),
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    ),
+    "tiny-mixtral": _mixtral(
+        "tiny-mixtral",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        head_dim=32,
+        num_kv_heads=2,
+        max_position_embeddings=4096,
+    ),
+    "mixtral-8x7b": _mixtral(
+        "mixtral-8x7b",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        max_position_embeddings=32768,
+    ),
+    "mixtral-8x22b": _mixtral(
+        "mixtral-8x22b",
+        vocab_size=32768,
+        hidden_size=6144,
+        intermediate_size=16384,
+        num_layers=56,
+        num_heads=48,
+        max_position_embeddings=65536,
+    ),
+}
+
+
+def parameter_count(spec: ModelSpec, experts: bool = True) -> int:
+    """The parameters of a model of `spec`, counted on the meta device (no memory);
+    `experts=False` leaves out the MoE experts, which Cold-Weights keeps in host memory."""
+    with torch.device("meta"):
+        net = CausalLM(spec)
+    return sum(
+        p.numel() for name, p in net.named_parameters() if experts or ".experts." not in name
+    )
+
+
+def preset_spec(name: str) -> ModelSpec:
+    """The preset `name`; a ModelLoadError that says what was meant when there is none."""
+    if name in PRESETS:
+        return PRESETS[name]
+    path_error = bad_model_path(name)
+    if path_error is not None:
+        raise path_error
+    close = difflib.get_close_matches(name, list(PRESETS), n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ModelLoadError(
+        f"model {name!r} is neither a checkpoint folder nor a preset ({hint}hybridgen models "
+        f"lists them: {', '.join(PRESETS)})"
+    )
+
+
+@torch.inference_mode()
+def build_synthetic(
+    spec: ModelSpec,
+    device: torch.device,
+    seed: int = 0,
+    host_experts: Format | None = None,
+    alloc: Alloc | None = None,
+) -> CausalLM:
+    """Seeded random weights, drawn on `device`; the same seed gives the same model.
+
+    `host_experts`: MoE experts go straight into host ExpertStores in that format, in tensors
+    from `alloc` (default: pinned on CUDA), each expert matrix drawn on `device` and converted
+    on its own, so no full-precision copy of them is ever made (mixtral-8x22b's would be
+    270 GB). The draws are the same, in the same order, as for experts on the device: native
+    host experts are the same model."""
+    model = empty_model(spec, device, torch.device("meta") if host_experts else None)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if host_experts is not None:
+        alloc = alloc or host_alloc(device.type == "cuda")
+        for block in moe_blocks(model):
+            block.store = _empty_store(spec, host_experts, alloc)
+    progress = Progress(
+        "synthetic_weights", spec.num_layers, unit="layers", label="drawing weights"
+    )
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm") or name == "norm":
+            param.fill_(1.0)
+        elif param.is_meta:  # layers.L.mlp.experts.E.{gate_up,down}_proj.weight, to the store
+            _, layer, _, _, expert, proj, _ = name.split(".")
+            w = torch.empty(param.shape, dtype=spec.dtype, device=device)
+            w.normal_(0.0, STD, generator=gen)
+            packed = PackedMatrices.pack(w[None], host_experts)  # type: ignore[arg-type]
+            moe = model.layers[int(layer)].mlp
+            assert isinstance(moe, SparseMoeBlock) and moe.store is not None
+            store = moe.store
+            stack = store.gate_up if proj == "gate_up_proj" else store.down
+            stack.copy_(int(expert), packed, 0, non_blocking=False)
+        else:
+            param.normal_(0.0, STD, generator=gen)
+        if name.startswith("layers."):  # parameters come layer by layer
+            progress.update(int(name.split(".")[1]))
+    progress.update(spec.num_layers)
+    if host_experts is not None:  # the meta expert modules go: the stores hold the weights
+        for block in moe_blocks(model):
+            block.experts = nn.ModuleList()
+    return model
+
+
+def _empty_store(spec: ModelSpec, fmt: Format, alloc: Alloc) -> ExpertStore:
+    """One layer's experts in `fmt`, in tensors from `alloc`, unfilled."""
+    h, i, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    return ExpertStore(
+        PackedMatrices.allocate(fmt, e, 2 * i, h, spec.dtype, alloc),
+        PackedMatrices.allocate(fmt, e, h, i, spec.dtype, alloc),
+    )

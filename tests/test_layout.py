@@ -1,0 +1,81 @@
+"""The layout (README, "Layout"): folders that are import paths, and imports that follow the
+process boundaries, checked with import-linter on the real tree."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACTS = ROOT / ".importlinter"
+SOURCES = {"shared", "gateway", "cpu_daemon", "gpu_daemon", "bench"}
+PROCESSES = ("gateway", "cpu_daemon", "gpu_daemon")
+
+
+def _roots() -> list[str]:
+    text = CONTRACTS.read_text()
+    block = re.search(r"root_packages =\n((?:    \S+\n)+)", text)
+    assert block is not None
+    return block[1].split()
+
+
+def test_the_contracts_hold() -> None:
+    # No process folder imports another; the library imports none of them (nor bench/).
+    assert lint_imports(config_filename=str(CONTRACTS), no_cache=True) == 0
+
+
+def test_the_import_graph_sees_the_real_edges() -> None:
+    """The tool maps module names to files: it finds the edges a reader finds."""
+    graph = grimp.build_graph(*_roots(), cache_dir=None)
+    assert len(graph.modules) > 150
+    assert graph.direct_import_exists(
+        importer="hybridgen.gpu_daemon.heartbeat", imported="hybridgen.engine.engine"
+    )
+    assert graph.direct_import_exists(
+        importer="hybridgen.cpu_daemon.ring_backend", imported="hybridgen.ipc.channels"
+    )
+    # And a chain it must report if it appeared: a process reaching another through the library.
+    for importer in PROCESSES:
+        for imported in PROCESSES:
+            if importer != imported:
+                chain = graph.find_shortest_chain(
+                    importer=f"hybridgen.{importer}",
+                    imported=f"hybridgen.{imported}",
+                    as_packages=True,
+                )
+                assert chain is None, chain
+
+
+def test_every_module_lives_at_its_import_path() -> None:
+    for root in _roots():
+        package = importlib.import_module(root)
+        for info in pkgutil.walk_packages(package.__path__, f"{root}."):
+            spec = importlib.util.find_spec(info.name)
+            assert spec is not None and spec.origin is not None
+            path = Path(spec.origin).relative_to(ROOT)
+            relative = "/".join(info.name.split("."))
+            expected = {f"{relative}.py", f"{relative}/__init__.py"}
+            assert path.parts[0] in SOURCES, path
+            assert str(Path(*path.parts[1:])) in expected, (info.name, path)
+
+
+def test_the_gateway_loads_no_torch() -> None:
+    """The gateway process reads the config and proxies to the CPU daemon: no model code."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import hybridgen.gateway.main"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    heavy = {m for m in loaded if m.split(".")[0] in ("torch", "triton", "transformers")}
+    assert not heavy, sorted(heavy)[:10]
+    assert "hybridgen.gateway.main" in loaded
