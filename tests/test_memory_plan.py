@@ -51,7 +51,7 @@ def test_plan_counts_what_loading_left_held(monkeypatch: pytest.MonkeyPatch) -> 
     int4 weights quantized on the device; the B1 int4 engine_bench asked for a 34.6 GiB KV
     pool in a 40 GiB budget that 6.2 GiB already held) counts as weights, so the KV pool
     leaves the workspace its room. The CPU holds nothing: the held figure is injected."""
-    from hybridgen.gpu_daemon import engine as engine_module
+    from hybridgen.engine import engine as engine_module
 
     config = EngineConfig(
         model="tiny-llama",

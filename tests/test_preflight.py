@@ -101,7 +101,7 @@ def test_model_path_and_preset_mistakes(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match="no such file or folder; give a checkpoint folder"):
         check_model(_config(model__name_or_path=str(tmp_path / "missing")))
     (tmp_path / "notes.txt").write_text("not weights")
-    with pytest.raises(PreflightError, match="neither a folder nor a GGUF file; .* a GGUF file"):
+    with pytest.raises(PreflightError, match=r"neither a folder nor a GGUF file; .* a GGUF file"):
         check_model(_config(model__name_or_path=str(tmp_path / "notes.txt")))
     with pytest.raises(PreflightError, match=r"config\.json"):
         check_model(_config(model__name_or_path=str(tmp_path)))  # a folder, but no model
