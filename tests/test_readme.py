@@ -395,7 +395,7 @@ CHECKS: list[tuple[str, Check | str]] = [
     (r"device_checker", shows("host copy", "GPU")),
     (r"e2e_benchmark", e2e_written),
     (r"hybridgen-profiler", profile_written),
-    (r"gpu_daemon\.offline", shows("finish_reason=", where="stderr")),
+    (r"cli\.offline", shows("finish_reason=", where="stderr")),
     (r"^sudo useradd", recorded("useradd --system")),
     (r"^sudo git clone", runtime_installed),
     (r"^sudo install", config_installed),
