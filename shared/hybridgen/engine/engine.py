@@ -273,7 +273,7 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        seq.finish_reason = FinishReason.ABORTED
+        seq.finish_reason = FinishReason.CANCELLED
         self.scheduler.finish(seq)
         return True
 
@@ -401,14 +401,14 @@ class Engine:
         for seq in seqs:
             if self.seqs.pop(seq.request_id, None) is None:
                 continue  # it had finished in an earlier step of the batch
-            seq.finish_reason = FinishReason.ABORTED
+            seq.finish_reason = FinishReason.CANCELLED
             self.scheduler.finish(seq)
             outputs.append(
                 RequestOutput(
                     seq.request_id,
                     [],
                     True,
-                    FinishReason.ABORTED,
+                    FinishReason.CANCELLED,
                     None,
                     None,
                     seq.prompt_len,
