@@ -245,7 +245,7 @@ def build_synthetic(
 
 def _empty_store(spec: ModelSpec, fmt: Format, alloc: Alloc) -> ExpertStore:
     """One layer's experts in `fmt`, in tensors from `alloc`, unfilled."""
-    h, i, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    h, i, e = spec.hidden_size, spec.expert_size, spec.num_local_experts
     return ExpertStore(
         PackedMatrices.allocate(fmt, e, 2 * i, h, spec.dtype, alloc),
         PackedMatrices.allocate(fmt, e, h, i, spec.dtype, alloc),
