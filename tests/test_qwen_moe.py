@@ -23,6 +23,7 @@ from hybridgen.engine.moe_graphs import MoeDecodeGraphs
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.loader import copy_weights, load_model, to_hf_state_dict
 from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.presets import parameter_count, preset_spec
 from hybridgen.models.spec import parse_config
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_model, sample_prompts
@@ -210,3 +211,34 @@ def test_bad_qwen_moe_config_names_the_key(  # type: ignore[no-untyped-def]
     bad.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     with pytest.raises(ModelLoadError, match=match):
         parse_config(bad)
+
+
+def test_qwen3_30b_a3b_preset_has_the_published_sizes() -> None:
+    """30.5B parameters, 3.3B of them active a token (8 of 128 experts in each of 48 layers)."""
+    spec = preset_spec("qwen3-30b-a3b")
+    assert spec.synthetic and (spec.num_local_experts, spec.num_experts_per_tok) == (128, 8)
+    assert spec.num_parameters() / 1e9 == pytest.approx(30.5, rel=0.01)
+    experts = spec.num_layers * 128 * 3 * spec.hidden_size * spec.moe_intermediate_size
+    active = spec.num_parameters() - experts + experts * 8 / 128
+    assert active / 1e9 == pytest.approx(3.3, rel=0.02)
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_moe_preset_with_host_experts_is_the_same_model() -> None:
+    """The preset's experts drawn straight into host memory (native) are the weights the
+    resident build draws: the same greedy tokens, through the CPU and the device cache; its
+    q/k norms are drawn as norms (1), not as weights."""
+    prompts = [[256, *range(40, 70)], [256, *range(300, 311)], [256, 65, 66]]
+    spec = preset_spec("tiny-qwen3-moe")
+    assert parameter_count(spec) == spec.num_parameters()
+    resident = Engine(EngineConfig(model="tiny-qwen3-moe", device="cpu"))
+    norms = [layer.self_attn.q_norm for layer in resident.loaded.model.layers]
+    assert all(torch.equal(n, torch.ones_like(n)) for n in norms)
+    expected = [c.token_ids for c in resident.generate(prompts, GREEDY)]
+    cold = _cold(Path("tiny-qwen3-moe"))
+    assert [c.token_ids for c in cold.generate(prompts, GREEDY)] == expected
+    stats = cold.moe_stats()
+    assert stats["cpu_experts"] > 0 and stats["gpu_experts"] > 0
+    for fmt in ("int8", "int4"):
+        quantized = _cold(Path("tiny-qwen3-moe"), expert_format=fmt)
+        assert all(len(c.token_ids) == NEW_TOKENS for c in quantized.generate(prompts, GREEDY))
