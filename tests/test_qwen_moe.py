@@ -242,3 +242,53 @@ def test_tiny_qwen3_moe_preset_with_host_experts_is_the_same_model() -> None:
     for fmt in ("int8", "int4"):
         quantized = _cold(Path("tiny-qwen3-moe"), expert_format=fmt)
         assert all(len(c.token_ids) == NEW_TOKENS for c in quantized.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("options", [{}, DENSE])
+@pytest.mark.parametrize("kind", KINDS)
+def test_benchmark_baseline_config_has_the_checkpoints_shape(  # type: ignore[no-untyped-def]
+    checkpoint, kind: str, options: dict[str, Any]
+) -> None:
+    """The accelerate baseline's transformers config (B4c) builds the very tensors of the
+    checkpoint's model: experts, shared expert, dense layers, q/k norms."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridgen.benchmarks.hf_baseline import hf_config
+
+    path = checkpoint(kind, **options)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(hf_config(parse_config(path / "config.json")))
+    shapes = {k: v.shape for k, v in built.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in hf_model(path).state_dict().items()}
+
+
+@pytest.mark.slow
+def test_moe_bench_runs_qwen3_moe_beside_accelerate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B4c's harness at toy scale: tiny-qwen3-moe with int4 experts in host memory, and HF's
+    Qwen3-MoE of the same shape under accelerate."""
+    from hybridgen.benchmarks import moe_bench
+
+    monkeypatch.setattr(moe_bench.hlog, "configure", lambda: None)
+    result = moe_bench.main(
+        [
+            *("--model=tiny-qwen3-moe", "--device=cpu", "--budget-mb=82", "--prompt-len=32"),
+            *("--new-tokens=8", "--baseline-new-tokens=3", "--cases=uniform,accelerate"),
+            *("--in-process", f"--out={tmp_path / 'moe.json'}"),
+        ]
+    )
+    uniform, baseline = result["cases"]["uniform"], result["cases"]["accelerate"]
+    assert "error" not in uniform and "error" not in baseline, result["cases"]
+    assert uniform["experts_total"] == 4 * 16 and uniform["decode_tok_s"] > 0
+    assert baseline["shape"] == "same" and baseline["decode_tok_s"] > 0
+
+
+def test_b4c_served_config_is_qwen3_30b_a3b_in_12_gb() -> None:
+    """bench/served/b4c.yaml (bench/run_h200_served.sh b4c) says what issue 25's B4c is."""
+    from hybridgen.config.file import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(root / "bench/served/b4c.yaml").engine_config("cuda")
+    assert (config.model, config.gpu_memory_mb) == ("qwen3-30b-a3b", 12288)
+    assert (config.expert_format, config.expert_cache_slots) == ("int4", "auto")
