@@ -135,6 +135,29 @@ def test_moe_block_matches_hf(checkpoint, kind: str, tokens: int) -> None:  # ty
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_moe_block_is_hfs_to_the_bit_in_bf16(checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """In bf16, Qwen's top-k weights scale the experts' outputs in the model dtype, as HF casts
+    them (router_weights_in_model_dtype): the block is HF's to the bit. Left fp32, Qwen3-MoE's
+    misses it."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint(kind)
+    ours = load_model(str(path), torch.device("cpu"), torch.bfloat16).model.layers[0].mlp
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).model
+    assert isinstance(ours, SparseMoeBlock)
+    assert ours.cast_weights
+    for tokens in (1, TOKENS):
+        x = _hidden(tokens, ours.gate.in_features)[:tokens].bfloat16()
+        with torch.no_grad():
+            assert torch.equal(ours(x), theirs.layers[0].mlp(x[None])[0])
+    if kind == "qwen3_moe":
+        ours.cast_weights = False
+        x = _hidden(0, ours.gate.in_features).bfloat16()
+        with torch.no_grad():
+            assert not torch.equal(ours(x), theirs.layers[0].mlp(x[None])[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_wrong_renormalisation_is_caught(checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
     """norm_topk_prob decides the block's output: flipped, it misses HF by far more than the
     tolerance (qwen2_moe keeps the probabilities, qwen3_moe divides by their sum)."""
@@ -151,7 +174,7 @@ def test_spec_reads_the_qwen_moe_configs(checkpoint) -> None:  # type: ignore[no
     assert (q2.family, q2.num_local_experts, q2.num_experts_per_tok) == ("qwen2_moe", 8, 2)
     assert (q2.moe_intermediate_size, q2.shared_expert_intermediate_size) == (32, 96)
     assert (q2.norm_topk_prob, q2.attention_bias, q2.qk_norm) == (False, True, False)
-    assert (q2.sliding_window, q2.dense_layers) == (0, ())
+    assert (q2.sliding_window, q2.dense_layers, q2.router_weights_in_model_dtype) == (0, (), True)
     q3 = parse_config(checkpoint("qwen3_moe") / "config.json")
     assert (q3.family, q3.head_dim, q3.expert_size) == ("qwen3_moe", 32, 32)
     assert (q3.norm_topk_prob, q3.attention_bias, q3.qk_norm) == (True, False, True)

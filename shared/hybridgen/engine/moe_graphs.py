@@ -77,7 +77,7 @@ class HostPick:
 
     def __init__(self, block: SparseMoeBlock, rows: int, device: torch.device) -> None:
         self.on, self.k, self.device = block.gate_on, block.top_k, device
-        self.normalize = block.norm_topk
+        self.normalize, self.cast = block.norm_topk, block.cast_weights
         pinned = device.type == "cuda"
         e, dtype = block.num_experts, block.gate.weight.dtype
         self.ids = torch.zeros(rows, self.k, dtype=torch.int64, pin_memory=pinned)
@@ -90,7 +90,7 @@ class HostPick:
         if self.on == "cpu":
             self.logits[:b].copy_(logits, non_blocking=True)
             return logits.new_empty(0)
-        ids, weights = route_top_k(logits, self.k, self.normalize)
+        ids, weights = route_top_k(logits, self.k, self.normalize, self.cast)
         self.ids[:b].copy_(ids, non_blocking=True)
         return weights
 
@@ -98,7 +98,7 @@ class HostPick:
         """The host part, after the device synchronized: (ids [n, k] on the host, weights
         [n, k] on the device) for the first n rows."""
         if self.on == "cpu":
-            ids, picked = route_top_k(self.logits[:n], self.k, self.normalize)
+            ids, picked = route_top_k(self.logits[:n], self.k, self.normalize, self.cast)
             return ids, picked.to(self.device, non_blocking=True)
         return self.ids[:n], weights[:n]
 

@@ -61,6 +61,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = spec.num_local_experts, spec.num_experts_per_tok
         self.norm_topk = spec.norm_topk_prob
+        self.cast_weights = spec.router_weights_in_model_dtype
         self.gate = nn.Linear(spec.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleList(
             expert(spec, spec.expert_size) for _ in range(self.num_experts)
@@ -101,9 +102,9 @@ class SparseMoeBlock(nn.Module):
         stay there: the host groups the tokens by expert from them."""
         logits = self.router_logits(x)
         if self.gate_on == "cpu":
-            ids, weights = route_top_k(logits.cpu(), self.top_k, self.norm_topk)
+            ids, weights = route_top_k(logits.cpu(), self.top_k, self.norm_topk, self.cast_weights)
             return ids, weights.to(x.device, non_blocking=True)
-        return route_top_k(logits, self.top_k, self.norm_topk)
+        return route_top_k(logits, self.top_k, self.norm_topk, self.cast_weights)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> every expert's score [T, E], in the model dtype as HF."""
@@ -240,12 +241,15 @@ class SparseMoeBlock(nn.Module):
 
 
 def route_top_k(
-    logits: torch.Tensor, k: int, normalize: bool = True
+    logits: torch.Tensor, k: int, normalize: bool = True, cast: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A router's pick from its logits [T, E]: softmax in fp32, the top k, renormalised to
-    sum to 1 per token when `normalize` (HF's order) -> (expert ids [T, k], weights [T, k])."""
+    sum to 1 per token when `normalize` (HF's order) -> (expert ids [T, k], weights [T, k],
+    fp32, or in the logits' dtype when `cast`)."""
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
-    return ids, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(logits.dtype) if cast else weights
 
 
 def add_shared(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

@@ -71,6 +71,7 @@ def _qwen3_moe(name: str, **kw: object) -> ModelSpec:
         num_experts_per_tok=8,
         norm_topk_prob=True,
         qk_norm=True,
+        router_weights_in_model_dtype=True,
         eos_token_ids=(257,),
         bos_token_id=256,
     )

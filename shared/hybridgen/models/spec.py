@@ -111,6 +111,9 @@ class ModelSpec:
     (Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
+    router_weights_in_model_dtype: bool = False
+    """The top-k router weights are cast from fp32 to the model dtype before they scale the
+    experts' outputs (Qwen-MoE, as HF does); Mixtral's stay fp32."""
     dtype: torch.dtype = torch.bfloat16
     """Checkpoint dtype (`torch_dtype`/`dtype`)."""
     eos_token_ids: tuple[int, ...] = ()
@@ -272,6 +275,7 @@ def _qwen_moe_fields(cfg: dict[str, Any], path: Path, family: str) -> dict[str, 
         "shared_expert_intermediate_size": shared,
         "dense_layers": dense,
         "qk_norm": family == "qwen3_moe",
+        "router_weights_in_model_dtype": True,
         "attention_bias": family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
         "sliding_window": 0,
     }
