@@ -21,7 +21,7 @@ from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.moe_graphs import MoeDecodeGraphs
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.loader import copy_weights, load_model, to_hf_state_dict
+from hybridgen.models.loader import copy_weights, load_model, model_spec, to_hf_state_dict
 from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import parameter_count, preset_spec
 from hybridgen.models.spec import parse_config
@@ -315,3 +315,40 @@ def test_b4c_served_config_is_qwen3_30b_a3b_in_12_gb() -> None:
     config = load_config(root / "bench/served/b4c.yaml").engine_config("cuda")
     assert (config.model, config.gpu_memory_mb) == ("qwen3-30b-a3b", 12288)
     assert (config.expert_format, config.expert_cache_slots) == ("int4", "auto")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3moe_gguf_matches_transformers_on_the_same_weights(tmp_path: Path, qtype: str) -> None:
+    """A qwen3moe GGUF (stacked experts, attn_q_norm / attn_k_norm) written from the tiny
+    checkpoint gives the greedy tokens of transformers' Qwen3MoeForCausalLM holding the weights
+    the file holds (each matrix through the same quantization), with the experts in host
+    memory too. transformers' own GGUF reader takes no expert_feed_forward_length (it would
+    build experts of its default 768), so the checkpoint is the reference, as for Mixtral."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_files import roundtrip
+    from tests.test_gguf import _checkpoint, _prompts, tiny_gguf
+
+    path = tiny_gguf(tmp_path, "qwen3_moe", qtype)
+    spec = model_spec(str(path))
+    assert (spec.family, spec.num_local_experts, spec.expert_size) == ("qwen3_moe", 8, 32)
+    assert spec.qk_norm and spec.norm_topk_prob and spec.router_weights_in_model_dtype
+    src = _checkpoint(str(tmp_path.parent), "qwen3_moe", None)
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in ref.parameters():
+            if param.ndim >= 2:
+                param.copy_(roundtrip(param.detach(), qtype).reshape(param.shape))
+    prompts = _prompts(path)
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = ref.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        expected.append(out[0, len(prompt) :].tolist())
+    cold = _cold(path)
+    assert [c.token_ids for c in cold.generate(prompts, GREEDY)] == expected
+    assert cold.moe_stats()["cpu_experts"] > 0
