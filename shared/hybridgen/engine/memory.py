@@ -97,7 +97,10 @@ def workspace_bytes(
     joined to the Hot keys).
     """
     e = dtype.itemsize
-    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    h, v = spec.hidden_size, spec.vocab_size
+    # The widest MLP a layer runs: dense, one routed expert's, or a shared expert's.
+    dense = spec.intermediate_size if spec.moe_layer_count < spec.num_layers else 0
+    i = max(dense, spec.expert_size, spec.shared_expert_intermediate_size)
     # Live at once inside a layer: x, residual, normed x, qkv, attention out, gate_up, act.
     per_token = (3 * h + spec.q_size + 2 * spec.kv_size + spec.q_size + 3 * i) * e
     # Logits in fp32 and up to three same-sized sampler temporaries (penalised, sorted, probs).
@@ -117,12 +120,14 @@ def workspace_bytes(
     graphs = 0
     if graph_batch:
         # Every captured size keeps its logits output, and a MoE model's every layer's MLP
-        # input, residual and router weights (moe_graphs.py); the pool also holds one set of
-        # decode activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3)
-        # streams used.
+        # input (a dense layer's output) and residual, and each MoE layer's router weights and
+        # shared expert output (moe_graphs.py); the pool also holds one set of decode
+        # activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3) streams used.
         kept = v * 4
         if spec.num_local_experts:
-            kept += spec.num_layers * (2 * h * e + 4 * spec.num_experts_per_tok)
+            shared = h * e if spec.shared_expert_intermediate_size else 0
+            per_moe_layer = 4 * spec.num_experts_per_tok + shared
+            kept += spec.num_layers * 2 * h * e + spec.moe_layer_count * per_moe_layer
         sizes = graph_sizes(graph_batch)
         graphs = sum(sizes) * kept + graph_batch * per_token * 2 + 3 * 32 * MIB
     return int((step + gather + rope) * 1.25 + graphs) + 64 * MIB
