@@ -80,14 +80,28 @@ class Replica:
         return round(sum(float(v) for v in lines))
 
     def kill(self) -> None:
-        """kill -9 of the whole `hybridgen serve`: the supervisor and its three processes."""
+        """kill -9 of the whole `hybridgen serve`: the supervisor and its three processes;
+        returns once both ports refuse connections (a call that connects while the gateway
+        is being torn down is one in flight at the kill, not a later one)."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
+        for port in (self.port, self.http_port):
+            wait_refused(port)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.kill()  # a clean stop is other tests' subject, and takes the grace period
         shm.unlink_all(self.instance)  # what kill -9 leaves behind
+
+
+def wait_refused(port: int) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        assert time.monotonic() < deadline, f"{port} still accepts connections"
+        time.sleep(0.01)
 
 
 def render(config: str, grpc: list[int], http: list[int], listen: tuple[int, int]) -> str:
@@ -307,6 +321,9 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 @pytest.mark.slow
 @needs_nginx
 def test_two_replicas_behind_nginx_spread_keep_sessions_and_fail_over(fleet: Fleet) -> None:
+    """Issue 24's acceptance 3: 40 Generate calls with grpcurl and 40 completions over HTTP
+    through nginx, beside the calls of a few sessions; replica b is killed after half of
+    them, and every call after that succeeds."""
     a, b = fleet.replicas
     both = [a, b]
     calls = ("grpc", "http")
