@@ -347,7 +347,7 @@ def test_two_replicas_behind_nginx_spread_keep_sessions_and_fail_over(fleet: Fle
     b.kill()
     orphans = [s for (c, s), r in homes.items() if r is b]
     for i in range(CALLS - KILL_AFTER):
-        session = orphans[i % len(orphans)] if i % 2 else None
+        session: str | None = orphans[i % len(orphans)] if i % 2 else None
         for call in calls:
             assert fleet.served_by(call, session, [a]) is a
     # nginx found b dead (refused connections) and moved its calls, on both upstreams.
