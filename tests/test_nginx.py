@@ -347,9 +347,9 @@ def test_two_replicas_behind_nginx_spread_keep_sessions_and_fail_over(fleet: Fle
     b.kill()
     orphans = [s for (c, s), r in homes.items() if r is b]
     for i in range(CALLS - KILL_AFTER):
-        session: str | None = orphans[i % len(orphans)] if i % 2 else None
+        tag = orphans[i % len(orphans)] if i % 2 else None
         for call in calls:
-            assert fleet.served_by(call, session, [a]) is a
+            assert fleet.served_by(call, tag, [a]) is a
     # nginx found b dead (refused connections) and moved its calls, on both upstreams.
     log = fleet.error_log.read_text()
     for port in (b.port, b.http_port):
