@@ -18,5 +18,8 @@ if [[ ! -e $policy ]]; then
   printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 0755 "$policy" && added=1
 fi
 trap 'if [[ -n $added ]]; then rm -f "$policy"; fi' EXIT
-apt-get update -q
-DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nginx
+# A failed install (no mirror reachable) must not stop CI: the nginx tests then skip, saying so.
+if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+  apt-get install -y -q --no-install-recommends nginx; }; then
+  echo "setup_ci_extras: apt-get could not install nginx: tests/test_nginx.py skips" >&2
+fi
