@@ -139,3 +139,18 @@ def test_host_layers_decode_eager_on_cuda(checkpoint) -> None:  # type: ignore[n
         )
         assert engine.runner.graphs is None
         assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+
+
+def test_auto_streams_prefill_and_computes_decode_on_the_cpu(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """One run with both paths: auto with the crossover at one token (as the latency model
+    sets it on CUDA) streams the prefills and computes the decodes on the CPU, exactly."""
+    path = checkpoint("qwen2", num_hidden_layers=3)
+    prompts = sample_prompts(path, 2, [9, 23])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    engine = make_engine(path, gpu_layers=1, decode_steps=1, max_num_seqs=1)
+    host = engine.host_layers
+    assert host is not None
+    host.cpu_max_tokens = 1
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+    assert host.stats.streamed_layers == 2 * host.host_layers  # one prefill per prompt
+    assert host.stats.cpu_layers == 2 * (NEW_TOKENS - 1) * host.host_layers
