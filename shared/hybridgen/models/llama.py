@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridgen.kernels import ops
 from hybridgen.models.dense_quant import project
+from hybridgen.models.host_layers import HostLayers
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.spec import ModelSpec
 
@@ -203,6 +204,8 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.host_layers: HostLayers | None = None
+        """Layers whose projections live in host memory (weights.gpu_layers), if any."""
 
     def forward(
         self,
@@ -212,6 +215,8 @@ class CausalLM(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """input_ids: [T] -> final hidden states [T, H] (normed)."""
+        if self.host_layers is not None:
+            self.host_layers.begin_step(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
