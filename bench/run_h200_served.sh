@@ -6,6 +6,9 @@
 #          80 % of the measured capacity), llama3-8b
 #   b3a    one 131,072-token prompt, int4 Hot, 24 GB budget
 #   b4a    mixtral-8x7b, int4 experts, 24 GB budget: 1 stream (in-process beside it), 4 streams
+#   b4c    qwen3-30b-a3b, int4 experts, 12 GB budget: 1 stream (in-process beside it), 4 streams
+#   b4c_hf HF's Qwen3-MoE of the same shape under accelerate in the same budget (moe_bench's
+#          accelerate case), for B4c's comparison
 #   speech issue 22's speech benchmark: 16 spoken transcripts (1K + 4K tokens, 200 ms chunks
 #          over 20 s) through StreamGenerate against the same prompts sent whole, llama3-8b
 # Invoked through the device tool from the repo root with `.whl` carried; HYBRIDGEN_COMMIT
@@ -46,7 +49,17 @@ for what in "$@"; do
       load --config bench/served/b4a.yaml --requests 4 --prompt-len 256 --max-new-tokens 64 \
         --name b4a_4 --out "$OUT/b4a_4.json"
       ;;
-    *) echo "usage: $0 [tests] [b12] [b3a] [b4a]" >&2; exit 2 ;;
+    b4c)
+      load --config bench/served/b4c.yaml --requests 1 --prompt-len 256 --max-new-tokens 64 \
+        --inprocess --name b4c_1 --out "$OUT/b4c_1.json"
+      load --config bench/served/b4c.yaml --requests 4 --prompt-len 256 --max-new-tokens 64 \
+        --name b4c_4 --out "$OUT/b4c_4.json"
+      ;;
+    b4c_hf)
+      timeout 540 python3 -m hybridgen.benchmarks.moe_bench --model qwen3-30b-a3b --budget-mb 12288 \
+        --cases accelerate --out "$OUT/b4c_accelerate.json" 2>>"$OUT/moe_stderr.log"
+      ;;
+    *) echo "usage: $0 [tests] [b12] [b3a] [b4a] [b4c] [b4c_hf]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null

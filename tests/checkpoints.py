@@ -1,9 +1,9 @@
 """Builders for tiny random Hugging Face checkpoints, and transformers reference outputs.
 
 Everything is built locally (no hub): a BPE trained on an embedded corpus (Llama 3, Qwen2 or
-Llama 2 style) and small Llama / Qwen2 / Mistral / Mixtral models with seeded random weights,
-saved with `save_pretrained`. Engine tests load these directories and compare their greedy tokens
-with `hf_greedy`.
+Llama 2 style) and small Llama / Qwen2 / Mistral / Mixtral / Qwen2-MoE / Qwen3-MoE models with
+seeded random weights, saved with `save_pretrained`. Engine tests load these directories and
+compare their greedy tokens with `hf_greedy`.
 
 Not a test module: conftest.py wires these builders into fixtures.
 """
@@ -130,6 +130,32 @@ _KINDS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,  # top-2 of 4, renormalised
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",  # Qwen2 attention (qkv bias) + experts + a shared expert
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,  # top-2 of 8, softmax probabilities as they are
+        "norm_topk_prob": False,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "rope": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",  # q/k RMSNorm per head, no bias, experts only
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,  # != hidden_size / heads, as in Qwen3-30B-A3B (2048 / 32 = 64, not 128)
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,  # top-2 of 8, renormalised
+        "norm_topk_prob": True,
+        "moe_intermediate_size": 32,
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
     },
 }
@@ -318,10 +344,12 @@ def _hub_style_config(path: Path, kind: str) -> None:
         cfg["rope_scaling"] = {"type": "linear", **rope}
     else:
         cfg["rope_scaling"] = {"rope_type": rope_type, **rope}
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen2_moe", "qwen3_moe"):
         cfg.pop("layer_types", None)  # real Qwen2 configs derive it from use_sliding_window
         cfg["sliding_window"] = QWEN2_UNUSED_SLIDING_WINDOW
         cfg["use_sliding_window"] = False
+    if "num_local_experts" in cfg and kind != "mixtral":  # Qwen's configs say num_experts
+        cfg["num_experts"] = cfg.pop("num_local_experts")
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -337,8 +365,15 @@ def _generation_config(kind: str, ids: dict[str, Any]) -> dict[str, Any]:
 
 
 # Tokenizer style per kind when build_checkpoint is not told (see build_tokenizer).
-DEFAULT_TOKENIZER_STYLE = {"llama3": "llama3", "llama2_linear": "llama3", "qwen2": "qwen2",
-                           "mistral": "llama3", "mixtral": "llama3"}  # fmt: skip
+DEFAULT_TOKENIZER_STYLE = {
+    "llama3": "llama3",
+    "llama2_linear": "llama3",
+    "qwen2": "qwen2",
+    "mistral": "llama3",
+    "mixtral": "llama3",
+    "qwen2_moe": "qwen2",
+    "qwen3_moe": "qwen2",
+}
 
 
 def build_checkpoint(

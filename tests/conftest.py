@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
     built: dict[tuple, object] = {}
 
     def get(kind: str, **options: object):  # type: ignore[no-untyped-def]
-        key = (kind, tuple(sorted(options.items())))
+        key = (kind, repr(sorted(options.items())))  # list options (mlp_only_layers) too
         if key not in built:
             name = "-".join([kind, *(f"{k}{v}" for k, v in sorted(options.items()))])
             built[key] = build_checkpoint(kind, tmp_path_factory.mktemp(name), **options)

@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.validation import check_text_size, validate_request
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.serving.backend import Backend
-from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.delta import Delta
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import Gateway, ServerConfig, build
 
@@ -60,7 +61,7 @@ class ScriptedBackend:
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.period_s)
                 last = i + 1 == params.max_tokens
-                finish = Finish.LENGTH if last else None
+                finish = FinishReason.LENGTH if last else None
                 yield Delta((i,), f"{i} ", None, last, finish, len(prompt_ids), i + 1)
         finally:
             self.running.discard(request_id)

@@ -40,6 +40,8 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 QK_K = 256
 
@@ -192,6 +194,8 @@ def _metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], experts: int, scalin
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
 
 
 def _ggml_tensors(
@@ -208,9 +212,11 @@ def _ggml_tensors(
             out[_NAMES[name]] = w
             continue
         _, _, layer, rest = name.split(".", 3)
-        if rest.startswith("block_sparse_moe.experts."):  # save_pretrained: one per expert
+        if rest.startswith(("block_sparse_moe.experts.", "mlp.experts.")) and rest.endswith(
+            ".weight"
+        ):  # save_pretrained: one per expert (Mixtral's w1 w3 w2, Qwen's gate/up/down_proj)
             _, _, e, which, _ = rest.split(".")
-            kind = {"w1": "gate", "w3": "up", "w2": "down"}[which]
+            kind = {"w1": "gate", "w3": "up", "w2": "down"}.get(which, which.removesuffix("_proj"))
             experts.setdefault(f"blk.{layer}.ffn_{kind}_exps.weight", {})[int(e)] = w
             continue
         rest = rest.replace("block_sparse_moe.gate.", "mlp.gate.")
@@ -243,15 +249,15 @@ def write_gguf(
     reader ignores: only for comparisons against the checkpoint itself."""
     cfg = json.loads((directory / "config.json").read_text())
     model_type = cfg["model_type"]
-    arch = "qwen2" if model_type == "qwen2" else "llama"
-    experts = int(cfg.get("num_local_experts") or 0)
+    arch = {"qwen2": "qwen2", "qwen3_moe": "qwen3moe"}.get(model_type, "llama")
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     state = load_file(str(directory / "model.safetensors"))
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(f"tiny-{model_type}")
     _metadata(writer, cfg, experts, scaling)
-    style = "qwen2" if model_type == "qwen2" else "gpt2"
+    style = "qwen2" if model_type in ("qwen2", "qwen3_moe") else "gpt2"
     if "<0x00>" in (directory / "tokenizer.json").read_text():  # SentencePiece-style
         style = "llama"
     _tokenizer(writer, directory, style)

@@ -43,7 +43,7 @@ FULL: dict[str, Any] = {
     "profile_path": "/var/lib/hybridgen/tuning_profile.json",
     "placements": {"attn_warm": "split", "sample": "cpu", "rope": "gpu"},
     "cold_weights": {"expert_cache_slots": 6, "cpu_max_tokens": 2, "expert_format": "native"},
-    "weights": {"format": "int4"},
+    "weights": {"format": "int4", "gpu_layers": 20, "host_layer_compute": "stream"},
     "model": {
         "name_or_path": "llama3-8b",
         "dtype": "bfloat16",
@@ -406,6 +406,8 @@ def test_engine_config_mapping() -> None:
         expert_cache_slots=6,
         expert_cpu_max_tokens=2,
         weights_format="int4",
+        gpu_layers=20,
+        host_layer_compute="stream",
         tuning_warmup_steps=8,
         tuning_interval_ms=250,
         seed=7,

@@ -31,9 +31,10 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.gateway.proxy_backend import POLL_S, ProxyBackend
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.delta import Delta
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import ServerConfig, build, remove_stale_socket
 from hybridgen.serving.service import SERVICE_NAME
@@ -360,7 +361,7 @@ def test_abort_cancels_the_upstream_call(tmp_path: Path) -> None:
     deltas, depths = asyncio.run(scenario())
     assert depths == [1, 0]
     assert deltas[0].token_ids == (7,) and not deltas[0].finished
-    assert deltas[-1].finished and deltas[-1].finish_reason == Finish.CANCELLED
+    assert deltas[-1].finished and deltas[-1].finish_reason == FinishReason.CANCELLED
 
 
 def test_model_info_and_gpu_memory_gauge_pass_through(tmp_path: Path) -> None:

@@ -15,9 +15,11 @@ import pytest
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
+from hybridgen.engine.request_output import RequestOutput
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.gpu_daemon.heartbeat import NO_SEQ_SLOTS, PEER_DEAD
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
-from hybridgen.ipc.messages import StepResult, decode_step_result, encode_new_seq
+from hybridgen.ipc.messages import decode_step_result, encode_new_seq
 from hybridgen.ipc.ticket import Op, Ticket
 from hybridgen.sampling.params import SamplingParams
 
@@ -72,12 +74,12 @@ def send(ch: Channels, op: Op, rid: int, payload: bytes = b"", shape=(0, 0, 0, 0
 
 def collect(
     ch: Channels, want: set[int], timeout: float = 120.0, events: list[Ticket] | None = None
-) -> dict[int, list[StepResult]]:
+) -> dict[int, list[RequestOutput]]:
     """Step results until every request in `want` finished, heartbeating like a CPU daemon;
     other tickets go to `events`."""
-    results: dict[int, list[StepResult]] = {}
+    results: dict[int, list[RequestOutput]] = {}
     deadline = time.monotonic() + timeout
-    while want - {r for r, rs in results.items() if rs[-1].finish_reason or rs[-1].error}:
+    while want - {r for r, rs in results.items() if rs[-1].finished}:
         assert time.monotonic() < deadline, f"timed out; got {sorted(results)}"
         ch.c2g.heartbeat()
         ticket = ch.g2c.get(0.002)
@@ -89,7 +91,7 @@ def collect(
                 events.append(ticket)
             continue
         res = decode_step_result(ticket.request_id, ticket.flags, ticket.shape, payload)
-        results.setdefault(res.request_id, []).append(res)
+        results.setdefault(int(res.request_id), []).append(res)
     return results
 
 
@@ -102,11 +104,11 @@ def test_serves_requests_over_rings_and_cleans_up(daemon) -> None:  # type: igno
         send(ch, Op.NEW_SEQ, rid, encode_new_seq(prompt, GREEDY), (len(prompt), 0, 0, 0))
     send(ch, Op.NEW_SEQ, 99, encode_new_seq([1, 100_000], GREEDY), (2, 0, 0, 0))
     results = collect(ch, {1, 2, 3, 99})
-    assert results[99][-1].error is not None and "prompt_token_ids" in results[99][-1].error
+    assert results[99][-1].error is not None and "prompt_token_ids" in str(results[99][-1].error)
     for rid, completion in enumerate(expected, start=1):
-        tokens = [t for r in results[rid] for t in r.token_ids]
+        tokens = [t for r in results[rid] for t in r.new_token_ids]
         assert tokens == completion.token_ids
-        assert results[rid][-1].finish_reason == "length"
+        assert results[rid][-1].finish_reason is FinishReason.LENGTH
     send(ch, Op.SHUTDOWN, 0)
     assert proc.wait(timeout=30) == 0
     assert segments(instance) == [], "a clean stop leaves nothing in /dev/shm"
@@ -119,11 +121,11 @@ def test_abort_stops_a_request(daemon) -> None:  # type: ignore[no-untyped-def]
     send(ch, Op.NEW_SEQ, 1, encode_new_seq([1, 2, 3], long), (3, 0, 0, 0))
     send(ch, Op.NEW_SEQ, 2, encode_new_seq([4, 5], GREEDY), (2, 0, 0, 0))
     got = collect(ch, {2})
-    assert sum(len(r.token_ids) for r in got[2]) == 16
+    assert sum(len(r.new_token_ids) for r in got[2]) == 16
     send(ch, Op.ABORT, 1)
     send(ch, Op.NEW_SEQ, 3, encode_new_seq([7, 8], GREEDY), (2, 0, 0, 0))
     later = collect(ch, {3})
-    assert 1 not in later or not later[1][-1].finish_reason, "aborted: no more results"
+    assert 1 not in later or not later[1][-1].finished, "aborted: no more results"
     assert proc.poll() is None
 
 

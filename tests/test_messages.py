@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from hybridgen.engine.request_output import RequestOutput
+from hybridgen.engine.sequence import FinishReason
+from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.ipc.messages import (
     CANDIDATES,
-    StepResult,
     decode_append,
     decode_new_seq,
     decode_prompt_chunk,
@@ -20,9 +22,26 @@ from hybridgen.sampling.candidates import Candidates
 from hybridgen.sampling.params import SamplingParams
 
 
-def round_trip(result: StepResult) -> StepResult:
+def round_trip(result: RequestOutput) -> RequestOutput:
     payload, flags, shape = encode_step_result(result)
-    return decode_step_result(result.request_id, flags, shape, payload)
+    return decode_step_result(int(result.request_id), flags, shape, payload)
+
+
+def out(
+    rid: int,
+    ids: list[int],
+    logprobs: list[float] | None,
+    reason: FinishReason | None,
+    prompt: int,
+    output: int,
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
+    candidates: Candidates | None = None,
+) -> RequestOutput:
+    """An engine output as the GPU daemon sends it."""
+    finished = reason is not None
+    return RequestOutput(
+        str(rid), ids, finished, reason, logprobs, top_logprobs, prompt, output, candidates
+    )
 
 
 def test_new_seq_round_trip() -> None:
@@ -32,19 +51,24 @@ def test_new_seq_round_trip() -> None:
 
 
 def test_step_results_round_trip() -> None:
-    tokens = StepResult(7, [5, 6], [-0.5, -1.25], "length", 10, 12)
+    tokens = out(7, [5, 6], [-0.5, -1.25], FinishReason.LENGTH, 10, 12)
     assert round_trip(tokens) == tokens
-    error = StepResult(8, [], None, "aborted", 3, 0, "prompt_token_ids: token id 9 is outside")
-    assert round_trip(error).error == error.error
+    refusal = StepFailed(ErrorCode.INVALID_ARGUMENT, "prompt_token_ids: token id 9 is outside")
+    back = round_trip(RequestOutput.failed("8", refusal, 3))
+    assert back.error is not None and str(back.error) == str(refusal)
+    assert back.error.code is ErrorCode.INVALID_ARGUMENT and back.finished
+    assert back.finish_reason is FinishReason.CANCELLED
+    for reason in FinishReason:  # every reason crosses the ring as itself
+        assert round_trip(out(3, [1], None, reason, 2, 1)).finish_reason is reason
     cands = Candidates(
         np.array([4, 9, 1], np.int32), np.array([3.5, 2.0, -1.0], np.float32), 4.25, 5.5
     )
-    back = round_trip(StepResult(9, [], None, None, 3, 1, candidates=cands))
+    back = round_trip(out(9, [], None, None, 3, 1, candidates=cands))
     assert back.candidates is not None and back.finish_reason is None
     assert back.candidates.ids.tolist() == [4, 9, 1]
     assert back.candidates.logits.tolist() == [3.5, 2.0, -1.0]
     assert (back.candidates.lse, back.candidates.lse_t) == (4.25, 5.5)
-    assert encode_step_result(StepResult(9, [], None, None, 3, 1, candidates=cands))[1] & CANDIDATES
+    assert encode_step_result(out(9, [], None, None, 3, 1, candidates=cands))[1] & CANDIDATES
 
 
 def test_append_round_trip() -> None:
@@ -53,9 +77,9 @@ def test_append_round_trip() -> None:
 
 def test_top_logprobs_round_trip() -> None:
     top = [[(4, -0.5), (9, -1.5)], [(2, -0.25), (7, -3.0)]]
-    result = StepResult(7, [4, 2], [-0.5, -0.25], None, 10, 2, top_logprobs=top)
+    result = out(7, [4, 2], [-0.5, -0.25], None, 10, 2, top_logprobs=top)
     assert round_trip(result) == result
-    no_top = StepResult(7, [4, 2], [-0.5, -0.25], None, 10, 2, top_logprobs=[[], []])
+    no_top = out(7, [4, 2], [-0.5, -0.25], None, 10, 2, top_logprobs=[[], []])
     assert round_trip(no_top).top_logprobs is None
 
 

@@ -75,7 +75,7 @@ def test_router_placement_is_fixed_at_capture(checkpoint) -> None:  # type: igno
     )
     place_moe_gate(model, "gpu")
     with torch.inference_mode():
-        _, _, weights = graphs.pieces[1][0].run()
+        _, _, weights, _ = graphs.pieces[1][0].run()
         ids, picked = graphs.picks[0].read(1, weights)
     assert weights.numel() == 0  # the host picks from the logits
     assert ids.shape == (1, model.spec.num_experts_per_tok)

@@ -16,9 +16,10 @@ from typing import Any
 import openai
 import pytest
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.validation import validate_request
 from hybridgen.sampling.params import SamplingParams
-from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.delta import Delta
 from hybridgen.serving.http_server import HttpServer
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.openai_http import OpenAIApi
@@ -71,8 +72,8 @@ class ScriptedBackend:
                     started, self.waiting = True, self.waiting - 1
                 last = i + 1 == min(self.tokens, params.max_tokens)
                 self.events.append(("token", request_id))
-                yield Delta((65 + i,), chr(65 + i), None, last, Finish.LENGTH if last else None,
-                            len(prompt_ids), i + 1)  # fmt: skip
+                finish = FinishReason.LENGTH if last else None
+                yield Delta((65 + i,), chr(65 + i), None, last, finish, len(prompt_ids), i + 1)
         finally:
             if not started:
                 self.waiting -= 1

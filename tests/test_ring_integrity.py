@@ -19,12 +19,12 @@ import pytest
 from hybridgen.config.engine import EngineConfig
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.engine.engine import Engine
+from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.step_errors import ErrorCode
 from hybridgen.ipc import shm
 from hybridgen.ipc.channels import Channels, make_ticket, take_payload
 from hybridgen.ipc.messages import (
     ERROR,
-    StepResult,
     encode_new_seq,
     encode_step_result,
 )
@@ -96,7 +96,7 @@ class CpuSide:
 
     def __init__(self, ch: Channels) -> None:
         self.ch = ch
-        self.results: list[StepResult] = []
+        self.results: list[RequestOutput] = []
         self.lost: list[tuple[int, str]] = []
         self.dead: list[str] = []
         self.hb = CpuHeartbeat(
@@ -125,7 +125,8 @@ def test_bad_g2c_tickets_are_answered_not_fatal(instance: str) -> None:
     ch = Channels.create(instance, capacity=16, meta_bytes=1 << 16)
     try:
         side = CpuSide(ch)
-        good, flags, shape = encode_step_result(StepResult(1, [5, 6], None, None, 3, 2))
+        running = RequestOutput("1", [5, 6], False, None, None, None, 3, 2)
+        good, flags, shape = encode_step_result(running)
         short = put_g2c(ch, Op.STEP_RESULT, 1, good[:-1], flags, shape)  # wrong size
         bad_utf8 = put_g2c(ch, Op.STEP_RESULT, 2, b"\xff\xfe", ERROR, (0, 3, 0, 3))
         bad_code = put_g2c(ch, Op.STEP_RESULT, 3, good, flags, (2, 3, 2, 9))
@@ -136,7 +137,7 @@ def test_bad_g2c_tickets_are_answered_not_fatal(instance: str) -> None:
         assert ch.g2c.try_put(outside)
         put_g2c(ch, Op.STEP_RESULT, 6, good, flags, shape)  # a good one after them all
         sent = side.tick()
-        assert [r.request_id for r in side.results] == [6]
+        assert [r.request_id for r in side.results] == ["6"]
         nacks = {t.request_id for t in sent if t.op is Op.CORRUPT}
         assert nacks == {short, bad_utf8, bad_code, torn, seq}
         assert ch.g2c_meta.used() == 0, "every bad ticket's space was released"
@@ -217,7 +218,7 @@ def test_the_gpu_daemon_survives_every_bad_ticket(
     events: list[Ticket] = []
     results = collect(ch, {5}, events=events, timeout=60)
     expected = Engine(EngineConfig(model="tiny-llama", device="cpu")).generate([[5, 6, 7]], GREEDY)
-    assert [t for r in results[5] for t in r.token_ids] == expected[0].token_ids
+    assert [t for r in results[5] for t in r.new_token_ids] == expected[0].token_ids
     deadline = time.monotonic() + 10
     while {t.request_id for t in events if t.op is Op.CORRUPT} != set(seqs):
         assert time.monotonic() < deadline, [(t.op, t.request_id) for t in events]
@@ -241,8 +242,8 @@ def test_a_lost_step_result_fails_its_request_with_data_loss(
     send(ch, Op.CORRUPT, first.seq, b"payload CRC mismatch")  # "it arrived corrupted"
     results = collect(ch, {9}, timeout=60)
     last = results[9][-1]
-    assert last.error is not None and last.error_code is ErrorCode.DATA_LOSS, last
-    assert "corrupted" in last.error
+    assert last.error is not None and last.error.code is ErrorCode.DATA_LOSS, last
+    assert "corrupted" in str(last.error)
 
 
 # -- when a peer is dead --------------------------------------------------------------------

@@ -15,7 +15,8 @@ log = structlog.get_logger()
 
 
 def hf_config(spec: ModelSpec) -> Any:
-    """A transformers config with the spec's shape (Llama, Mistral, Qwen2 or Mixtral)."""
+    """A transformers config with the spec's shape (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE
+    or Qwen3-MoE)."""
     import transformers
 
     rope: dict[str, Any] = {"rope_type": spec.rope.rope_type, "rope_theta": spec.rope.theta}
@@ -31,6 +32,8 @@ def hf_config(spec: ModelSpec) -> Any:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[spec.family]
     kwargs: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
@@ -51,6 +54,19 @@ def hf_config(spec: ModelSpec) -> Any:
         kwargs.update(
             num_local_experts=spec.num_local_experts,
             num_experts_per_tok=spec.num_experts_per_tok,
+        )
+    if spec.family in ("qwen2_moe", "qwen3_moe"):
+        kwargs.update(
+            num_experts=spec.num_local_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.expert_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            mlp_only_layers=list(spec.dense_layers),
+        )
+    if spec.family == "qwen2_moe":
+        kwargs.update(
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+            qkv_bias=spec.attention_bias,
         )
     return cls(**kwargs)
 

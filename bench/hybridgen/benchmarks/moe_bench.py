@@ -8,7 +8,7 @@ Cases, each in its own process (`--in-process`: in this one), batch 1, greedy:
 - uniform: the router as drawn;
 - skewed: the router's logits biased toward two experts of each layer (SKEW), as routing on
   real text often is; the share of routed tokens those two take is reported;
-- accelerate: HF transformers' MixtralForCausalLM of the same shape, random bf16 weights,
+- accelerate: HF transformers' model of the same shape (Mixtral, Qwen3-MoE), random bf16 weights,
   dispatched by accelerate within the same budget (`infer_auto_device_map`, the rest in host
   memory), --baseline-new-tokens tokens; --baseline-layers cuts its depth when the bf16
   model would not fit in host memory (said so in the results).
@@ -58,8 +58,9 @@ from hybridgen.sampling.params import SamplingParams
 log = structlog.get_logger()
 
 CASES = ("uniform", "skewed", "accelerate")
-TARGETS = {"mixtral-8x7b": 20.0, "mixtral-8x22b": 4.0}
-"""Decode tok/s at batch 1 (BENCHMARKS.md B4; 8x22b's is the stated aim)."""
+TARGETS = {"mixtral-8x7b": 20.0, "mixtral-8x22b": 4.0, "qwen3-30b-a3b": 60.0}
+"""Decode tok/s at batch 1 (BENCHMARKS.md B4; 8x22b's is the stated aim; qwen3-30b-a3b's is
+B4c's at a 12 GB budget, issue 25)."""
 SKEW = 3.0
 """Logit bias, in units of the router logits' standard deviation, for the two favoured
 experts of each layer in case `skewed`."""
@@ -88,7 +89,7 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
     # this process) over the shared expert arena, while the device runs the cached ones;
     # when /dev/shm cannot hold the arena, the engine's own thread computes them.
     spec = preset_spec(args.model)
-    arena = arena_bytes(spec, args.expert_format, spec.num_layers)
+    arena = arena_bytes(spec, args.expert_format, spec.moe_layer_count)
     room = shm_free_bytes()
     linked = room is None or arena <= room
     config = EngineConfig(
@@ -203,7 +204,8 @@ def _draw_baseline_weights(model: torch.nn.Module, draw_on: torch.device) -> Non
 
 
 def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
-    """HF's Mixtral dispatched by accelerate in the same budget; random bf16 weights."""
+    """HF's model of the preset's shape (Mixtral, Qwen3-MoE) dispatched by accelerate in the
+    same budget, a decoder layer never split; random bf16 weights."""
     from accelerate import dispatch_model, infer_auto_device_map
     from transformers import AutoModelForCausalLM
 
@@ -220,8 +222,9 @@ def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         budget = {0: f"{args.budget_mb}MiB", "cpu": "1000GiB"}
+        layer_class = type(model.model.layers[0]).__name__  # MixtralDecoderLayer, ...
         device_map = infer_auto_device_map(
-            model, max_memory=budget, no_split_module_classes=["MixtralDecoderLayer"]
+            model, max_memory=budget, no_split_module_classes=[layer_class]
         )
         model = dispatch_model(model, device_map=device_map)
         placed = {str(d) for d in device_map.values()}

@@ -25,8 +25,9 @@ from typing import Any
 
 import structlog
 
+from hybridgen.engine.request_output import RequestOutput
 from hybridgen.ipc.channels import Channels, Message, Outbox, take_payload
-from hybridgen.ipc.messages import StepResult, decode_stats, decode_step_result
+from hybridgen.ipc.messages import decode_stats, decode_step_result
 from hybridgen.ipc.peer import STALL_TIMEOUT_S, PeerWatch
 from hybridgen.ipc.ticket import CorruptPayload, Op, Ticket
 from hybridgen.runtime import sd_notify
@@ -48,7 +49,7 @@ class CpuHeartbeat:
     def __init__(
         self,
         channels: Channels,
-        on_result: Callable[[StepResult], None],
+        on_result: Callable[[RequestOutput], None],
         on_info: Callable[[dict[str, Any]], None],
         on_dead: Callable[[str], None],
         on_backpressure: Callable[[int, int], None],

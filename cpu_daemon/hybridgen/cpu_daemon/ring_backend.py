@@ -23,13 +23,11 @@ import structlog
 
 from hybridgen.cpu_daemon.heartbeat import CpuHeartbeat
 from hybridgen.engine.request_output import RequestOutput
-from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest, check_text_size, validate_request
 from hybridgen.ipc.channels import Channels
 from hybridgen.ipc.messages import (
     PROMPT_OPEN,
-    StepResult,
     encode_append,
     encode_new_seq,
     encode_prompt_chunk,
@@ -51,20 +49,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 
-def _as_output(r: StepResult) -> RequestOutput:
-    reason = FinishReason(r.finish_reason) if r.finish_reason else None
-    return RequestOutput(
-        str(r.request_id),
-        r.token_ids,
-        reason is not None,
-        reason,
-        r.logprobs,
-        r.top_logprobs,
-        r.prompt_tokens,
-        r.output_tokens,
-    )
-
-
 class RingBackend:
     """Backend whose engine is the GPU daemon on the other end of the rings."""
 
@@ -75,7 +59,7 @@ class RingBackend:
         self._info: dict[str, Any] = {}
         self._info_ready = asyncio.Event()
         self._info_fresh = asyncio.Event()
-        self._queues: dict[int, asyncio.Queue[StepResult | BaseException]] = {}
+        self._queues: dict[int, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._ids = itertools.count(1)
         self._dead: str | None = None
         self._backpressure = 0  # the GPU daemon's reasons for not admitting (0: none)
@@ -188,7 +172,7 @@ class RingBackend:
         is open, and its parts go to the GPU daemon as APPEND_PROMPT meanwhile."""
         assert self._heartbeat is not None
         rid = next(self._ids)
-        q: asyncio.Queue[StepResult | BaseException] = asyncio.Queue()
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[rid] = q
         self._waiting += 1
         started = done = False
@@ -203,9 +187,9 @@ class RingBackend:
                     raise item  # the GPU daemon died (nothing to abort then), or a bad part
                 if item.error is not None:
                     done = True  # the GPU daemon refused or failed it, and dropped it
-                    if item.error_code is not ErrorCode.INVALID_ARGUMENT:
-                        raise StepFailed(item.error_code, item.error)
-                    field, _, message = item.error.partition(": ")
+                    if item.error.code is not ErrorCode.INVALID_ARGUMENT:
+                        raise item.error
+                    field, _, message = str(item.error).partition(": ")
                     raise InvalidRequest(field, message)
                 if item.candidates is not None:  # placements.sample: cpu, the pick is ours
                     self._pick(rid, params, item)
@@ -216,8 +200,8 @@ class RingBackend:
                 if text is None:  # a streamed prompt is complete by its first token
                     ids = streamed[0].token_ids if streamed else prompt
                     text = TextStream(self._tokenizer, ids, stop)
-                done = item.finish_reason is not None
-                delta = to_delta(_as_output(item), text)
+                done = item.finished
+                delta = to_delta(item, text)
                 yield delta
                 if delta.finished:
                     break
@@ -236,7 +220,7 @@ class RingBackend:
         prompt: list[int],
         params: SamplingParams,
         streamed: tuple[PromptFeed, AsyncIterator[PromptPart]] | None,
-        q: asyncio.Queue[StepResult | BaseException],
+        q: asyncio.Queue[RequestOutput | BaseException],
     ) -> asyncio.Task[None] | None:
         """Send NEW_SEQ; for a streamed prompt, start the task that sends its parts."""
         heartbeat = self._heartbeat
@@ -253,7 +237,7 @@ class RingBackend:
 
         return start_feeding(streamed[1], streamed[0], send, q.put_nowait)
 
-    def _pick(self, rid: int, params: SamplingParams, item: StepResult) -> None:
+    def _pick(self, rid: int, params: SamplingParams, item: RequestOutput) -> None:
         """Pick the token from a step's candidates and send it back (APPEND_TOKENS)."""
         assert params.seed is not None and item.candidates is not None
         assert self._heartbeat is not None
@@ -279,11 +263,11 @@ class RingBackend:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
             self._loop.call_soon_threadsafe(fn, *args)
 
-    def _post_result(self, result: StepResult) -> None:
+    def _post_result(self, result: RequestOutput) -> None:
         self._call(self._deliver, result)
 
-    def _deliver(self, result: StepResult) -> None:
-        q = self._queues.get(result.request_id)
+    def _deliver(self, result: RequestOutput) -> None:
+        q = self._queues.get(int(result.request_id))
         if q is not None:  # a result for a request that was already cancelled is dropped
             q.put_nowait(result)
 

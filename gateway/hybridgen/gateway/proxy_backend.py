@@ -26,12 +26,13 @@ import structlog
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest, validate_request
 from hybridgen.models.chat import ChatMessage
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.serving.backend import BackendUnavailable
-from hybridgen.serving.delta import Delta, Finish, TokenLogprob
+from hybridgen.serving.delta import Delta, TokenLogprob
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.service import SERVICE_NAME, QueueFull
 from hybridgen.serving.stream_input import PromptPart
@@ -64,10 +65,10 @@ _CHANNEL_OPTIONS = [
 ]
 _SAMPLING_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _FINISH = {
-    pb.FINISH_REASON_STOP: Finish.STOP,
-    pb.FINISH_REASON_LENGTH: Finish.LENGTH,
-    pb.FINISH_REASON_STOP_SEQUENCE: Finish.STOP_SEQUENCE,
-    pb.FINISH_REASON_CANCELLED: Finish.CANCELLED,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
 }
 # Codes that mean "the upstream is not there (or going away)": the client may retry.
 _GONE = (
@@ -468,4 +469,4 @@ class ProxyBackend:
 
 
 def _cancelled(prompt_tokens: int, completion: int) -> Delta:
-    return Delta((), "", None, True, Finish.CANCELLED, prompt_tokens, completion)
+    return Delta((), "", None, True, FinishReason.CANCELLED, prompt_tokens, completion)

@@ -29,15 +29,14 @@ from dataclasses import dataclass, field
 import structlog
 
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.info import engine_info, memory_info, moe_info
+from hybridgen.engine.info import engine_info, host_layer_info, memory_info, moe_info
 from hybridgen.engine.request_output import RequestOutput
-from hybridgen.engine.step_errors import ErrorCode
+from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest
 from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
     LAST_CHUNK,
     PROMPT_OPEN,
-    StepResult,
     decode_append,
     decode_new_seq,
     decode_prompt_chunk,
@@ -167,7 +166,7 @@ class GpuHeartbeat:
             with self.vouch:
                 for outputs in self.engine.steps(defer_sampling=self.defer_sampling):
                     for out in outputs:
-                        self._send_result(_result(out))
+                        self._send_result(out)
                     self._flush()
             self.stats.steps += 1
         self._signal_backpressure()
@@ -190,14 +189,13 @@ class GpuHeartbeat:
             try:
                 self.engine.add_request(str(rid), prompt, params, bool(ticket.flags & PROMPT_OPEN))
             except (InvalidRequest, InvalidSamplingParameter) as e:
-                refused = StepResult(rid, [], None, None, len(prompt), 0, str(e))
-                self._send_result(refused)
+                self._send_result(_refused(rid, e, len(prompt)))
         elif ticket.op is Op.APPEND_PROMPT:
             self._extend_prompt(ticket, decode_prompt_chunk(payload))
         elif ticket.op is Op.APPEND_TOKENS:
             token, logprob = decode_append(payload)
             try:
-                self._send_result(_result(self.engine.accept_token(str(rid), token, logprob)))
+                self._send_result(self.engine.accept_token(str(rid), token, logprob))
             except InvalidRequest as e:  # aborted meanwhile: the pick has nobody to go to
                 log.info("token_not_awaited", request_id=rid, reason=str(e))
         elif ticket.op is Op.ABORT:
@@ -218,6 +216,7 @@ class GpuHeartbeat:
             engine_info(self.engine),
             **self.engine.tier_stats(),
             **moe_info(self.engine),
+            **host_layer_info(self.engine),
             **memory_info(self.engine.device),
             **self.engine.degrade.info(),
             kv_blocks_used=self.engine.pool.num_used,
@@ -243,8 +242,8 @@ class GpuHeartbeat:
             self.engine.abort(str(rid))
             lost = "its STEP_RESULT ticket was corrupted on the way to the CPU daemon"
             prompt, output = shape[1], shape[2]
-            data_loss = StepResult(rid, [], None, None, prompt, output, lost, ErrorCode.DATA_LOSS)
-            self._send_result(data_loss)
+            error = StepFailed(ErrorCode.DATA_LOSS, lost)
+            self._send_result(RequestOutput.failed(str(rid), error, prompt, output))
         elif op is Op.STATS:
             self._send_stats()
         else:  # BACKPRESSURE, CORRUPT: idempotent, their payload optional
@@ -261,7 +260,7 @@ class GpuHeartbeat:
                 log.info("prompt_chunk_dropped", request_id=rid, reason=str(e))
                 return
             self.engine.abort(str(rid))
-            self._send_result(StepResult(rid, [], None, None, seq.prompt_len, 0, str(e)))
+            self._send_result(_refused(rid, e, seq.prompt_len))
 
     def _signal_backpressure(self) -> None:
         """Tell the CPU daemon when requests wait because the engine cannot take them (no
@@ -277,9 +276,9 @@ class GpuHeartbeat:
             self.stats.backpressure += 1
             self.outbox.append((Op.BACKPRESSURE, 0, b"", reasons, (len(sched.waiting), 0, 0, 0)))
 
-    def _send_result(self, result: StepResult) -> None:
+    def _send_result(self, result: RequestOutput) -> None:
         payload, flags, shape = encode_step_result(result)
-        self.outbox.append((Op.STEP_RESULT, result.request_id, payload, flags, shape))
+        self.outbox.append((Op.STEP_RESULT, int(result.request_id), payload, flags, shape))
 
     def _flush(self) -> None:
         sent = self.outbox.sent
@@ -323,17 +322,7 @@ class GpuHeartbeat:
         return reason is None
 
 
-def _result(out: RequestOutput) -> StepResult:
-    reason = out.finish_reason.value if out.finish_reason is not None else None
-    return StepResult(
-        int(out.request_id),
-        out.new_token_ids,
-        out.logprobs,
-        reason,
-        out.prompt_tokens,
-        out.output_tokens,
-        error=None if out.error is None else str(out.error),
-        error_code=ErrorCode.INVALID_ARGUMENT if out.error is None else out.error.code,
-        candidates=out.candidates,
-        top_logprobs=out.top_logprobs,
-    )
+def _refused(rid: int, error: Exception, prompt_tokens: int) -> RequestOutput:
+    """The engine would not take the request (the message names the field)."""
+    refusal = StepFailed(ErrorCode.INVALID_ARGUMENT, str(error))
+    return RequestOutput.failed(str(rid), refusal, prompt_tokens)

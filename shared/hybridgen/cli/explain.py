@@ -1,6 +1,6 @@
 """What `hybridgen serve --explain` prints beyond the op-region table: the spill decision
-(kv_cache.spill_policy) with its measured inputs, and the prefix cache by tier, read from
-GetModelInfo."""
+(kv_cache.spill_policy) with its measured inputs, the prefix cache by tier, and the decoder
+layers by placement (weights.gpu_layers), read from GetModelInfo."""
 
 from __future__ import annotations
 
@@ -54,4 +54,18 @@ def prefix_lines(info: Any) -> list[str]:
         f"prefix cache: {info.prefix_cached_tokens} prompt tokens not computed ({tiers}); "
         f"{info.warm_kept_blocks} finished blocks kept in Warm, {info.warm_keep_skipped} "
         f"write-backs skipped as not paying, {info.cold_blocks} blocks in Cold"
+    ]
+
+
+def layer_lines(info: Any) -> list[str]:
+    """Decoder layers by placement: resident, and host ones with how they ran so far and the
+    bytes they moved per token."""
+    if not info.host_layers:
+        return [f"decoder layers: all {info.gpu_layers} on the device"]
+    return [
+        f"decoder layers: {info.gpu_layers} on the device, {info.host_layers} in host memory "
+        f"({info.host_layer_bytes / 2**20:.3g} MiB each; host_layer_compute "
+        f"{info.host_layer_compute}); host layer-steps so far: {info.cpu_layer_steps} on the "
+        f"CPU, {info.streamed_layer_steps} streamed; {info.host_bytes_per_token:.4g} bytes "
+        "moved per token"
     ]

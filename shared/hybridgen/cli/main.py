@@ -55,13 +55,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     """The presets `--model` takes by name, and what each is."""
-    from hybridgen.models.presets import PRESETS, parameter_count
+    from hybridgen.models.presets import PRESETS
 
     print("Presets: real model shapes with seeded random weights (their text is noise),")
     print("to try HybridGen and size a machine without downloading weights.\n")
     print(f"  {'name':14} {'parameters':>10}  {'architecture':22} {'layers':>6} {'context':>8}")
     for name, spec in PRESETS.items():
-        count = parameter_count(spec)
+        count = spec.num_parameters()  # the shape's count: no model built, even on meta
         size = f"{count / 1e9:.1f}B" if count >= 1e8 else f"{count / 1e6:.1f}M"
         experts = f", {spec.num_local_experts} experts" if spec.num_local_experts else ""
         print(

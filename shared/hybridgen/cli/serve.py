@@ -301,7 +301,7 @@ def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
 
 def _print_regions(host: str, port: int) -> None:
     """The served engine's op-region table (GetModelInfo.op_regions), as text."""
-    from hybridgen.cli.explain import prefix_lines, spill_lines
+    from hybridgen.cli.explain import layer_lines, prefix_lines, spill_lines
     from hybridgen.placement.op_regions import Label, Region, Scope, format_table
 
     info = _model_info(host, port)
@@ -320,4 +320,4 @@ def _print_regions(host: str, port: int) -> None:
     ]
     print(f"op-regions of {info.model} ({info.mode} mode, {info.device}):", flush=True)
     print(format_table(rows), flush=True)
-    print("\n".join([*spill_lines(info), *prefix_lines(info)]), flush=True)
+    print("\n".join([*spill_lines(info), *prefix_lines(info), *layer_lines(info)]), flush=True)

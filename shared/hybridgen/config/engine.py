@@ -158,6 +158,12 @@ class EngineConfig:
     """Dense projections (weights.format): native (the model dtype), or int8 / int4 weight-only,
     quantized at load (a GGUF's Q8_0 / Q4_0 / Q4_1 repacked) and multiplied by fused
     dequantizing kernels (models/dense_quant.py)."""
+    gpu_layers: int | Literal["auto"] | None = None
+    """Decoder layers resident on the device (weights.gpu_layers): the first N, the rest in
+    host memory (models/host_layers.py); auto: the most the budget holds; None: all."""
+    host_layer_compute: Literal["auto", "cpu", "stream"] = "auto"
+    """How a step computes host layers (weights.host_layer_compute): cpu, stream, or auto (by
+    the latency model, per step)."""
     expert_format: Format = "native"
     """Cold-Weights: the experts' stored format, native, int8 or int4 (experts/format.py);
     int8 and int4 need expert_cache_slots."""
@@ -298,6 +304,19 @@ class EngineConfig:
             "weights_format",
             self.weights_format,
             "native, int8 or int4",
+        )
+        _check(
+            self.gpu_layers in (None, "auto")
+            or (isinstance(self.gpu_layers, int) and self.gpu_layers >= 0),
+            "gpu_layers",
+            self.gpu_layers,
+            ">= 0 (up to the model's layers), auto, or unset (every layer on the device)",
+        )
+        _check(
+            self.host_layer_compute in ("auto", "cpu", "stream"),
+            "host_layer_compute",
+            self.host_layer_compute,
+            "auto, cpu or stream",
         )
         _check(
             self.expert_format == "native"

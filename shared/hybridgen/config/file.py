@@ -200,6 +200,8 @@ class HybridGenConfig:
             expert_cache_slots=self.cold_weights.expert_cache_slots,
             expert_format=self.cold_weights.expert_format,
             weights_format=self.weights.format,
+            gpu_layers=self.weights.gpu_layers,
+            host_layer_compute=self.weights.host_layer_compute,
             expert_cpu_max_tokens=self.cold_weights.cpu_max_tokens,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,

@@ -197,6 +197,17 @@ class WeightsConfig:
     quantized at load; a GGUF's Q8_0 (int8) or Q4_0 / Q4_1 (int4) blocks are repacked as
     they are. Fused dequantizing kernels multiply them; MoE experts follow
     cold_weights.expert_format instead."""
+    gpu_layers: int | Literal["auto"] | None = checked(
+        None, lambda v: v == "auto" or v >= 0, ">= 0 (up to the model's layers) or auto"
+    )
+    """Decoder layers resident on the device: the first N; the rest keep their projections in
+    host memory (models/host_layers.py), computed on the CPU or streamed to the device per
+    step. auto: the most that leave the KV pool room for model.max_model_len. null: every
+    layer on the device. Dense models only (MoE: cold_weights)."""
+    host_layer_compute: Literal["auto", "cpu", "stream"] = "auto"
+    """How a step computes the host layers: cpu (their projections on the CPU), stream (their
+    weights copied to a device staging buffer, computed there), or auto: per step by the
+    latency model (the CPU at few tokens, streaming for prefill chunks)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.block_pool import BlockPool
+from hybridgen.engine.host_layer_setup import setup_host_layers
 from hybridgen.engine.host_memory import check_host_budget
 from hybridgen.engine.memory import graph_batch_size, plan_engine_memory
 from hybridgen.engine.model_runner import ModelRunner, Sampled, has_penalty
@@ -50,6 +51,7 @@ from hybridgen.experts.store import ExpertCache, MoeStats
 from hybridgen.kvtiers.warm_drafts import WarmDrafts
 from hybridgen.kvtiers.warm_offload import WarmOffload
 from hybridgen.kvtiers.warm_tier import WarmTier
+from hybridgen.models.host_layers import HostLayerStats
 from hybridgen.models.loader import LoadedModel, load_model, model_spec
 from hybridgen.placement.degrade import Degrade
 from hybridgen.placement.tuner import Tuner
@@ -118,6 +120,8 @@ class Engine:
         sd_notify.status("warming up")  # under a supervisor; a no-op in-process
         config = self.config
         spec = self.spec = self.loaded.model.spec
+        self.host_layers = setup_host_layers(config, self.loaded.model, self.device)
+        """Layers whose projections live in host memory (weights.gpu_layers), if any."""
         self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(
             config, self.loaded.model, self.device
         )
@@ -178,6 +182,8 @@ class Engine:
         self.measured.update(measure_regions(self))
         if self.experts is not None:  # counted from the first served step: the start-up's
             self.experts[0].stats = MoeStats()  # profiling prefill repeats one token
+        if self.host_layers is not None:  # likewise: served steps only
+            self.host_layers.stats = HostLayerStats()
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
         log.info(
@@ -196,7 +202,7 @@ class Engine:
         config = self.config
         if self.warm is not None:
             self.measured.update(place_attn_warm(self.warm, config, self.device))
-        graph_batch = graph_batch_size(config, self.spec)
+        graph_batch = graph_batch_size(config, self.loaded.model)
         graphed = bool(graph_batch) and self.device.type == "cuda"
         self.measured.update(place_moe_gate_measured(self, graphed))
         self._check_reach()
@@ -273,7 +279,7 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        seq.finish_reason = FinishReason.ABORTED
+        seq.finish_reason = FinishReason.CANCELLED
         self.scheduler.finish(seq)
         return True
 
@@ -401,14 +407,14 @@ class Engine:
         for seq in seqs:
             if self.seqs.pop(seq.request_id, None) is None:
                 continue  # it had finished in an earlier step of the batch
-            seq.finish_reason = FinishReason.ABORTED
+            seq.finish_reason = FinishReason.CANCELLED
             self.scheduler.finish(seq)
             outputs.append(
                 RequestOutput(
                     seq.request_id,
                     [],
                     True,
-                    FinishReason.ABORTED,
+                    FinishReason.CANCELLED,
                     None,
                     None,
                     seq.prompt_len,

@@ -50,7 +50,7 @@ def host_need(config: EngineConfig, spec: ModelSpec) -> dict[str, int]:
     warm = int(config.warm_pool_mb * MIB)
     experts = 0
     if config.expert_cache_slots is not None and spec.num_local_experts:
-        experts = arena_bytes(spec, config.expert_format, spec.num_layers)
+        experts = arena_bytes(spec, config.expert_format, spec.moe_layer_count)
     return {"warm": warm, "cold": warm, "experts": experts}
 
 

@@ -46,6 +46,15 @@ def moe_info(engine: Engine) -> dict[str, float | int]:
     }
 
 
+def host_layer_info(engine: Engine) -> dict[str, float | int | str]:
+    """weights.gpu_layers: layers by placement and bytes moved per token, keyed by
+    GetModelInfo field names (every layer on the device without host layers)."""
+    host = engine.host_layers
+    if host is None:
+        return {"gpu_layers": engine.spec.num_layers, "host_layers": 0}
+    return host.placement()
+
+
 def memory_info(device: torch.device) -> dict[str, float]:
     """Device memory figures that change while serving, keyed by GetModelInfo field names.
     They read only the CUDA caching allocator's counters, which are thread-safe, so any

@@ -97,7 +97,10 @@ def workspace_bytes(
     joined to the Hot keys).
     """
     e = dtype.itemsize
-    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    h, v = spec.hidden_size, spec.vocab_size
+    # The widest MLP a layer runs: dense, one routed expert's, or a shared expert's.
+    dense = spec.intermediate_size if spec.moe_layer_count < spec.num_layers else 0
+    i = max(dense, spec.expert_size, spec.shared_expert_intermediate_size)
     # Live at once inside a layer: x, residual, normed x, qkv, attention out, gate_up, act.
     per_token = (3 * h + spec.q_size + 2 * spec.kv_size + spec.q_size + 3 * i) * e
     # Logits in fp32 and up to three same-sized sampler temporaries (penalised, sorted, probs).
@@ -117,12 +120,14 @@ def workspace_bytes(
     graphs = 0
     if graph_batch:
         # Every captured size keeps its logits output, and a MoE model's every layer's MLP
-        # input, residual and router weights (moe_graphs.py); the pool also holds one set of
-        # decode activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3)
-        # streams used.
+        # input (a dense layer's output) and residual, and each MoE layer's router weights and
+        # shared expert output (moe_graphs.py); the pool also holds one set of decode
+        # activations; cuBLAS keeps a 32 MiB workspace for each of the (up to 3) streams used.
         kept = v * 4
         if spec.num_local_experts:
-            kept += spec.num_layers * (2 * h * e + 4 * spec.num_experts_per_tok)
+            shared = h * e if spec.shared_expert_intermediate_size else 0
+            per_moe_layer = 4 * spec.num_experts_per_tok + shared
+            kept += spec.num_layers * 2 * h * e + spec.moe_layer_count * per_moe_layer
         sizes = graph_sizes(graph_batch)
         graphs = sum(sizes) * kept + graph_batch * per_token * 2 + 3 * 32 * MIB
     return int((step + gather + rope) * 1.25 + graphs) + 64 * MIB
@@ -199,10 +204,12 @@ def budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return capped
 
 
-def graph_batch_size(config: EngineConfig, spec: ModelSpec) -> int:
+def graph_batch_size(config: EngineConfig, model: CausalLM) -> int:
     """Largest decode batch captured in CUDA graphs (a MoE model's piecewise, between the
-    layers' expert picks: moe_graphs.py); 0: none."""
-    if not config.cuda_graphs:
+    layers' expert picks: moe_graphs.py); 0: none, also when layers live in host memory
+    (weights.gpu_layers): their host calls and weight copies cannot be captured, so decode
+    runs eager."""
+    if not config.cuda_graphs or model.host_layers is not None:
         return 0
     return min(config.max_graph_batch, config.max_num_seqs)
 
@@ -217,7 +224,8 @@ def block_bytes(config: EngineConfig, spec: ModelSpec) -> int:
 
 def weights_bytes(model: CausalLM) -> int:
     """The model's device weights: its parameters, plus Cold-Weights' expert cache (the
-    experts themselves are host memory, no parameters)."""
+    experts themselves are host memory, no parameters). Host layers' projections
+    (weights.gpu_layers) are no parameters either: their one staging copy is."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     caches = {
         id(m.cold[1]): m.cold[1].nbytes
@@ -228,13 +236,19 @@ def weights_bytes(model: CausalLM) -> int:
 
 
 def plan_engine_memory(
-    config: EngineConfig, model: CausalLM, device: torch.device, held: int = 0
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    held: int = 0,
+    offloaded: int = 0,
 ) -> tuple[MemoryPlan, int]:
     """The engine's plan and max_model_len: the longest context the budget allows (or an
     error naming what to change). `held`: device bytes the engine's allocator holds now
     (CUDA: reserved, its cache emptied), counted as weights when above their parameters'
     bytes: loading can leave segments pinned by small tensors carved from them (int4
-    weights quantized on the device), memory the KV pool cannot have."""
+    weights quantized on the device), memory the KV pool cannot have. `offloaded`: bytes of
+    the model's parameters that will leave the device (host layers, weights.gpu_layers:
+    auto sizes them); host layers already offloaded are no parameters of the model."""
     c, spec = config, model.spec
     length = c.max_model_len or model_max_len(spec.rope, spec.max_position_embeddings)
     blocks = c.num_kv_blocks
@@ -243,7 +257,7 @@ def plan_engine_memory(
         blocks = max(1, int(c.kv_pool_mb * MIB) // kv_block)
     if blocks is not None and c.max_model_len is None and not c.warm_extends_hot:
         length = min(length, blocks * c.block_size)
-    weights = max(weights_bytes(model), held)
+    weights = max(weights_bytes(model) - offloaded, held)
     budget = budget_bytes(c, device)
     measured, graphs = None, 0
     in_place = device.type == "cuda" and ops.HAS_TRITON
@@ -251,7 +265,7 @@ def plan_engine_memory(
         # The worst step at the configured limits: a full chunk attending max_model_len keys.
         chunk, seqs = c.max_num_batched_tokens, c.max_num_seqs
         measured = profile_step_peak(model, chunk, seqs, c.block_size, device, length, c.hot_codec)
-        graphs = graph_batch_size(c, spec)
+        graphs = graph_batch_size(c, model)
 
     def work(length: int, warm: bool) -> int:
         return workspace_bytes(
@@ -295,3 +309,35 @@ def plan_engine_memory(
                 max_model_len=length,
                 reason="KV pool too small for the model's full context",
             )
+
+
+def auto_gpu_layers(
+    config: EngineConfig, model: CausalLM, device: torch.device, layer_bytes: int
+) -> int:
+    """weights.gpu_layers: auto: the most decoder layers that can stay on the device while the
+    plan keeps the max_model_len it has with every layer's projections (`layer_bytes` each)
+    in host memory but one staging copy; every layer when the whole model fits so."""
+    n = model.spec.num_layers
+
+    def length(resident: int) -> int | None:
+        offloaded = (n - resident - (resident < n)) * layer_bytes
+        try:
+            return plan_engine_memory(config, model, device, 0, offloaded)[1]
+        except BudgetTooSmall:
+            return None
+
+    target = length(0)
+    if target is None:
+        raise BudgetTooSmall(
+            f"weights.gpu_layers=auto: the budget device_topology.gpu.memory_mb="
+            f"{budget_bytes(config, device) // MIB} cannot hold the model even with every "
+            "decoder layer in host memory; raise it or lower model.max_model_len"
+        )
+    lo, hi = 0, n  # length(lo) == target; find the largest such
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if length(mid) == target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -12,6 +12,10 @@ and a last one from the last layer's output to the logits:
     host         layer l's experts -> x
     graph L      final norm, LM head -> logits
 
+A layer with a dense MLP (Qwen-MoE's mlp_only_layers) runs whole in its graph, and the host
+only copies its output on; a shared expert (Qwen2-MoE) runs in the graph beside the router,
+and the host adds its output to the routed experts'.
+
 Eagerly, a decode step costs the host some 50 torch launches per layer, more than the device
 takes to run them at batch 1 (B4, bench/NOTES.md); here a layer costs the host one replay, one
 sync and its experts' launches. Each graph reads the previous one's outputs in place (all
@@ -36,15 +40,10 @@ from torch import Tensor
 from hybridgen.engine.cuda_graphs import DecodeInputs
 from hybridgen.kernels import ops
 from hybridgen.models.llama import AttentionBatch, CausalLM, DecoderLayer
-from hybridgen.models.moe import SparseMoeBlock, route_top_k
+from hybridgen.models.moe import SparseMoeBlock, add_shared, route_top_k
 from hybridgen.runtime.log import Progress
 
 Outputs = tuple[Tensor, ...]
-
-
-def _moe_block(mlp: object) -> SparseMoeBlock:
-    assert isinstance(mlp, SparseMoeBlock), "a MoE model's every layer routes experts"
-    return mlp
 
 
 class Piece:
@@ -78,6 +77,7 @@ class HostPick:
 
     def __init__(self, block: SparseMoeBlock, rows: int, device: torch.device) -> None:
         self.on, self.k, self.device = block.gate_on, block.top_k, device
+        self.normalize, self.cast = block.norm_topk, block.cast_weights
         pinned = device.type == "cuda"
         e, dtype = block.num_experts, block.gate.weight.dtype
         self.ids = torch.zeros(rows, self.k, dtype=torch.int64, pin_memory=pinned)
@@ -90,7 +90,7 @@ class HostPick:
         if self.on == "cpu":
             self.logits[:b].copy_(logits, non_blocking=True)
             return logits.new_empty(0)
-        ids, weights = route_top_k(logits, self.k)
+        ids, weights = route_top_k(logits, self.k, self.normalize, self.cast)
         self.ids[:b].copy_(ids, non_blocking=True)
         return weights
 
@@ -98,7 +98,7 @@ class HostPick:
         """The host part, after the device synchronized: (ids [n, k] on the host, weights
         [n, k] on the device) for the first n rows."""
         if self.on == "cpu":
-            ids, picked = route_top_k(self.logits[:n], self.k)
+            ids, picked = route_top_k(self.logits[:n], self.k, self.normalize, self.cast)
             return ids, picked.to(self.device, non_blocking=True)
         return self.ids[:n], weights[:n]
 
@@ -120,8 +120,11 @@ class MoeDecodeGraphs:
         spec = model.spec
         self.model, self.kv_caches, self.rope = model, kv_caches, rope
         self.max_batch, self.device = max_batch, device
-        self.blocks: list[SparseMoeBlock] = [_moe_block(layer.mlp) for layer in model.layers]
-        self.picks = [HostPick(block, max_batch, device) for block in self.blocks]
+        self.blocks: list[SparseMoeBlock | None] = [
+            layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None for layer in model.layers
+        ]
+        """Each layer's MoE block; None where the layer's MLP is dense."""
+        self.picks = [None if b is None else HostPick(b, max_batch, device) for b in self.blocks]
         self.inputs = DecodeInputs(max_batch, max_blocks, device)
         self.x = torch.zeros(max_batch, spec.hidden_size, dtype=spec.dtype, device=device)
         """A layer's experts' output, the next piece's input."""
@@ -145,7 +148,8 @@ class MoeDecodeGraphs:
 
     def _layer(self, layer: int, prev: Piece | None, b: int, batch: AttentionBatch) -> Outputs:
         """Layer `layer` up to its router's pick -> (MLP input, residual, HostPick.send's
-        weights)."""
+        weights, the shared expert's output or an empty tensor); a dense layer whole ->
+        (its output, residual)."""
         if prev is None:
             x, residual = self.model.embed_tokens(self.inputs.input_ids[:b]), None
         else:
@@ -153,7 +157,12 @@ class MoeDecodeGraphs:
         layer_net = self.model.layers[layer]
         assert isinstance(layer_net, DecoderLayer)
         h, residual = layer_net.attend(x, residual, batch, self.kv_caches[layer], self.rope)
-        return h, residual, self.picks[layer].send(self.blocks[layer].router_logits(h))
+        block, pick = self.blocks[layer], self.picks[layer]
+        if block is None or pick is None:
+            return layer_net.mlp(h), residual
+        shared = block.shared(h)
+        weights = pick.send(block.router_logits(h))
+        return h, residual, weights, h.new_empty(0) if shared is None else shared
 
     def _logits(self, last: Piece, b: int) -> Tensor:
         return self.model.compute_logits(self.model.final_norm(self.x[:b], last.out[1]))
@@ -163,9 +172,14 @@ class MoeDecodeGraphs:
         logits [n, V] (a view, valid until the next replay)."""
         n, b = self.inputs.load(input_ids, batch)
         pieces = self.pieces[b]
-        for layer, block in enumerate(self.blocks):
-            h, _, weights = pieces[layer].run()
+        for layer, (block, pick) in enumerate(zip(self.blocks, self.picks, strict=True)):
+            out = pieces[layer].run()
+            if block is None or pick is None:  # a dense layer: its output, on the device
+                self.x[:n].copy_(out[0][:n])
+                continue
+            h, _, weights, shared = out
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the pick is on the host
-            self.x[:n].copy_(block.combine(h[:n], *self.picks[layer].read(n, weights)))
+            routed = block.combine(h[:n], *pick.read(n, weights))
+            self.x[:n].copy_(add_shared(routed, shared[:n] if shared.numel() else None))
         return pieces[-1].run()[0][:n]

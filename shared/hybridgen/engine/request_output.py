@@ -35,7 +35,24 @@ class RequestOutput:
     """With deferred CPU sampling: the top-k logits to pick the next token from (no token
     yet; answer with Engine.accept_token)."""
     error: StepFailed | None = None
-    """The request's step failed: it ended (finished, ABORTED) with this status."""
+    """The request ended with this status: refused by the engine, or its step failed."""
+
+    @staticmethod
+    def failed(
+        request_id: str, error: StepFailed, prompt_tokens: int, output_tokens: int = 0
+    ) -> RequestOutput:
+        """The last output of a request that ended with `error` (finished, CANCELLED)."""
+        return RequestOutput(
+            request_id,
+            [],
+            True,
+            FinishReason.CANCELLED,
+            None,
+            None,
+            prompt_tokens,
+            output_tokens,
+            error=error,
+        )
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output followed by a later one of the same request, as one output."""

@@ -16,12 +16,17 @@ class Status(enum.Enum):
 
 
 class FinishReason(enum.Enum):
+    """Why a request ended: the one spelling from the engine to the edge, where the API's
+    enum (serving/service.py) and OpenAI's strings (serving/openai_response.py) map it."""
+
     STOP = "stop"
     """An EOS or stop token was sampled."""
     LENGTH = "length"
     """max_tokens or the model's context length was reached."""
-    ABORTED = "aborted"
-    """The client went away or cancelled."""
+    STOP_SEQUENCE = "stop_sequence"
+    """A stop string matched the text (found where the text is made, not by the engine)."""
+    CANCELLED = "cancelled"
+    """The client went away or cancelled, or the request's step failed."""
 
 
 @dataclass

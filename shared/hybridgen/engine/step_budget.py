@@ -43,7 +43,7 @@ def key_weight(spec: ModelSpec) -> float:
     dense = (
         h * (spec.q_size + 2 * spec.kv_size)
         + spec.q_size * h
-        + 3 * h * spec.intermediate_size * experts
+        + 3 * h * (spec.expert_size * experts + spec.shared_expert_intermediate_size)
     )
     return 2 * spec.q_size / dense
 

@@ -38,7 +38,7 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in
 
 def arena_bytes(spec: ModelSpec, fmt: Format, layers: int) -> int:
     """Bytes of `layers` layers of experts in `fmt`, with alignment, plus the header."""
-    h, i, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    h, i, e = spec.hidden_size, spec.expert_size, spec.num_local_experts
     per_layer = 0
     for out, in_ in ((2 * i, h), (h, i)):
         for shape, dtype in PackedMatrices.layout(fmt, e, out, in_, spec.dtype).values():

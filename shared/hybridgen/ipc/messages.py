@@ -29,12 +29,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from hybridgen.engine.step_errors import ErrorCode
+from hybridgen.engine.request_output import RequestOutput
+from hybridgen.engine.sequence import FinishReason
+from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.ipc.ticket import CorruptPayload
 from hybridgen.sampling.candidates import Candidates
 from hybridgen.sampling.params import SamplingParams
@@ -46,8 +48,14 @@ LAST_CHUNK = 1
 """APPEND_PROMPT flag."""
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _ERROR_CODES = frozenset(int(code) for code in ErrorCode)
-FINISH_CODES = {None: 0, "stop": 1, "length": 2, "aborted": 3}
-FINISH_NAMES = {code: name for name, code in FINISH_CODES.items()}
+FINISH_CODES: dict[FinishReason | None, int] = {
+    None: 0,
+    FinishReason.STOP: 1,
+    FinishReason.LENGTH: 2,
+    FinishReason.CANCELLED: 3,
+    FinishReason.STOP_SEQUENCE: 4,
+}
+FINISH_REASONS = {code: reason for reason, code in FINISH_CODES.items()}
 _U32 = struct.Struct("<I")
 
 
@@ -96,34 +104,13 @@ def decode_stats(payload: bytes | memoryview) -> dict[str, Any]:
     return _json_object("STATS fields", bytes(payload))
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one engine step produced for one request, as the CPU daemon receives it."""
-
-    request_id: int
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str | None
-    """None while running; stop, length or aborted at the end."""
-    prompt_tokens: int
-    output_tokens: int
-    error: str | None = None
-    """Set when the request ended with an error: refused (the message names the field), or
-    its step failed."""
-    error_code: ErrorCode = ErrorCode.INVALID_ARGUMENT
-    """With `error`: the status to answer the client with."""
-    candidates: Candidates | None = None
-    """With CPU sampling: the top-k logits to pick the next token from (no token yet)."""
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    """Per token, its most likely alternatives (id, logprob), when the request asked."""
-
-
-def encode_step_result(result: StepResult) -> tuple[bytes, int, tuple[int, int, int, int]]:
-    """-> (payload, flags, shape) for a STEP_RESULT ticket."""
-    flags = FINISHED if result.finish_reason is not None or result.error else 0
-    n = len(result.token_ids)
+def encode_step_result(result: RequestOutput) -> tuple[bytes, int, tuple[int, int, int, int]]:
+    """-> (payload, flags, shape) for a STEP_RESULT ticket: one engine output, the type the
+    CPU daemon gets back from decode_step_result."""
+    flags = FINISHED if result.finished or result.error is not None else 0
+    n = len(result.new_token_ids)
     if result.error is not None:
-        payload = result.error.encode()
+        payload = str(result.error).encode()
         flags |= ERROR
     elif result.candidates is not None:
         c = result.candidates
@@ -135,21 +122,21 @@ def encode_step_result(result: StepResult) -> tuple[bytes, int, tuple[int, int, 
         )
         flags |= CANDIDATES
     else:
-        payload = np.asarray(result.token_ids, dtype=np.int32).tobytes()
+        payload = np.asarray(result.new_token_ids, dtype=np.int32).tobytes()
         if result.logprobs is not None:
             payload += np.asarray(result.logprobs, dtype=np.float32).tobytes()
             flags |= HAS_LOGPROBS
         if result.logprobs is not None and result.top_logprobs and result.top_logprobs[0]:
             payload += _encode_top(result.top_logprobs)
             flags |= HAS_TOP
-    last = FINISH_CODES[result.finish_reason] if result.error is None else result.error_code
+    last = FINISH_CODES[result.finish_reason] if result.error is None else result.error.code
     shape = (n, result.prompt_tokens, result.output_tokens, int(last))
     return payload, flags, shape
 
 
 def decode_step_result(
     request_id: int, flags: int, shape: tuple[int, int, int, int], payload: bytes | memoryview
-) -> StepResult:
+) -> RequestOutput:
     n, prompt_tokens, output_tokens, code = shape
     if flags & ERROR:
         if code not in _ERROR_CODES:
@@ -158,11 +145,12 @@ def decode_step_result(
             message = bytes(payload).decode()
         except UnicodeDecodeError as exc:
             raise CorruptPayload(f"STEP_RESULT error message is not UTF-8: {exc}") from None
-        return StepResult(
-            request_id, [], None, "aborted", prompt_tokens, output_tokens, message, ErrorCode(code)
+        error = StepFailed(ErrorCode(code), message)
+        return RequestOutput.failed(str(request_id), error, prompt_tokens, output_tokens)
+    if code not in FINISH_REASONS:
+        raise CorruptPayload(
+            f"STEP_RESULT finish reason code {code} is not one of 0..{len(FINISH_REASONS) - 1}"
         )
-    if code not in FINISH_NAMES:
-        raise CorruptPayload(f"STEP_RESULT finish reason code {code} is not one of 0..3")
     if flags & CANDIDATES:
         _expect_size(payload, 4 * n + 4 * (n + 2), f"{n} candidates")
         logits = np.frombuffer(payload, dtype=np.float32, count=n + 2, offset=4 * n)
@@ -172,8 +160,8 @@ def decode_step_result(
             float(logits[n]),
             float(logits[n + 1]),
         )
-        return StepResult(
-            request_id, [], None, None, prompt_tokens, output_tokens, candidates=cands
+        return RequestOutput(
+            str(request_id), [], False, None, None, None, prompt_tokens, output_tokens, cands
         )
     logprobs = top = None
     base = (8 if flags & HAS_LOGPROBS else 4) * n
@@ -191,14 +179,16 @@ def decode_step_result(
         logprobs = np.frombuffer(payload, dtype=np.float32, count=n, offset=4 * n).tolist()
     if flags & HAS_TOP:
         top = _decode_top(memoryview(payload)[8 * n :], n)
-    return StepResult(
-        request_id,
+    reason = FINISH_REASONS[code]
+    return RequestOutput(
+        str(request_id),
         ids,
+        reason is not None,
+        reason,
         logprobs,
-        FINISH_NAMES[code],
+        top,
         prompt_tokens,
         output_tokens,
-        top_logprobs=top,
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,15 @@ from hybridgen.models.spec import ModelSpec, RopeSpec
 
 GGUF_SUFFIX = ".gguf"
 ROPE_FREQS = "rope_freqs.weight"
-# general.architecture -> (HF architecture, family) of a dense model.
+# general.architecture -> (HF architecture, family) of a dense model (llama with experts is
+# Mixtral), or of Qwen3-MoE.
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+MOE_ARCHITECTURES = ("llama", "qwen3moe")
+"""Those whose experts this loader reads."""
 # ggml tensor types this loader reads: plain floats, and the block formats whose dequantization
 # gguf-py implements (the legacy 32-element blocks and the 256-element K-quants).
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")
@@ -52,6 +56,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -62,7 +68,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Mixtral's experts: ggml's gate/up/down are HF's w1/w3/w2.
+# Mixtral's (and Qwen3-MoE's) experts: ggml's gate/up/down are HF's w1/w3/w2.
 _EXPERT_W = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
 # What llama.cpp's llama converter permutes for its interleaved rotary embedding.
 _PERMUTED = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
@@ -277,10 +283,10 @@ def _experts(f: GgufFile) -> tuple[int, int]:
     experts = int(f.arch_key("expert_count", 0) or 0)
     if not experts:
         return 0, 0
-    if f.arch != "llama":
+    if f.arch not in MOE_ARCHITECTURES:
         raise ModelLoadError(
             f"{f.path}: a mixture of experts in architecture {f.arch!r} is not supported; "
-            "supported: llama (Mixtral)"
+            "supported: llama (Mixtral), qwen3moe"
         )
     per_token = _positive(f, "expert_used_count")
     if per_token > experts:
@@ -300,8 +306,10 @@ def gguf_spec(f: GgufFile) -> ModelSpec:
         )
     arch, family = ARCHITECTURES[f.arch]
     experts, per_token = _experts(f)
-    if experts:
+    if experts and f.arch == "llama":
         arch, family = "MixtralForCausalLM", "mixtral"
+    if f.arch == "qwen3moe" and not experts:
+        raise ModelLoadError(f"{f.path}: 'qwen3moe.expert_count' is required")
     hidden, heads = _positive(f, "embedding_length"), _positive(f, "attention.head_count")
     kv_heads = _positive(f, "attention.head_count_kv", heads)
     if heads % kv_heads:
@@ -316,15 +324,16 @@ def gguf_spec(f: GgufFile) -> ModelSpec:
     tokens = f.get("tokenizer.ggml.tokens")
     vocab = f.arch_key("vocab_size") or (len(tokens) if tokens else f.rows("token_embd.weight"))
     inter_key = "feed_forward_length"
-    if experts and f.arch_key("expert_feed_forward_length"):
+    if family == "mixtral" and f.arch_key("expert_feed_forward_length"):
         inter_key = "expert_feed_forward_length"
+    expert_ffn = _positive(f, "expert_feed_forward_length") if family == "qwen3_moe" else None
     eos = f.get("tokenizer.ggml.eos_token_id")
-    return ModelSpec(
+    spec = ModelSpec(
         architecture=arch,
         family=family,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=_positive(f, inter_key),
+        intermediate_size=_positive(f, inter_key, expert_ffn),  # qwen3moe: no dense layer
         num_layers=_positive(f, "block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -341,4 +350,14 @@ def gguf_spec(f: GgufFile) -> ModelSpec:
         eos_token_ids=(int(eos),) if eos is not None else (),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         name=str(f.path),
+    )
+    if family != "qwen3_moe":
+        return spec
+    # llama.cpp's qwen3moe: every layer routes experts, their top-k weights renormalised.
+    return replace(
+        spec,
+        moe_intermediate_size=expert_ffn or 0,
+        norm_topk_prob=True,
+        qk_norm=True,
+        router_weights_in_model_dtype=True,
     )

@@ -1,5 +1,6 @@
-"""The Llama decoder, which also covers Mistral (sliding window), Qwen2 (qkv bias) and Mixtral
-(a sparse mixture of experts in place of the MLP, moe.py).
+"""The Llama decoder, which also covers Mistral (sliding window), Qwen2 (qkv bias), Mixtral
+(a sparse mixture of experts in place of the MLP, moe.py), Qwen2-MoE (qkv bias, experts and a
+shared expert) and Qwen3-MoE (RMSNorm over each q and k head, experts).
 
 Tokens of all sequences in a step are packed into one flat batch of T tokens, so every
 projection is a single matmul; only attention looks at sequence boundaries, through the
@@ -17,6 +18,7 @@ from torch import nn
 
 from hybridgen.kernels import ops
 from hybridgen.models.dense_quant import project
+from hybridgen.models.host_layers import HostLayers
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.spec import ModelSpec
 
@@ -70,6 +72,9 @@ class Attention(nn.Module):
         )
         self.o_proj: nn.Module = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
         self.scale = spec.head_dim**-0.5
+        # Qwen3: each query and key head RMS-normed over head_dim before the rotation.
+        self.q_norm = nn.Parameter(torch.ones(spec.head_dim)) if spec.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(spec.head_dim)) if spec.qk_norm else None
 
     def forward(
         self,
@@ -82,8 +87,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.reshape(t, s.num_heads, s.head_dim)
-        k = k.reshape(t, s.num_kv_heads, s.head_dim)
+        q = self._head_norm(q.reshape(t, s.num_heads, s.head_dim), self.q_norm)
+        k = self._head_norm(k.reshape(t, s.num_kv_heads, s.head_dim), self.k_norm)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
         ops.write_kv(q, k, v, batch.positions, rope[0], rope[1], kv, batch.slot_mapping)
         out = torch.empty_like(q)  # [T, Hq, D]
@@ -128,14 +133,23 @@ class Attention(nn.Module):
             )
         return project(self.o_proj, out.reshape(t, s.q_size))
 
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """x [T, heads, D] RMS-normed per head with `weight` [D] (a new tensor); x itself
+        without a weight."""
+        if weight is None:
+            return x
+        normed = ops.add_rms_norm(x.reshape(-1, x.shape[-1]), None, weight, self.spec.rms_norm_eps)
+        return normed[0].view(x.shape)
+
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """SwiGLU of `width` (default the spec's intermediate_size)."""
+
+    def __init__(self, spec: ModelSpec, width: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj: nn.Module = nn.Linear(
-            spec.hidden_size, 2 * spec.intermediate_size, bias=False
-        )
-        self.down_proj: nn.Module = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        width = width or spec.intermediate_size
+        self.gate_up_proj: nn.Module = nn.Linear(spec.hidden_size, 2 * width, bias=False)
+        self.down_proj: nn.Module = nn.Linear(width, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = project(self.gate_up_proj, x)
@@ -149,8 +163,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
         self.self_attn = Attention(spec, layer)
         self.post_attention_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
-        # Dense SwiGLU, or (Mixtral) a sparse block of experts of the same shape.
-        self.mlp: nn.Module = SparseMoeBlock(spec, MLP) if spec.num_local_experts else MLP(spec)
+        # Dense SwiGLU, or a sparse block of experts (of spec.expert_size each).
+        self.mlp: nn.Module = SparseMoeBlock(spec, MLP) if spec.is_moe_layer(layer) else MLP(spec)
 
     def forward(
         self,
@@ -190,6 +204,8 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.host_layers: HostLayers | None = None
+        """Layers whose projections live in host memory (weights.gpu_layers), if any."""
 
     def forward(
         self,
@@ -199,6 +215,8 @@ class CausalLM(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """input_ids: [T] -> final hidden states [T, H] (normed)."""
+        if self.host_layers is not None:
+            self.host_layers.begin_step(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):

@@ -38,8 +38,11 @@ from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.runtime.log import Progress
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Mixtral as save_pretrained writes it (every transformers version): one tensor per expert.
-_EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w[123])\.weight")
+# Mixtral (w1 w3 w2) and Qwen-MoE (gate_proj up_proj down_proj) as save_pretrained writes them
+# (every transformers version): one tensor per expert.
+_EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)\.weight")
+# Qwen2-MoE's shared expert, a dense MLP beside the routed ones.
+_SHARED_KEY = re.compile(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight")
 # transformers 5's in-memory layout, all experts in one tensor: gate_up [E, 2I, H], down [E, H, I].
 _FUSED_EXPERTS_KEY = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -71,7 +74,7 @@ def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
     if not m:
         return None
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
-    if spec.num_local_experts and rest.startswith(("block_sparse_moe.", "mlp.")):
+    if spec.is_moe_layer(int(m.group(1))) and rest.startswith(("block_sparse_moe.", "mlp.")):
         return _expert_target(spec, prefix, rest.split(".", 1)[1])
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
@@ -86,25 +89,39 @@ def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
         return f"{prefix}{name}.{kind}", lo, hi
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return prefix + rest.removesuffix(".weight"), 0, spec.hidden_size
+    if spec.qk_norm and rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return prefix + rest.removesuffix(".weight"), 0, spec.head_dim
     if rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
         return prefix + rest, 0, -1
     return None
 
 
 def _expert_target(spec: ModelSpec, prefix: str, rest: str) -> tuple[str, int, int] | None:
-    """A Mixtral MLP tensor (name after `block_sparse_moe.`): the router, or one expert's w1
-    (gate), w3 (up) or w2 (down)."""
-    if rest == "gate.weight":
-        return f"{prefix}mlp.gate.weight", 0, -1
+    """A MoE layer's MLP tensor (name after `block_sparse_moe.` or `mlp.`): the router, one
+    expert's w1 / gate_proj, w3 / up_proj or w2 / down_proj, or the shared expert's and its
+    gate's."""
+    shared = spec.shared_expert_intermediate_size
+    if rest == "gate.weight" or (shared and rest == "shared_expert_gate.weight"):
+        return f"{prefix}mlp.{rest}", 0, -1
     m = _EXPERT_KEY.fullmatch(rest)
-    if not m or int(m.group(1)) >= spec.num_local_experts:
-        return None
-    expert, inter = f"{prefix}mlp.experts.{m.group(1)}.", spec.intermediate_size
+    if m and int(m.group(1)) < spec.num_local_experts:
+        return _mlp_part(f"{prefix}mlp.experts.{m.group(1)}.", m.group(2), spec.expert_size)
+    m = _SHARED_KEY.fullmatch(rest)
+    if m and shared:
+        return _mlp_part(f"{prefix}mlp.shared_expert.", m.group(1), shared)
+    return None
+
+
+def _mlp_part(module: str, part: str, width: int) -> tuple[str, int, int]:
+    """One of a SwiGLU's three HF matrices (Mixtral's or Llama's name) -> its fused target."""
     return {
-        "w1": (f"{expert}gate_up_proj.weight", 0, inter),
-        "w3": (f"{expert}gate_up_proj.weight", inter, 2 * inter),
-        "w2": (f"{expert}down_proj.weight", 0, -1),
-    }[m.group(2)]
+        "w1": (f"{module}gate_up_proj.weight", 0, width),
+        "gate_proj": (f"{module}gate_up_proj.weight", 0, width),
+        "w3": (f"{module}gate_up_proj.weight", width, 2 * width),
+        "up_proj": (f"{module}gate_up_proj.weight", width, 2 * width),
+        "w2": (f"{module}down_proj.weight", 0, -1),
+        "down_proj": (f"{module}down_proj.weight", 0, -1),
+    }[part]
 
 
 def _split_fused_experts(
@@ -136,14 +153,27 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if spec.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        if spec.num_local_experts:
-            moe = p + "block_sparse_moe."
-            names.append(moe + "gate.weight")
-            for e in range(spec.num_local_experts):
-                names += [f"{moe}experts.{e}.{w}.weight" for w in ("w1", "w2", "w3")]
-        else:
-            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += _mlp_names(spec, i, p)
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return names
+
+
+def _mlp_names(spec: ModelSpec, layer: int, p: str) -> list[str]:
+    """The HF names of layer `layer`'s MLP or MoE block (prefix `p`)."""
+    swiglu = [f"{x}_proj.weight" for x in ("gate", "up", "down")]
+    if not spec.is_moe_layer(layer):
+        return [f"{p}mlp.{w}" for w in swiglu]
+    if spec.family == "mixtral":
+        moe, swiglu = p + "block_sparse_moe.", [f"{w}.weight" for w in ("w1", "w2", "w3")]
+    else:
+        moe = p + "mlp."
+    names = [moe + "gate.weight"]
+    for e in range(spec.num_local_experts):
+        names += [f"{moe}experts.{e}.{w}" for w in swiglu]
+    if spec.shared_expert_intermediate_size:
+        names += [f"{moe}shared_expert.{w}" for w in swiglu] + [moe + "shared_expert_gate.weight"]
     return names
 
 
@@ -294,13 +324,15 @@ def load_model(
     path = Path(model)
     spec = model_spec(model)
     if host_experts is not None and spec.num_local_experts:
-        why = unsupported(host_experts, spec.hidden_size, spec.intermediate_size)
+        why = unsupported(host_experts, spec.hidden_size, spec.expert_size)
         if why is not None:
             raise ModelLoadError(f"cold_weights.expert_format={host_experts!r}: {why}; use int8")
     arena = None
     alloc = host_alloc(device.type == "cuda")
     if host_experts is not None and shm_instance is not None and spec.num_local_experts:
-        arena = ExpertArena.create(shm_instance, arena_bytes(spec, host_experts, spec.num_layers))
+        arena = ExpertArena.create(
+            shm_instance, arena_bytes(spec, host_experts, spec.moe_layer_count)
+        )
         alloc = arena.alloc
     if path.is_dir():
         tokenizer = load_tokenizer(model)

@@ -1,4 +1,5 @@
-"""Mixtral's sparse mixture-of-experts block, which replaces the dense MLP of a decoder layer.
+"""The sparse mixture-of-experts block of Mixtral, Qwen2-MoE and Qwen3-MoE, which replaces
+the dense MLP of a decoder layer.
 
 A router scores every expert for each token and keeps the top k; each kept expert is an
 ordinary SwiGLU MLP that sees only the tokens routed to it, so a step costs one matmul pair
@@ -8,10 +9,13 @@ Cold-Weights on (`to_cold_weights`), the experts live in host memory (expert_sto
 one runs on the CPU or from the shared device cache, as the latency model places the layer's
 uncached experts (expert_latency.LatencyModel.cpu_experts).
 
-Order of operations and dtypes follow transformers' MixtralSparseMoeBlock, so fp32 results are
-HF's to the last bit up to matmul blocking:
-  logits = x W_gate^T (model dtype) -> softmax in fp32 -> top-k -> divide by their sum (fp32);
-  out[t] = sum over its experts, ascending id, of (expert_e(x[t]) * w[t, e]).to(model dtype).
+Order of operations and dtypes follow transformers' MixtralSparseMoeBlock (and Qwen's), so
+fp32 results are HF's to the last bit up to matmul blocking:
+  logits = x W_gate^T (model dtype) -> softmax in fp32 -> top-k -> divide by their sum (fp32;
+  Qwen2-MoE's norm_topk_prob false skips it);
+  out[t] = sum over its experts, ascending id, of (expert_e(x[t]) * w[t, e]).to(model dtype);
+  Qwen2-MoE then adds its shared expert, sigmoid(x W_sg^T) * shared(x), a dense MLP that every
+  token runs: it stays on the device with the router, only the routed experts move.
 """
 
 from __future__ import annotations
@@ -46,16 +50,27 @@ class Routed:
 
 
 class SparseMoeBlock(nn.Module):
-    """`gate` ([E, H] router weight) and `experts` (E dense MLPs); names follow HF's `mlp.`.
+    """`gate` ([E, H] router weight), `experts` (E dense MLPs of spec.expert_size) and, with
+    a shared expert, `shared_expert` and `shared_expert_gate` ([1, H]); names follow HF's
+    `mlp.`. `expert(spec, width)` builds one MLP.
 
     Cold-Weights: `experts` is empty and `store` holds their weights in host memory.
     """
 
-    def __init__(self, spec: ModelSpec, expert: Callable[[ModelSpec], nn.Module]) -> None:
+    def __init__(self, spec: ModelSpec, expert: Callable[[ModelSpec, int], nn.Module]) -> None:
         super().__init__()
         self.num_experts, self.top_k = spec.num_local_experts, spec.num_experts_per_tok
+        self.norm_topk = spec.norm_topk_prob
+        self.cast_weights = spec.router_weights_in_model_dtype
         self.gate = nn.Linear(spec.hidden_size, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(expert(spec) for _ in range(self.num_experts))
+        self.experts = nn.ModuleList(
+            expert(spec, spec.expert_size) for _ in range(self.num_experts)
+        )
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_expert_intermediate_size:
+            self.shared_expert = expert(spec, spec.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
         self.gate_on = "gpu"
         """Where route() picks experts: gpu (on the model's device) or cpu (the router's
         logits to the host first; placements.moe_gate)."""
@@ -87,9 +102,9 @@ class SparseMoeBlock(nn.Module):
         stay there: the host groups the tokens by expert from them."""
         logits = self.router_logits(x)
         if self.gate_on == "cpu":
-            ids, weights = route_top_k(logits.cpu(), self.top_k)
+            ids, weights = route_top_k(logits.cpu(), self.top_k, self.norm_topk, self.cast_weights)
             return ids, weights.to(x.device, non_blocking=True)
-        return route_top_k(logits, self.top_k)
+        return route_top_k(logits, self.top_k, self.norm_topk, self.cast_weights)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> every expert's score [T, E], in the model dtype as HF."""
@@ -114,8 +129,15 @@ class SparseMoeBlock(nn.Module):
         cache.stats.gpu_experts += 1
         return cache.run(slot, x)
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's gated output on x [T, H] (on the device), or None without one."""
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return None
+        gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]
+        return gate * self.shared_expert(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.combine(x, *self.route(x))
+        return add_shared(self.combine(x, *self.route(x)), self.shared(x))
 
     def combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' outputs on x [T, H], weighted and summed -> [T, H]. ids [T, k]
@@ -218,11 +240,21 @@ class SparseMoeBlock(nn.Module):
         self.cold[1].remote = None
 
 
-def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_top_k(
+    logits: torch.Tensor, k: int, normalize: bool = True, cast: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A router's pick from its logits [T, E]: softmax in fp32, the top k, renormalised to
-    sum to 1 per token (HF's order) -> (expert ids [T, k], weights [T, k])."""
+    sum to 1 per token when `normalize` (HF's order) -> (expert ids [T, k], weights [T, k],
+    fp32, or in the logits' dtype when `cast`)."""
     weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
-    return ids, weights / weights.sum(dim=-1, keepdim=True)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(logits.dtype) if cast else weights
+
+
+def add_shared(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """The routed experts' sum plus the shared expert's output, if any (HF's order)."""
+    return routed if shared is None else routed + shared
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:

@@ -61,6 +61,23 @@ def _mixtral(name: str, **kw: object) -> ModelSpec:
     return _spec(name, **{**defaults, **kw})
 
 
+def _qwen3_moe(name: str, **kw: object) -> ModelSpec:
+    """Qwen3-MoE's shape: q/k RMSNorm, rope theta 1e6, top-8 renormalised, no shared expert."""
+    defaults: dict[str, object] = dict(
+        architecture="Qwen3MoeForCausalLM",
+        family="qwen3_moe",
+        rms_norm_eps=1e-6,
+        rope=RopeSpec(theta=1000000.0),
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        qk_norm=True,
+        router_weights_in_model_dtype=True,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    )
+    return _spec(name, **{**defaults, **kw})
+
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny-llama": _spec(
         "tiny-llama",
@@ -167,6 +184,33 @@ PRESETS: dict[str, ModelSpec] = {
         num_heads=48,
         max_position_embeddings=65536,
     ),
+    "tiny-qwen3-moe": _qwen3_moe(
+        "tiny-qwen3-moe",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        max_position_embeddings=4096,
+    ),
+    "qwen3-30b-a3b": _qwen3_moe(
+        "qwen3-30b-a3b",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_local_experts=128,
+        max_position_embeddings=40960,
+    ),
 }
 
 
@@ -220,7 +264,7 @@ def build_synthetic(
         "synthetic_weights", spec.num_layers, unit="layers", label="drawing weights"
     )
     for name, param in model.named_parameters():
-        if name.endswith("layernorm") or name == "norm":
+        if name.endswith(("layernorm", "_norm")) or name == "norm":  # q_norm, k_norm too
             param.fill_(1.0)
         elif param.is_meta:  # layers.L.mlp.experts.E.{gate_up,down}_proj.weight, to the store
             _, layer, _, _, expert, proj, _ = name.split(".")
@@ -245,7 +289,7 @@ def build_synthetic(
 
 def _empty_store(spec: ModelSpec, fmt: Format, alloc: Alloc) -> ExpertStore:
     """One layer's experts in `fmt`, in tensors from `alloc`, unfilled."""
-    h, i, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    h, i, e = spec.hidden_size, spec.expert_size, spec.num_local_experts
     return ExpertStore(
         PackedMatrices.allocate(fmt, e, 2 * i, h, spec.dtype, alloc),
         PackedMatrices.allocate(fmt, e, h, i, spec.dtype, alloc),

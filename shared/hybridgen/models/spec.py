@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,17 @@ import torch
 from hybridgen.models.errors import ModelLoadError
 
 # HF architecture name -> our model family. All share one decoder (llama.py); the differences
-# are carried as flags in the spec (Mixtral: num_local_experts > 0 swaps the MLP for moe.py).
+# are carried as flags in the spec (num_local_experts > 0 swaps the MLP for moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+"""The families whose MoE config follows Qwen's (num_experts, moe_intermediate_size, ...)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,13 +67,13 @@ class ModelSpec:
     architecture: str
     """HF architecture name, e.g. LlamaForCausalLM."""
     family: str
-    """llama, mistral, qwen2 or mixtral."""
+    """llama, mistral, qwen2, mixtral, qwen2_moe or qwen3_moe."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the MLP (of each expert, in a mixture of experts)."""
+    """Width of the dense MLP (Mixtral: of each expert, unless moe_intermediate_size is set)."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -94,6 +98,22 @@ class ModelSpec:
     """Experts of each layer's sparse MoE block (Mixtral); 0 for a dense MLP."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k); 0 for a dense MLP."""
+    moe_intermediate_size: int = 0
+    """Width of each routed expert (Qwen-MoE); 0: intermediate_size (Mixtral)."""
+    norm_topk_prob: bool = True
+    """The top-k router weights are divided by their sum (Mixtral, Qwen3-MoE); False keeps
+    them as the softmax's probabilities over all experts (Qwen2-MoE's default)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the dense shared expert every token also runs, scaled by
+    sigmoid(shared_expert_gate x) (Qwen2-MoE); 0: none."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a MoE model with a dense MLP of intermediate_size instead of experts
+    (Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
+    router_weights_in_model_dtype: bool = False
+    """The top-k router weights are cast from fp32 to the model dtype before they scale the
+    experts' outputs (Qwen-MoE, as HF does); Mixtral's stay fp32."""
     dtype: torch.dtype = torch.bfloat16
     """Checkpoint dtype (`torch_dtype`/`dtype`)."""
     eos_token_ids: tuple[int, ...] = ()
@@ -113,22 +133,40 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def expert_size(self) -> int:
+        """Width of each routed expert."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer` routes experts (else it has a dense MLP)."""
+        return bool(self.num_local_experts) and layer not in self.dense_layers
+
+    @property
+    def moe_layer_count(self) -> int:
+        """Layers that route experts."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V for one token over all layers."""
         itemsize = (dtype or self.dtype).itemsize
         return 2 * self.num_layers * self.kv_size * itemsize
 
     def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        mlp = 3 * h * i
-        if self.num_local_experts:
-            mlp = self.num_local_experts * (mlp + h)  # experts and the router's row per expert
-        layer = attn + mlp + 2 * h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        # Experts and the router's row per expert; a shared expert and its gate's one row.
+        moe = self.num_local_experts * (3 * h * self.expert_size + h)
+        if self.shared_expert_intermediate_size:
+            moe += 3 * h * self.shared_expert_intermediate_size + h
+        layers = self.num_layers * (attn + 2 * h) + self.moe_layer_count * moe
+        layers += (self.num_layers - self.moe_layer_count) * 3 * h * self.intermediate_size
         head = 0 if self.tie_word_embeddings else v * h
-        return self.num_layers * layer + v * h + head + h
+        return layers + v * h + head + h
 
 
 def _require(cfg: dict[str, Any], key: str, path: Path, kind: type = int) -> Any:
@@ -186,14 +224,61 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 
 
 def _parse_experts(cfg: dict[str, Any], path: Path) -> tuple[int, int]:
-    """(num_local_experts, num_experts_per_tok) of a Mixtral config, validated."""
-    experts = _require(cfg, "num_local_experts", path)
+    """(num_local_experts, num_experts_per_tok) of a Mixtral config, validated; Qwen's
+    configs name the experts num_experts (transformers 5 writes num_local_experts)."""
+    key = (
+        "num_local_experts"
+        if "num_local_experts" in cfg or "num_experts" not in cfg
+        else "num_experts"
+    )
+    experts = _require(cfg, key, path)
     per_token = _require(cfg, "num_experts_per_tok", path)
     if per_token > experts:
         raise ModelLoadError(
-            f"{path}: num_experts_per_tok={per_token} must be at most num_local_experts={experts}"
+            f"{path}: num_experts_per_tok={per_token} must be at most {key}={experts}"
         )
     return experts, per_token
+
+
+def _dense_layers(cfg: dict[str, Any], path: Path, layers: int) -> tuple[int, ...]:
+    """The layers of a Qwen-MoE config with a dense MLP: those in mlp_only_layers, and those
+    decoder_sparse_step skips (a layer routes experts when (layer + 1) % step == 0)."""
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        raise ModelLoadError(f"{path}: 'decoder_sparse_step'={step!r} must be a positive integer")
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(
+        not isinstance(i, int) or not 0 <= i < layers for i in only
+    ):
+        raise ModelLoadError(
+            f"{path}: 'mlp_only_layers'={only!r} must list layer indices in [0, {layers})"
+        )
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)
+
+
+def _qwen_moe_fields(cfg: dict[str, Any], path: Path, family: str) -> dict[str, Any]:
+    """The ModelSpec fields of a Qwen2-MoE or Qwen3-MoE config beyond the dense ones."""
+    layers = _require(cfg, "num_hidden_layers", path)
+    shared = 0
+    if family == "qwen2_moe":
+        shared = _require(cfg, "shared_expert_intermediate_size", path)
+    if family == "qwen3_moe" and cfg.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {family}")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: use_sliding_window=true is not supported for {family}")
+    dense = _dense_layers(cfg, path, layers)
+    if len(dense) == layers:
+        raise ModelLoadError(f"{path}: mlp_only_layers and decoder_sparse_step leave no MoE layer")
+    return {
+        "moe_intermediate_size": _require(cfg, "moe_intermediate_size", path),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": shared,
+        "dense_layers": dense,
+        "qk_norm": family == "qwen3_moe",
+        "router_weights_in_model_dtype": True,
+        "attention_bias": family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)),
+        "sliding_window": 0,
+    }
 
 
 def parse_config(path: Path) -> ModelSpec:
@@ -230,8 +315,10 @@ def parse_config(path: Path) -> ModelSpec:
     window = cfg.get("sliding_window") or 0
     if family == "qwen2" and not cfg.get("use_sliding_window", False):
         window = 0
-    experts, per_token = _parse_experts(cfg, path) if family == "mixtral" else (0, 0)
-    return ModelSpec(
+    moe = family == "mixtral" or family in QWEN_MOE
+    experts, per_token = _parse_experts(cfg, path) if moe else (0, 0)
+    qwen_moe = _qwen_moe_fields(cfg, path, family) if family in QWEN_MOE else {}
+    spec = ModelSpec(
         architecture=arch,
         family=family,
         vocab_size=_require(cfg, "vocab_size", path),
@@ -254,3 +341,4 @@ def parse_config(path: Path) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id"),
         name=str(path.parent),
     )
+    return replace(spec, **qwen_moe)

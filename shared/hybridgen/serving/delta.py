@@ -3,28 +3,11 @@ becomes the next piece of that stream."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.sequence import FinishReason
 from hybridgen.serving.text import TextStream
-
-
-class Finish(enum.Enum):
-    """Why a request ended (the API's FinishReason)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    STOP_SEQUENCE = "stop_sequence"
-    CANCELLED = "cancelled"
-
-
-_ENGINE_FINISH = {
-    FinishReason.STOP: Finish.STOP,
-    FinishReason.LENGTH: Finish.LENGTH,
-    FinishReason.ABORTED: Finish.CANCELLED,
-}
 
 
 @dataclass(frozen=True)
@@ -51,7 +34,7 @@ class Delta:
     """One entry per token, when the request asked for logprobs."""
     finished: bool
     """True on the last Delta of the request."""
-    finish_reason: Finish | None
+    finish_reason: FinishReason | None
     """Set on the last Delta."""
     prompt_tokens: int
     """Tokens in the prompt."""
@@ -62,13 +45,8 @@ class Delta:
 def to_delta(out: RequestOutput, text: TextStream) -> Delta:
     """An engine output as the next Delta of its request's stream (text through `text`)."""
     new_text, stopped = text.push(out.new_token_ids, out.finished)
-    if stopped:
-        finish: Finish | None = Finish.STOP_SEQUENCE
-    elif out.finished:
-        assert out.finish_reason is not None
-        finish = _ENGINE_FINISH[out.finish_reason]
-    else:
-        finish = None
+    assert out.finished == (out.finish_reason is not None)
+    finish = FinishReason.STOP_SEQUENCE if stopped else out.finish_reason
     logprobs = None
     if out.logprobs is not None:
         tops = out.top_logprobs or [[] for _ in out.logprobs]

@@ -28,7 +28,7 @@ import structlog
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.info import MIB, engine_info, memory_info, moe_info
+from hybridgen.engine.info import MIB, engine_info, host_layer_info, memory_info, moe_info
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.validation import InvalidRequest, check_text_size, validate_request
 from hybridgen.models.chat import ChatMessage, chat_prompt_ids
@@ -377,7 +377,9 @@ class EngineBackend:
             log.info("request_aborted", request_id=command.request_id)
 
     def _publish(self, engine: Engine) -> None:
-        tiers = tuple({**engine.tier_stats(), **moe_info(engine)}.items())
+        tiers = tuple(
+            {**engine.tier_stats(), **moe_info(engine), **host_layer_info(engine)}.items()
+        )
         snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running), tiers)
         if snap == self._snapshot:
             return

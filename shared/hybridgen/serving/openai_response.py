@@ -8,15 +8,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.models.tokenizer import Tokenizer
-from hybridgen.serving.delta import Delta, Finish, TokenLogprob
+from hybridgen.serving.delta import Delta, TokenLogprob
 from hybridgen.serving.openai_request import OpenAIRequest
 
 FINISH_REASONS = {
-    Finish.STOP: "stop",
-    Finish.STOP_SEQUENCE: "stop",
-    Finish.LENGTH: "length",
-    Finish.CANCELLED: "abort",
+    FinishReason.STOP: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",
 }
 DONE = "data: [DONE]\n\n"
 

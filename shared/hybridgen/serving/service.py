@@ -25,6 +25,7 @@ import grpc
 import structlog
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest
 from hybridgen.models.chat import ChatMessage, InvalidChat
@@ -34,7 +35,7 @@ from hybridgen.sampling.params import (
     SamplingParams,
 )
 from hybridgen.serving.backend import Backend, BackendUnavailable
-from hybridgen.serving.delta import Delta, Finish
+from hybridgen.serving.delta import Delta
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.stop_strings import MAX_STOP_STRINGS, StopStringError, validate_stops
 from hybridgen.serving.stream_input import PartReader, PromptPart
@@ -49,10 +50,10 @@ MAX_REQUEST_ID_LEN = 256
 # SamplingParams fields that the request's `sampling` message carries one-to-one.
 _SAMPLING_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _FINISH_PB = {
-    Finish.STOP: pb.FINISH_REASON_STOP,
-    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
-    Finish.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
-    Finish.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
 
 
