@@ -132,8 +132,9 @@ def test_moe_models_decode_from_piecewise_graphs_counted_in_the_plan(checkpoint)
     its pieces keep: each layer's MLP input, residual and router weights per captured size."""
     config = EngineConfig(max_num_seqs=8)
     spec = parse_config(checkpoint("mixtral") / "config.json")
-    assert graph_batch_size(config, spec) == 8
-    assert graph_batch_size(EngineConfig(max_num_seqs=8, cuda_graphs=False), spec) == 0
+    model = load_model(str(checkpoint("mixtral")), torch.device("cpu")).model
+    assert graph_batch_size(config, model) == 8
+    assert graph_batch_size(EngineConfig(max_num_seqs=8, cuda_graphs=False), model) == 0
 
     def workspace(graph_batch: int) -> int:
         return workspace_bytes(spec, spec.dtype, 64, 8, 512, graph_batch)

@@ -67,7 +67,7 @@ def test_a_step_longer_than_the_peer_timeout_keeps_the_daemon_alive() -> None:
                 payload = take_payload(ch.g2c_meta, got)
                 tokens += decode_step_result(
                     got.request_id, got.flags, got.shape, payload
-                ).token_ids
+                ).new_token_ids
         assert loop.vouch.beats >= 2 * SLOW_STEP_S / 0.1 * 0.7  # two steps of ~15 beats each
         shutdown = make_ticket(ch.c2g_meta, Op.SHUTDOWN, 0, b"")
         assert shutdown is not None and ch.c2g.put(shutdown, timeout=5.0)
