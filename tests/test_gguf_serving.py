@@ -19,6 +19,9 @@ from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
 from tests.test_gguf import NEW_TOKENS, _prompts, hf_gguf_greedy, tiny_gguf
 from tests.test_serving import free_port, wait_serving
 
+# Served GGUF models against transformers: 97 s for the default chat, ~15 s each tiny file.
+pytestmark = pytest.mark.slow
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -21,6 +21,8 @@ from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.v1 import generation_pb2 as pb
 from tests.served import DefaultServer
 
+pytestmark = pytest.mark.slow  # a served stack driven by the openai client: ~40 s in all
+
 PROMPT = "The capital of the small country is a city where the people"
 MESSAGES = [
     {"role": "system", "content": "You answer in one sentence."},

@@ -41,6 +41,8 @@ from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.test_serving import Server, find_pid, wait_serving
 
+pytestmark = pytest.mark.slow  # a served stack fuzzed, overloaded and killed: ~3 minutes
+
 MAX_LEN, SEQS = 256, 16
 MB = 2**20
 OK = "OK"

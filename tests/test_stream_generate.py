@@ -17,6 +17,8 @@ import pytest
 from hybridgen.v1 import generation_pb2 as pb
 from tests.served import DefaultServer
 
+pytestmark = pytest.mark.slow  # a served default model shared by the module: ~55 s in all
+
 NEW = 24
 TEXT = (
     "Speech arrives in pieces: the recognizer sends what it heard so far, every 200 ms.\n"
