@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -57,6 +57,9 @@ DEFAULT_SMS = 132
 """SMs assumed off CUDA (the interpreter): the H200's, so the CPU tests split as it does."""
 MIN_SPLIT_TILES = 2
 """Fewest K tiles in one split-K slice."""
+SHARED_MEMORY_BYTES = 232_448
+"""Shared memory one program may use on the H100/H200 (Triton's limit there); the GEMM's
+pipeline stages must fit it."""
 TWO_23 = 8388608.0
 """2^23: the float whose low mantissa bits an int in 0..255 fills exactly."""
 
@@ -77,15 +80,31 @@ class Tiles:
     """K slices; None: `split_k` picks by the grid and the device's SMs."""
 
 
-def tiles_for(t: int, fmt: str) -> Tiles:
-    """The default tiles for `t` rows of x (see the module docstring)."""
+def tiles_for(t: int, fmt: str, x_bytes: int = 2) -> Tiles:
+    """The default tiles for `t` rows of x of `x_bytes` bytes a value (see the module
+    docstring), with as many pipeline stages (at most 3) as shared memory holds: fp32
+    activations in 128-row tiles take two."""
     if t == 1:
         return Tiles(1, 8, 1024 if fmt == "int4" else 512, 4, 3)
     if t <= 16:
-        return Tiles(16, 16, 256, 4, 3)
-    if t <= 64:
-        return Tiles(64, 64, 128, 4, 3)
-    return Tiles(128, 128, 128, 8, 3)
+        tiles = Tiles(16, 16, 256, 4, 3)
+    elif t <= 64:
+        tiles = Tiles(64, 64, 128, 4, 3)
+    else:
+        tiles = Tiles(128, 128, 128, 8, 3)
+    while tiles.num_stages > 1 and stage_bytes(tiles, fmt, x_bytes) * tiles.num_stages > (
+        SHARED_MEMORY_BYTES
+    ):
+        tiles = replace(tiles, num_stages=tiles.num_stages - 1)
+    return tiles
+
+
+def stage_bytes(tiles: Tiles, fmt: str, x_bytes: int) -> int:
+    """Shared memory one pipeline stage of the GEMM holds (an upper bound): its x tile and its
+    codes tile, plus the scales and zeros of the tile's runs."""
+    codes = tiles.block_n * tiles.block_k // (1 if fmt == "int8" else 2)
+    params = tiles.block_n * (tiles.block_k // 32) * 4 * 2
+    return tiles.block_m * tiles.block_k * x_bytes + codes + params
 
 
 @functools.cache
@@ -347,7 +366,7 @@ def quant_linear(
     n, groups = scale.shape
     assert groups * group == k and k % 32 == 0 and group % 32 == 0
     assert codes.is_contiguous() and scale.is_contiguous()
-    cfg = tiles or tiles_for(t, fmt)
+    cfg = tiles or tiles_for(t, fmt, x.element_size())
     assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m)
     split = cfg.split or split_k(programs, k, cfg.block_k, sm_count(x.device))
