@@ -13,7 +13,6 @@ from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.config.file import parse_config
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.memory import graph_batch_size, plan_engine_memory, weights_bytes
-from hybridgen.models.host_layers import HostLayers
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -28,12 +27,16 @@ def make_engine(path: Path, **options: object) -> Engine:
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
-@pytest.mark.parametrize(("gpu_layers", "compute"), [(1, "cpu"), (1, "stream"), (0, "stream")])
+@pytest.mark.parametrize(
+    ("gpu_layers", "compute"),
+    [(1, "cpu"), (1, "stream"), (0, "stream"), (1, "split"), (0, "split")],
+)
 def test_host_layers_give_hf_greedy_tokens(
     checkpoint, kind: str, gpu_layers: int, compute: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """Layers past gpu_layers in host memory, all computed by the CPU or all streamed through
-    the staging copy, give HF's greedy tokens; the counters show which path ran."""
+    """Layers past gpu_layers in host memory, all computed by the CPU, all streamed through
+    the staging slots, or each projection's rows split between the two, give HF's greedy
+    tokens; the counters show which path ran."""
     path = checkpoint(kind, num_hidden_layers=3)
     prompts = sample_prompts(path, 2, [9, 23])
     expected = hf_greedy(path, prompts, NEW_TOKENS)
@@ -45,11 +48,15 @@ def test_host_layers_give_hf_greedy_tokens(
     s = host.stats
     if compute == "cpu":
         assert s.cpu_layers >= NEW_TOKENS * host.host_layers and s.streamed_layers == 0
-        assert s.weight_bytes_h2d == 0 and s.activation_bytes > 0
-    else:  # every host layer's weights were copied into staging at every forward pass
+        assert s.weight_bytes_h2d == 0 and s.activation_bytes > 0 and s.cpu_seconds > 0
+    elif compute == "stream":  # every host layer's weights copied into staging every pass
         assert s.streamed_layers >= NEW_TOKENS * host.host_layers and s.cpu_layers == 0
         assert s.weight_bytes_h2d == s.streamed_layers * host.layer_bytes
         assert s.activation_bytes == 0
+    else:  # both sides on every host layer: the device's rows only crossed
+        assert s.split_layers >= NEW_TOKENS * host.host_layers and s.cpu_layers == 0
+        assert 0 < host.fraction < 1 and s.activation_bytes > 0 and s.cpu_seconds > 0
+        assert 0 < s.weight_bytes_h2d < s.split_layers * host.layer_bytes
     assert host.placement()["host_bytes_per_token"] > 0
 
 
@@ -62,27 +69,30 @@ def test_auto_computes_on_the_cpu_without_a_device(checkpoint) -> None:  # type:
     assert host.stats.cpu_layers > 0 and host.stats.streamed_layers == 0
 
 
-def test_auto_streams_steps_above_the_crossover() -> None:
-    host = HostLayers(1, 4, "auto", CPU, 1000)
+def test_auto_streams_steps_above_the_crossover(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(checkpoint("llama3", num_hidden_layers=3), gpu_layers=1)
+    host = engine.host_layers
+    assert host is not None and host.compute == "auto"
     host.cpu_max_tokens = 8
-    assert [host.choose(t) for t in (1, 8, 9, 512)] == ["cpu", "cpu", "stream", "stream"]
-    assert HostLayers(1, 4, "cpu", CPU, 1000).choose(512) == "cpu"
-    assert HostLayers(1, 4, "stream", CPU, 1000).choose(1) == "stream"
+    assert [host.choose(t) for t in (1, 8, 9, 512)] == ["host", "host", "stream", "stream"]
+    for compute, want in (("cpu", "host"), ("split", "host"), ("stream", "stream")):
+        host.compute = compute  # type: ignore[assignment]
+        assert host.choose(512 if compute != "stream" else 1) == want
 
 
 def test_memory_plan_counts_resident_layers_only(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """The plan's weights drop by every host layer but the one staging copy."""
+    """The plan's weights drop by every host layer but the two staging slots."""
     path = checkpoint("llama3", num_hidden_layers=3)
     whole = make_engine(path)
     split = make_engine(path, gpu_layers=0)
     host = split.host_layers
     assert host is not None and host.layer_bytes > 0
-    assert whole.plan.weights - split.plan.weights == 2 * host.layer_bytes
+    assert whole.plan.weights - split.plan.weights == (3 - 2) * host.layer_bytes
     assert weights_bytes(split.loaded.model) == split.plan.weights
 
 
 def test_gpu_layers_auto_keeps_what_the_budget_holds(checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """auto: with a fixed KV pool that leaves room for one layer beyond the staging copy,
+    """auto: with a fixed KV pool that leaves room for one layer beyond the staging slots,
     exactly one layer stays resident."""
     path = checkpoint("llama3", num_hidden_layers=3)
     loaded = load_model(str(path), CPU)
@@ -92,7 +102,7 @@ def test_gpu_layers_auto_keeps_what_the_budget_holds(checkpoint) -> None:  # typ
         if "layernorm" not in name
     )
     config = EngineConfig(model=str(path), device="cpu", gpu_memory_mb=96, max_model_len=64)
-    plan, _ = plan_engine_memory(config, loaded.model, CPU, offloaded=2 * lb)  # all but staging
+    plan, _ = plan_engine_memory(config, loaded.model, CPU, offloaded=lb)  # all but staging
     spare = int(1.5 * lb) // plan.block_bytes + 1  # blocks worth a layer and a half
     blocks = plan.num_blocks - spare
     engine = Engine(replace(config, num_kv_blocks=blocks, gpu_layers="auto"), loaded)
@@ -127,7 +137,7 @@ def test_host_layers_decode_eager_on_cuda(checkpoint) -> None:  # type: ignore[n
     path = checkpoint("llama3", num_hidden_layers=3)
     prompts = sample_prompts(path, 2, [9, 23])
     expected = hf_greedy(path, prompts, NEW_TOKENS)
-    for compute in ("cpu", "stream"):
+    for compute in ("cpu", "stream", "split", "auto"):
         engine = Engine(
             EngineConfig(
                 model=str(path),
@@ -139,6 +149,12 @@ def test_host_layers_decode_eager_on_cuda(checkpoint) -> None:  # type: ignore[n
         )
         assert engine.runner.graphs is None
         assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+        host = engine.host_layers
+        assert host is not None
+        if compute in ("split", "auto"):  # auto on CUDA splits decode at the timed share
+            assert 0 < host.fraction < 1 and host.stats.split_layers > 0
+        if compute == "auto":
+            assert host.cpu_max_tokens is not None and host.cpu_max_tokens >= 1
 
 
 def test_auto_streams_prefill_and_computes_decode_on_the_cpu(checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,9 @@ NEW_TOKENS = 16
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "compute"), [("llama3", "stream"), ("qwen2", "cpu")])
+@pytest.mark.parametrize(
+    ("kind", "compute"), [("llama3", "stream"), ("qwen2", "cpu"), ("llama3", "split")]
+)
 def test_served_host_layers_give_hf_greedy_tokens(
     checkpoint, tmp_path, kind: str, compute: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -28,9 +30,11 @@ def test_served_host_layers_give_hf_greedy_tokens(
         info = srv.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert (info.gpu_layers, info.host_layers) == (1, 2)
         assert info.host_layer_compute == compute and info.host_layer_bytes > 0
-        ran = (info.cpu_layer_steps, info.streamed_layer_steps)
-        assert (ran[0] > 0, ran[1] > 0) == (compute == "cpu", compute == "stream")
+        ran = (info.cpu_layer_steps, info.split_layer_steps, info.streamed_layer_steps)
+        assert tuple(n > 0 for n in ran) == tuple(compute == c for c in ("cpu", "split", "stream"))
         assert info.host_bytes_per_token > 0
+        assert (info.host_cpu_ms_per_token > 0) == (compute != "stream")
+        assert (0 < info.host_split_fraction < 1) == (compute == "split")
     finally:
         assert srv.stop() == 0
     log = srv.log_path.read_text()

@@ -161,9 +161,9 @@ class EngineConfig:
     gpu_layers: int | Literal["auto"] | None = None
     """Decoder layers resident on the device (weights.gpu_layers): the first N, the rest in
     host memory (models/host_layers.py); auto: the most the budget holds; None: all."""
-    host_layer_compute: Literal["auto", "cpu", "stream"] = "auto"
-    """How a step computes host layers (weights.host_layer_compute): cpu, stream, or auto (by
-    the latency model, per step)."""
+    host_layer_compute: Literal["auto", "cpu", "stream", "split"] = "auto"
+    """How a step computes host layers (weights.host_layer_compute): cpu, stream, split (rows
+    on both at once), or auto (by the latency model, per step)."""
     expert_format: Format = "native"
     """Cold-Weights: the experts' stored format, native, int8 or int4 (experts/format.py);
     int8 and int4 need expert_cache_slots."""
@@ -313,10 +313,10 @@ class EngineConfig:
             ">= 0 (up to the model's layers), auto, or unset (every layer on the device)",
         )
         _check(
-            self.host_layer_compute in ("auto", "cpu", "stream"),
+            self.host_layer_compute in ("auto", "cpu", "stream", "split"),
             "host_layer_compute",
             self.host_layer_compute,
-            "auto, cpu or stream",
+            "auto, cpu, stream or split",
         )
         _check(
             self.expert_format == "native"

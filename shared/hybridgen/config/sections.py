@@ -204,10 +204,12 @@ class WeightsConfig:
     host memory (models/host_layers.py), computed on the CPU or streamed to the device per
     step. auto: the most that leave the KV pool room for model.max_model_len. null: every
     layer on the device. Dense models only (MoE: cold_weights)."""
-    host_layer_compute: Literal["auto", "cpu", "stream"] = "auto"
+    host_layer_compute: Literal["auto", "cpu", "stream", "split"] = "auto"
     """How a step computes the host layers: cpu (their projections on the CPU), stream (their
-    weights copied to a device staging buffer, computed there), or auto: per step by the
-    latency model (the CPU at few tokens, streaming for prefill chunks)."""
+    weights copied to a device staging slot, computed there), split (each projection's rows
+    shared: a fraction on the CPU, the rest streamed, both at once, the fraction timed at
+    start), or auto: per step (a CPU-only engine: cpu; CUDA: split at few tokens, stream for
+    prefill chunks)."""
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,19 @@ class EngineStats:
 def load_configured(config: EngineConfig) -> LoadedModel:
     """The model `config` names, on its device in its dtype; with Cold-Weights on, its
     experts in host memory in cold_weights.expert_format (in the shared arena of
-    shm_instance, when set). What Engine loads when it is given no model."""
+    shm_instance, when set); with weights.gpu_layers, the layers past it straight into host
+    memory. What Engine loads when it is given no model."""
     host_experts = config.expert_format if config.expert_cache_slots is not None else None
-    return load_model(config.model, config.torch_device(), config.torch_dtype(), config.seed,
-                      host_experts, config.shm_instance, config.weights_format)  # fmt: skip
+    return load_model(
+        config.model,
+        config.torch_device(),
+        config.torch_dtype(),
+        config.seed,
+        host_experts,
+        config.shm_instance,
+        config.weights_format,
+        config.gpu_layers,
+    )
 
 
 def _pick(seq: Sequence, cands: Candidates) -> Sampled:
@@ -533,11 +542,13 @@ class Engine:
 
     def _free_host_memory(self) -> None:
         """Unpin and unlink the Warm pool and, when this engine loaded the model, the shared
-        expert arena."""
+        expert arena and the host layers' CPU worker."""
         if self.warm is not None:
             self.warm.close()
         if self._owns_loaded and self.loaded.expert_arena is not None:
             self.loaded.expert_arena.close()
+        if self._owns_loaded and self.loaded.model.host_layers is not None:
+            self.loaded.model.host_layers.close()  # its CPU worker thread
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """fp32 logits [V] after the whole prompt, in one pass outside the scheduler (for

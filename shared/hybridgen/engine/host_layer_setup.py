@@ -1,14 +1,14 @@
 """weights.gpu_layers at start: how many decoder layers stay on the device (checked against
-the model, or auto from the memory budget), the rest moved to host memory
-(models/host_layers.py), and, for host_layer_compute auto on CUDA, the latency model that
-places them per step: the Cold-Weights one (experts/latency.py), a host layer in place of an
-expert."""
+the model, or auto from the memory budget), the rest in host memory (models/host_layers.py),
+and how a step computes them: the CPU's share of each projection's rows under split (auto
+on CUDA) from the timed CPU against the timed link, and for auto on CUDA the crossover above
+which a step streams, the Cold-Weights latency model's (experts/latency.py), a host layer in
+place of an expert."""
 
 from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Literal
 
 import structlog
 import torch
@@ -17,9 +17,10 @@ from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.memory import auto_gpu_layers
 from hybridgen.experts.latency import CALIBRATION_TOKENS, RUNS, LatencyModel
 from hybridgen.models.host_layers import (
+    PARTS,
     HostLayers,
     HostLayerStats,
-    HostModule,
+    keep_resident,
     module_bytes,
     offload_layers,
 )
@@ -27,8 +28,6 @@ from hybridgen.models.llama import CausalLM
 from hybridgen.placement.timing import best_of
 
 log = structlog.get_logger()
-
-_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp")
 
 
 def resident_layers(config: EngineConfig, model: CausalLM, device: torch.device) -> int:
@@ -44,8 +43,11 @@ def resident_layers(config: EngineConfig, model: CausalLM, device: torch.device)
             "(its experts move to host memory with cold_weights.expert_cache_slots)"
         )
     if want == "auto":
+        state = model.host_layers
+        if state is not None:  # loaded into host memory: every layer there, none resident
+            return auto_gpu_layers(config, model, device, state.layer_bytes, state.host_layers)
         first = model.layers[0]
-        layer_bytes = sum(module_bytes(first.get_submodule(p)) for p in _PROJECTIONS)
+        layer_bytes = sum(module_bytes(first.get_submodule(p)) for p in PARTS)
         return auto_gpu_layers(config, model, device, layer_bytes)
     if not 0 <= want <= n:
         raise ConfigError(
@@ -58,49 +60,93 @@ def resident_layers(config: EngineConfig, model: CausalLM, device: torch.device)
 def setup_host_layers(
     config: EngineConfig, model: CausalLM, device: torch.device
 ) -> HostLayers | None:
-    """Move the layers past weights.gpu_layers to host memory and place them; None when every
-    layer stays on the device. A model an earlier engine split keeps its split."""
-    if model.host_layers is not None:
-        model.host_layers.compute = config.host_layer_compute
-        model.host_layers.stats = HostLayerStats()
-        return model.host_layers
-    gpu_layers = resident_layers(config, model, device)
-    state = offload_layers(model.layers, gpu_layers, config.host_layer_compute, device)
+    """Put the layers past weights.gpu_layers in host memory (or, loaded there already, size
+    auto's split) and place them; None when every layer stays on the device."""
+    state = model.host_layers
+    if state is None:
+        gpu_layers = resident_layers(config, model, device)
+        state = offload_layers(model.layers, gpu_layers, "stream", device, model.spec.dtype)
+    elif not state.resolved:
+        state.compute = "stream"  # the memory plan's profiling step streams every layer
+        gpu_layers = resident_layers(config, model, device)
+        keep_resident(state, model.layers, gpu_layers)
+        state.resolved = True
+        if gpu_layers == state.num_layers:
+            state, model.host_layers = None, None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     model.host_layers = state
     if state is None:
         return None
-    if state.compute == "auto" and device.type == "cuda":
-        latency = calibrate_host_layer(model, state, config)
-        state.cpu_max_tokens = latency.cpu_max_tokens
-        log.info("host_layer_latency", **latency.figures())
+    state.compute, state.stats, state.cpu_max_tokens = (
+        config.host_layer_compute,
+        HostLayerStats(),
+        None,
+    )
+    place(state, config)
     log.info("host_layers", **state.placement())
     return state
 
 
-def calibrate_host_layer(model: CausalLM, state: HostLayers, config: EngineConfig) -> LatencyModel:
-    """Time the first host layer's projections on the CPU at CALIBRATION_TOKENS, and its
-    stream (the copy into the staging layer and one call there, timed together: the model's
-    gpu_s, with no separate fetch) at one token; device_topology.cpu.bandwidth_gbps, when
-    set, replaces the CPU's weight-read time, as experts/latency.calibrate does."""
-    layer = model.layers[state.gpu_layers]
-    parts = [layer.get_submodule(p) for p in _PROJECTIONS]
-    assert all(isinstance(p, HostModule) for p in parts)
-    spec, device, cpu = model.spec, state.device, torch.device("cpu")
+def place(state: HostLayers, config: EngineConfig) -> None:
+    """Each host projection's CPU rows for the configured host_layer_compute: all (cpu, and
+    auto on a CPU-only engine), none (stream), or the share `split_fraction` gives (split,
+    and auto on CUDA, which also streams the steps above the crossover)."""
+    cuda = state.device.type == "cuda"
+    if state.compute == "cpu" or (state.compute == "auto" and not cuda):
+        state.place(1.0)
+        return
+    if state.compute == "stream":
+        state.place(0.0)
+        return
+    latency = calibrate_host_layer(state, config)
+    fraction = split_fraction(latency)
+    state.place(fraction)
+    if state.compute == "auto":
+        split = LatencyModel(
+            fraction * latency.cpu_fixed_s,
+            fraction * latency.cpu_s_per_token,
+            latency.pcie_bytes_per_s,
+            latency.expert_bytes,
+        )
+        state.cpu_max_tokens = max(split.cpu_max_tokens, 1)
+    log.info("host_layer_latency", split_fraction=fraction, **latency.figures())
+
+
+def split_fraction(latency: LatencyModel) -> float:
+    """The CPU's share f of a host layer's rows at one token (decode) so that its part and
+    the link's part take equally long: f * cpu_s(1) = (1 - f) * fetch_s."""
+    cpu, link = latency.cpu_s(1), latency.fetch_s
+    return link / (cpu + link) if cpu + link > 0 else 0.0
+
+
+def calibrate_host_layer(state: HostLayers, config: EngineConfig) -> LatencyModel:
+    """Time the first host layer's projections on the CPU (every row, in the CPU kernels'
+    form) at CALIBRATION_TOKENS, and the copy of every row into a staging slot (the link);
+    device_topology.cpu.bandwidth_gbps, when set, replaces the CPU's weight-read time, as
+    experts/latency.calibrate does."""
+    parts = state.projections[0]
+    for p in parts:
+        p.set_cpu_rows(p.out_features, state.dtype)
     lo, hi = CALIBRATION_TOKENS
+    inputs = [torch.randn(hi, p.in_features, dtype=state.dtype) for p in parts]
+    cpu, device = torch.device("cpu"), state.device
 
-    def run(mode: Literal["cpu", "stream"], x: torch.Tensor, a: torch.Tensor) -> None:
-        state.mode = mode
-        qkv, o, mlp = parts
-        qkv(x), o(a), mlp(x)
+    def on_cpu(n: int) -> None:
+        for p, x in zip(parts, inputs, strict=True):
+            p.cpu_linear(x[:n])
 
-    x = torch.randn(hi, spec.hidden_size, dtype=spec.dtype)
-    a = torch.randn(hi, spec.q_size, dtype=spec.dtype)
+    def copy() -> None:
+        for p, staged in zip(parts, state.slots[0], strict=True):
+            for name, t in p.rows.items():
+                staged[name].copy_(t, non_blocking=True)
+
     with torch.inference_mode():
-        t_lo, t_hi = (best_of(RUNS, partial(run, "cpu", x[:n], a[:n]), cpu) for n in (lo, hi))
-        stream_s = best_of(RUNS, partial(run, "stream", x[:1].to(device), a[:1].to(device)), device)
-    state.stats = HostLayerStats()  # the timing's calls are no served steps
+        t_lo, t_hi = (best_of(RUNS, partial(on_cpu, n), cpu) for n in (lo, hi))
+        link_s = best_of(RUNS, copy, device)
     per_token = max((t_hi - t_lo) / (hi - lo), 0.0)
     fixed = max(t_lo - lo * per_token, 0.0)
     if config.cpu_bandwidth_gbps is not None:
         fixed = state.layer_bytes / (config.cpu_bandwidth_gbps * 1e9)
-    return LatencyModel(fixed, per_token, math.inf, state.layer_bytes, stream_s)
+    link = state.layer_bytes / link_s if link_s > 0 else math.inf
+    return LatencyModel(fixed, per_token, link, state.layer_bytes)

@@ -225,8 +225,10 @@ def block_bytes(config: EngineConfig, spec: ModelSpec) -> int:
 def weights_bytes(model: CausalLM) -> int:
     """The model's device weights: its parameters, plus Cold-Weights' expert cache (the
     experts themselves are host memory, no parameters). Host layers' projections
-    (weights.gpu_layers) are no parameters either: their one staging copy is."""
+    (weights.gpu_layers) are no parameters either: their two staging slots count."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.host_layers is not None:
+        weights += model.host_layers.staging_bytes
     caches = {
         id(m.cold[1]): m.cold[1].nbytes
         for m in model.modules()
@@ -311,16 +313,26 @@ def plan_engine_memory(
             )
 
 
+STAGING_SLOTS = 2
+"""Device copies of one host layer (models/host_layers.py: double-buffered)."""
+
+
 def auto_gpu_layers(
-    config: EngineConfig, model: CausalLM, device: torch.device, layer_bytes: int
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    layer_bytes: int,
+    hosted: int = 0,
 ) -> int:
     """weights.gpu_layers: auto: the most decoder layers that can stay on the device while the
     plan keeps the max_model_len it has with every layer's projections (`layer_bytes` each)
-    in host memory but one staging copy; every layer when the whole model fits so."""
+    in host memory but the two staging slots; every layer when the whole model fits so.
+    `hosted`: layers the model holds in host memory now (its staging slots counted)."""
     n = model.spec.num_layers
 
     def length(resident: int) -> int | None:
-        offloaded = (n - resident - (resident < n)) * layer_bytes
+        staging = STAGING_SLOTS * ((hosted > 0) - (resident < n))
+        offloaded = (n - hosted - resident + staging) * layer_bytes
         try:
             return plan_engine_memory(config, model, device, 0, offloaded)[1]
         except BudgetTooSmall:

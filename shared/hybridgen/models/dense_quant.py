@@ -89,10 +89,14 @@ by the small results carved from them, memory no KV pool can use."""
 
 
 def quantize(
-    w: Tensor, fmt: Literal["int8", "int4"], chunk_bytes: int = QUANTIZE_CHUNK_BYTES
+    w: Tensor,
+    fmt: Literal["int8", "int4"],
+    chunk_bytes: int = QUANTIZE_CHUNK_BYTES,
+    work: torch.device | None = None,
 ) -> QuantWeight:
     """A model's float weight [N, K] -> int8 per channel or int4 in groups of INT4_GROUP,
-    into outputs allocated first, `chunk_bytes` of fp32 rows at a time."""
+    into outputs allocated first (on w's device), `chunk_bytes` of fp32 rows at a time,
+    each computed on `work` (default w's device: a host layer's rows on the device)."""
     n, k = w.shape
     if fmt == "int4" and k % INT4_GROUP:
         raise ValueError(f"int4 needs inputs in groups of {INT4_GROUP}; got K = {k}")
@@ -113,7 +117,7 @@ def quantize(
     )
     rows = max(1, chunk_bytes // (4 * k))
     for r in range(0, n, rows):
-        _quantize_rows(w[r : r + rows].float(), out, slice(r, r + rows))
+        _quantize_rows(w[r : r + rows].to(work or w.device).float(), out, slice(r, r + rows))
     return out
 
 
@@ -207,12 +211,13 @@ def quantize_dense(
     model: nn.Module,
     fmt: Literal["int8", "int4"],
     stored: dict[str, QuantWeight] | None = None,
+    work: torch.device | None = None,
 ) -> int:
     """Replace the model's dense projections (qkv, o, gate_up, down, and an untied LM head)
     by QuantLinear in `fmt`; returns the bytes the quantized weights take. `stored`: HF
     weight name -> the file's own blocks repacked (GGUF Q8_0 for int8, Q4_0/Q4_1 for int4),
-    used when every part of a fused projection has them, else the float weight is quantized.
-    MoE experts are left to cold_weights.expert_format."""
+    used when every part of a fused projection has them, else the float weight is quantized
+    (on `work`, default where it is). MoE experts are left to cold_weights.expert_format."""
     stored = stored or {}
     total = 0
     layers = model.get_submodule("layers")
@@ -229,7 +234,7 @@ def quantize_dense(
             if all(w is not None and w.fmt == fmt for w in found):
                 weight = QuantWeight.cat(found).to(linear.weight.device)  # type: ignore[arg-type]
             else:
-                weight = quantize(linear.weight.detach(), fmt)
+                weight = quantize(linear.weight.detach(), fmt, work=work)
             setattr(owner, attr, QuantLinear(weight, linear.bias))
             total += weight.nbytes
     head = model.get_submodule("lm_head").get_parameter("weight")

@@ -3,50 +3,57 @@ larger than the device.
 
 Design. The first `gpu_layers` decoder layers are resident on the device, whole. Each later
 layer keeps its four projections (the fused qkv, o, and the MLP's fused gate_up and down) in
-host memory, page-locked on CUDA; its two RMSNorm weights (2 * H values) stay on the device,
-and so does its KV: the Hot pool holds every layer's K and V, so the KV write, rope,
-attention and the residual norms of every layer run on the device exactly as for a resident
-layer, and the KV tiers (Warm, prefix reuse, preemption) see no difference. Per step, each
-host layer is either
+host memory, page-locked on CUDA (models/host_weights.py: in the device's layout, plus the
+CPU kernels' form of the CPU's rows); its two RMSNorm weights stay on the device, and so does
+its KV: the Hot pool holds every layer's K and V, so the KV write, rope, attention, SiLU and
+the residual norms of every layer run on the device exactly as for a resident layer, and the
+KV tiers see no difference. Loading puts them there directly (models/host_load.py): the
+device never holds more than the resident layers and the staging slots.
 
-    cpu     its projections run on the CPU with the host weights: the qkv projection's input
-            goes to the host and q|k|v come back, attention's output goes to the host and the
-            o projection comes back, and the MLP (gate_up, SiLU-and-mul, down) runs on the
-            host whole: four activation copies of T rows per layer, no weight moves;
-    stream  its weights are copied into one device staging layer that all host layers share,
-            and the layer runs there as a resident one does: the layer's bytes cross per step.
+Each projection of a host layer splits its output rows: the CPU computes the first
+`cpu_rows` from the host weights (its input copied to the host, its rows copied back), the
+device the rest from a staging slot that the link fills, and the two are concatenated. A
+step places its host layers one of two ways (`choose`):
 
-Both compute the function a resident layer computes, with the same ops in the same dtype, so
-in fp32 the tokens are the resident model's (bit for bit on a CPU-only engine, where the
-"device" is the CPU too and a stream is a copy between two host buffers).
+    host    every projection splits at its cpu_rows: all rows for host_layer_compute cpu
+            (and auto on a CPU-only engine), a fraction f for split (and auto on CUDA at
+            most cpu_max_tokens tokens: decode), f chosen at start so that the CPU's share
+            and the link's share take equally long (engine/host_layer_setup.py); both work
+            on every host layer at once, which is what lifts decode above either alone;
+    stream  every row goes over the link and the layer runs on the device (a prefill chunk).
 
-The choice (weights.host_layer_compute: auto) is the Cold-Weights latency model's
-(experts/latency.py), with a host layer in place of an expert: the CPU's time for the layer's
-projections at the step's T tokens against the copy at PCIe bandwidth plus one device call;
-a step of at most `cpu_max_tokens` tokens computes its host layers on the CPU, a larger one
-(a prefill chunk) streams them. All host layers have the same shape, so one step places them
-all alike. On a CPU-only engine streaming would only add a copy: auto computes on the CPU.
-`cpu` and `stream` pin the choice (tests, measurements).
+Overlap. Two staging slots, layer i in slot i % 2: entering layer i issues the copy of layer
+i + 1's device rows (and the step's start issues the first host layer's, behind the resident
+layers), on a side CUDA stream, ordered by events (a slot is refilled only after the compute
+stream's last use of it; a layer's device part waits for its copy). On CUDA the CPU's rows
+run in a worker thread (torch's kernels release the GIL) while the device computes its
+rows. On a CPU-only engine the same code runs with synchronous copies between two host
+buffers and no events.
 
-Not here yet: overlapping the fetch of layer i + 1 with layer i (one staging buffer, copies
-in the compute stream), and the CPU daemon computing the CPU layers (the GPU daemon's own
-threads do); MoE models keep their experts' own offload (cold_weights) and cannot use this.
+All of it computes the function a resident layer computes, with the same ops in the same
+dtype (split concatenates disjoint output rows), so in fp32 native weights the tokens are
+the resident model's. MoE models keep their experts' own offload (cold_weights) and cannot
+use this.
 """
 
 from __future__ import annotations
 
-import copy
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from hybridgen.models.dense_quant import project
+from hybridgen.models.host_weights import HostProjection
 
-HostCompute = Literal["auto", "cpu", "stream"]
+HostCompute = Literal["auto", "cpu", "stream", "split"]
 """weights.host_layer_compute: how a step computes the host layers."""
 CPU = torch.device("cpu")
+PARTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+"""A host layer's projections, in the order a forward pass calls them."""
 
 
 @dataclass
@@ -54,13 +61,17 @@ class HostLayerStats:
     """Counters since start, over every host layer."""
 
     cpu_layers: int = 0
-    """Host layers computed on the CPU, summed over steps."""
+    """Host layers computed wholly on the CPU, summed over steps."""
+    split_layers: int = 0
+    """Host layers split between the CPU and the device, over steps."""
     streamed_layers: int = 0
-    """Host layers streamed to the device staging buffer and computed there, over steps."""
+    """Host layers streamed to the device staging slots and computed there, over steps."""
     weight_bytes_h2d: int = 0
-    """Weight bytes copied from host memory into the staging buffer."""
+    """Weight bytes copied from host memory into the staging slots."""
     activation_bytes: int = 0
-    """Activation bytes copied each way for the CPU's layers."""
+    """Activation bytes copied each way for the CPU's rows."""
+    cpu_seconds: float = 0.0
+    """Time the CPU's rows took (the worker's calls)."""
     tokens: int = 0
     """Tokens of the steps that ran host layers."""
 
@@ -68,13 +79,29 @@ class HostLayerStats:
         moved = self.weight_bytes_h2d + self.activation_bytes
         return moved / self.tokens if self.tokens else 0.0
 
+    def cpu_ms_per_token(self) -> float:
+        return 1e3 * self.cpu_seconds / self.tokens if self.tokens else 0.0
+
 
 def module_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def split_rows(f: float, n: int, granule: int) -> int:
+    """The CPU's rows of a projection of `n` output rows for a CPU share `f`: a multiple of
+    `granule` (the CPU kernel's row block), leaving each side at least one when 0 < f < 1
+    and there are two."""
+    if f >= 1.0 or f <= 0.0:
+        return n if f >= 1.0 else 0
+    rows = round(f * n / granule) * granule
+    if n >= 2 * granule:
+        rows = min(max(rows, granule), n - granule)
+    return min(rows, n)
+
+
 class HostLayers:
-    """The host layers' shared state: this step's placement, the choice rule and counters."""
+    """The host layers' weights, staging slots and copy stream, this step's placement, the
+    choice rule and counters (see the module docstring)."""
 
     def __init__(
         self,
@@ -82,48 +109,154 @@ class HostLayers:
         num_layers: int,
         compute: HostCompute,
         device: torch.device,
-        layer_bytes: int,
+        projections: list[list[HostProjection]],
+        dtype: torch.dtype,
     ) -> None:
         self.gpu_layers, self.num_layers = gpu_layers, num_layers
-        self.compute, self.device, self.layer_bytes = compute, device, layer_bytes
+        self.compute, self.device, self.dtype = compute, device, dtype
+        self.projections = projections
+        """Per host layer, its PARTS' host weights."""
         self.cpu_max_tokens: int | None = None
-        """auto on CUDA: the latency model's crossover (set at start); None: every step on
-        the CPU (a CPU-only engine)."""
-        self.mode: Literal["cpu", "stream"] = "cpu"
+        """auto on CUDA: the latency model's crossover (set at start); None: every step
+        computes on the host side (a CPU-only engine)."""
+        self.fraction = 0.0
+        """The CPU's share of each host projection's rows under split (set at start)."""
+        self.resolved = True
+        """False while weights.gpu_layers: auto has yet to size the split (loaded with
+        every layer in host memory)."""
+        self.mode: Literal["host", "stream"] = "host"
         self.stats = HostLayerStats()
+        self.slots = [[p.staging(device) for p in projections[0]] for _ in range(2)]
+        """Two staging slots on the device, each one layer's parts, every row."""
+        cuda = device.type == "cuda"
+        self._copies = torch.cuda.Stream(device) if cuda else None
+        self._ready = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._free = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._filled: list[tuple[int, int] | None] = [None, None]
+        self._step = 0
+        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def host_layers(self) -> int:
         return self.num_layers - self.gpu_layers
 
-    def choose(self, tokens: int) -> Literal["cpu", "stream"]:
+    @property
+    def layer_bytes(self) -> int:
+        """One host layer's weights as the device reads them (what a stream copies)."""
+        return sum(p.nbytes() for p in self.projections[0])
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.slots for p in s for t in p.values())
+
+    @property
+    def split(self) -> bool:
+        """Whether a host step leaves some rows to the device (else the CPU has them all)."""
+        return any(p.cpu_rows < p.out_features for p in self.projections[0])
+
+    def place(self, fraction: float) -> None:
+        """The CPU takes `fraction` of each host projection's rows (1: all, 0: none)."""
+        self.fraction = fraction
+        for layer in self.projections:
+            for p in layer:
+                granule = 64 if p.fmt == "int4" else 8
+                p.set_cpu_rows(split_rows(fraction, p.out_features, granule), self.dtype)
+
+    def choose(self, tokens: int) -> Literal["host", "stream"]:
         """Where a step of `tokens` tokens computes its host layers."""
-        if self.compute != "auto":
-            return self.compute
-        if self.cpu_max_tokens is None or tokens <= self.cpu_max_tokens:
-            return "cpu"
-        return "stream"
+        if self.compute == "stream":
+            return "stream"
+        if self.compute != "auto" or self.cpu_max_tokens is None:
+            return "host"
+        return "host" if tokens <= self.cpu_max_tokens else "stream"
 
     def begin_step(self, tokens: int) -> None:
-        """A forward pass of `tokens` packed tokens starts: place its host layers."""
+        """A forward pass of `tokens` packed tokens starts: place its host layers and fetch
+        the first one's device rows behind the resident layers."""
         self.mode = self.choose(tokens)
+        self._step += 1
         self.stats.tokens += tokens
-        if self.mode == "cpu":
-            self.stats.cpu_layers += self.host_layers
-        else:
+        if self.mode == "stream":
             self.stats.streamed_layers += self.host_layers
+        elif self.split:
+            self.stats.split_layers += self.host_layers
+        else:
+            self.stats.cpu_layers += self.host_layers
+        if self._uses_device():
+            self._fetch(0)
 
-    def run(self, host: nn.Module, staging: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`host`'s function of x [T, in], on the CPU or through `staging` on the device."""
-        if self.mode == "cpu":
-            self.stats.activation_bytes += x.numel() * x.element_size()
-            y = host(x.to(CPU))
-            self.stats.activation_bytes += y.numel() * y.element_size()
-            return y.to(x.device)
-        for dst, src in zip(staging.parameters(), host.parameters(), strict=True):
-            dst.copy_(src, non_blocking=True)
-            self.stats.weight_bytes_h2d += src.numel() * src.element_size()
-        return staging(x)
+    def _uses_device(self) -> bool:
+        return self.mode == "stream" or self.split
+
+    def _cpu_rows(self, proj: HostProjection) -> int:
+        return proj.cpu_rows if self.mode == "host" else 0
+
+    def project(self, layer: int, part: int, x: torch.Tensor) -> torch.Tensor:
+        """Projection PARTS[part] of decoder layer `layer` of x [T, in]: the CPU's rows and
+        the device's, concatenated."""
+        i = layer - self.gpu_layers
+        proj = self.projections[i][part]
+        if part == 0 and self._uses_device():
+            self._fetch(i)
+            if i + 1 < self.host_layers:
+                self._fetch(i + 1)
+        n, k = proj.out_features, self._cpu_rows(proj)
+        cpu: Future[torch.Tensor] | torch.Tensor | None = None
+        if k:
+            xh = x.to(CPU)
+            self.stats.activation_bytes += (xh.shape[1] + k) * xh.shape[0] * xh.element_size()
+            cpu = self._cpu(proj, xh) if k == n else self._pool().submit(self._cpu, proj, xh)
+        dev = None
+        if k < n:
+            staged = self.slots[i % 2][part]
+            if self._copies is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._ready[i % 2])
+            dev = proj.device_linear({name: t[: n - k] for name, t in staged.items()}, x)
+        if part == len(PARTS) - 1 and self._copies is not None:
+            self._free[i % 2].record(torch.cuda.current_stream(self.device))
+        if cpu is None:
+            assert dev is not None
+            return dev
+        y = (cpu.result() if isinstance(cpu, Future) else cpu).to(x.device)
+        return y if dev is None else torch.cat([y, dev], dim=-1)
+
+    def _cpu(self, proj: HostProjection, x: torch.Tensor) -> torch.Tensor:
+        """The CPU's rows of `proj` (in the worker thread when the device has the rest)."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            y = proj.cpu_linear(x)
+        self.stats.cpu_seconds += time.perf_counter() - start
+        return y
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="host-layers")
+        return self._worker
+
+    def _fetch(self, i: int) -> None:
+        """Copy host layer i's device rows into slot i % 2, once per step: on the copy
+        stream after the slot's last use, recording when it is ready (CUDA)."""
+        slot = i % 2
+        if self._filled[slot] == (self._step, i):
+            return
+        self._filled[slot] = (self._step, i)
+        stream = self._copies
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if stream is not None:
+                stream.wait_event(self._free[slot])
+            for proj, staged in zip(self.projections[i], self.slots[slot], strict=True):
+                k, n = self._cpu_rows(proj), proj.out_features
+                for name, t in proj.rows.items():
+                    staged[name][: n - k].copy_(t[k:], non_blocking=True)
+                self.stats.weight_bytes_h2d += proj.nbytes(slice(k, n))
+            if stream is not None:
+                self._ready[slot].record(stream)
+
+    def close(self) -> None:
+        """Stop the CPU worker (the engine is going)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def placement(self) -> dict[str, int | float | str]:
         """The figures `serve --explain` and GetModelInfo show."""
@@ -133,81 +266,73 @@ class HostLayers:
             "host_layers": self.host_layers,
             "host_layer_compute": self.compute,
             "host_layer_bytes": self.layer_bytes,
+            "host_split_fraction": self.fraction,
             "cpu_layer_steps": s.cpu_layers,
+            "split_layer_steps": s.split_layers,
             "streamed_layer_steps": s.streamed_layers,
             "host_bytes_per_token": s.bytes_per_token(),
+            "host_cpu_ms_per_token": s.cpu_ms_per_token(),
         }
 
 
-class Projection(nn.Module):
-    """y = x @ W.T (+ b) through models.dense_quant.project: an nn.Linear or a QuantLinear as
-    a module, so that host and staging copies run alike."""
+class HostLinear(nn.Module):
+    """A host layer's projection in the model's tree: its call goes to `layers`, which holds
+    the weights outside the tree, so the model's parameters (what the memory plan counts,
+    what .to() moves) are the device's alone."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, layers: HostLayers, layer: int, part: int) -> None:
         super().__init__()
-        self.linear = linear
+        self.layer, self.part = layer, part
+        self._layers = (layers,)  # a tuple: keeps the state out of the module tree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.linear, x)
+        return self._layers[0].project(self.layer, self.part, x)
 
 
-class HostModule(nn.Module):
-    """A layer's projection (or whole MLP) whose weights live in host memory: each call runs
-    it on the CPU or streams it through the shared `staging` copy, as `layers` placed the
-    step. The host module is kept outside the module tree, so the model's parameters (what
-    the memory plan counts, what .to() moves) are the device's alone."""
-
-    def __init__(self, host: nn.Module, staging: nn.Module, layers: HostLayers) -> None:
-        super().__init__()
-        self.staging = staging
-        self.layers = layers
-        self._host = (host,)  # a tuple: nn.Module would register a module attribute
-
-    @property
-    def host(self) -> nn.Module:
-        return self._host[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers.run(self.host, self.staging, x)
-
-
-def _to_host(module: nn.Module, pin: bool) -> nn.Module:
-    """The module moved to host memory (page-locked when `pin`), in place."""
-    module.to(CPU)
-    if pin:
-        for p in module.parameters():
-            p.data = p.data.pin_memory()
-    return module
-
-
-_PARTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp")
-"""A host layer's parts whose weights live in host memory (the norms stay on the device)."""
-
-
-def _part(layer: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
-    """(its owner, its attribute name, the part as a module that computes it)."""
+def _owner(layer: nn.Module, path: str) -> tuple[nn.Module, str]:
     owner_path, _, name = path.rpartition(".")
-    owner = layer.get_submodule(owner_path) if owner_path else layer
-    part = getattr(owner, name)
-    return owner, name, part if path == "mlp" else Projection(part)
+    return layer.get_submodule(owner_path), name
 
 
 def offload_layers(
-    layers: nn.ModuleList, gpu_layers: int, compute: HostCompute, device: torch.device
+    layers: nn.ModuleList,
+    gpu_layers: int,
+    compute: HostCompute,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> HostLayers | None:
-    """Keep layers[gpu_layers:]'s projections in host memory (see the module docstring);
-    None when every layer stays on the device. The layers' MLP must be dense."""
+    """Keep layers[gpu_layers:]'s projections in host memory (see the module docstring),
+    moving them there from wherever they are (on the device: after loading a whole model;
+    on the host: models/host_load.py put them there); None when every layer stays. The
+    layers' MLP must be dense."""
     n = len(layers)
     if gpu_layers >= n:
         return None
-    staging = [copy.deepcopy(_part(layers[gpu_layers], p)[2]).to(device) for p in _PARTS]
-    layer_bytes = sum(module_bytes(m) for m in staging)
-    state = HostLayers(gpu_layers, n, compute, device, layer_bytes)
     pin = device.type == "cuda"
+    projections = []
     for layer in layers[gpu_layers:]:
-        for path, stage in zip(_PARTS, staging, strict=True):
-            owner, name, part = _part(layer, path)
-            setattr(owner, name, HostModule(_to_host(part, pin), stage, state))
+        parts = []
+        for path in PARTS:
+            owner, name = _owner(layer, path)
+            parts.append(HostProjection.of(getattr(owner, name), pin))
+            setattr(owner, name, nn.Identity())  # its device tensors go now
+        projections.append(parts)
+    state = HostLayers(gpu_layers, n, compute, device, projections, dtype)
+    for index in range(gpu_layers, n):
+        for part, path in enumerate(PARTS):
+            owner, name = _owner(layers[index], path)
+            setattr(owner, name, HostLinear(state, index, part))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return state
+
+
+def keep_resident(state: HostLayers, layers: nn.ModuleList, gpu_layers: int) -> None:
+    """Move host layers up to `gpu_layers` back to the device whole (weights.gpu_layers:
+    auto, after loading every layer into host memory)."""
+    for index in range(state.gpu_layers, gpu_layers):
+        for path, proj in zip(PARTS, state.projections[index - state.gpu_layers], strict=True):
+            owner, name = _owner(layers[index], path)
+            setattr(owner, name, proj.module(state.device))
+    del state.projections[: gpu_layers - state.gpu_layers]
+    state.gpu_layers = gpu_layers

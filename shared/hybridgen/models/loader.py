@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -30,6 +31,8 @@ from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
 from hybridgen.models.gguf_file import GgufFile, is_gguf
 from hybridgen.models.gguf_tokenizer import gguf_tokenizer
+from hybridgen.models.host_layers import offload_layers
+from hybridgen.models.host_load import empty_split_model
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import moe_blocks
 from hybridgen.models.presets import build_synthetic, preset_spec
@@ -312,6 +315,7 @@ def load_model(
     host_experts: Format | None = None,
     shm_instance: str | None = None,
     weights: WeightFormat = "native",
+    gpu_layers: int | Literal["auto"] | None = None,
 ) -> LoadedModel:
     """`model` is a checkpoint directory, a GGUF file or a preset name (see presets.PRESETS).
     `host_experts`: MoE expert weights stay in host memory in that format, each block's
@@ -319,7 +323,9 @@ def load_model(
     directly): in the instance's shared expert arena when `shm_instance` is given (the CPU
     daemon computes with them), else in pinned memory on CUDA. Everything else goes to
     `device`. `weights` int8 / int4: the dense projections become QuantLinear
-    (dense_quant.py), a GGUF's Q8_0 / Q4_0 / Q4_1 blocks repacked as they are."""
+    (dense_quant.py), a GGUF's Q8_0 / Q4_0 / Q4_1 blocks repacked as they are.
+    `gpu_layers` (a dense model's weights.gpu_layers): the layers past it load straight into
+    host memory (models/host_load.py; auto: every layer, the engine sizes the split)."""
     model = resolve_model(model)
     path = Path(model)
     spec = model_spec(model)
@@ -334,10 +340,11 @@ def load_model(
             shm_instance, arena_bytes(spec, host_experts, spec.moe_layer_count)
         )
         alloc = arena.alloc
+    host_from = _host_from(spec, gpu_layers)
     if path.is_dir():
         tokenizer = load_tokenizer(model)
         spec = replace(spec, dtype=dtype or spec.dtype)
-        net = empty_model(spec, device, torch.device("cpu") if host_experts else None)
+        net = _empty(spec, device, host_experts, host_from)
         copy_weights(net, checkpoint_tensors(path), str(path))
         generation = load_generation_defaults(path, tokenizer.eos_token_id)
     elif is_gguf(model):
@@ -345,7 +352,7 @@ def load_model(
         spec = replace(
             spec, dtype=dtype or (spec.dtype if device.type == "cuda" else torch.float32)
         )
-        net = empty_model(spec, device, torch.device("cpu") if host_experts else None)
+        net = _empty(spec, device, host_experts, host_from)
         copy_weights(net, gguf_tensors(open_gguf(model), spec), model)
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(
@@ -354,12 +361,16 @@ def load_model(
     else:
         preset_dtype = spec.dtype if device.type == "cuda" else torch.float32
         spec = replace(spec, dtype=dtype or preset_dtype)
-        net = build_synthetic(spec, device, seed, host_experts, alloc)
+        net = build_synthetic(spec, device, seed, host_experts, alloc, host_from, weights)
         tokenizer = load_tokenizer(model)
         generation = GenerationDefaults(eos_token_ids=spec.eos_token_ids)
     if weights != "native":
         stored = gguf_stored(open_gguf(model), spec) if is_gguf(model) else None
-        quantize_dense(net, weights, stored)
+        quantize_dense(net, weights, stored, device)
+    if host_from is not None:
+        net.host_layers = offload_layers(net.layers, host_from, "stream", device, spec.dtype)
+        if net.host_layers is not None:
+            net.host_layers.resolved = gpu_layers != "auto"
     if host_experts is not None:
         blocks = moe_blocks(net)
         progress = Progress(
@@ -374,3 +385,22 @@ def load_model(
         if arena is not None:
             arena.publish(device)
     return LoadedModel(net.eval(), spec, tokenizer, generation, arena)
+
+
+def _host_from(spec: ModelSpec, gpu_layers: int | Literal["auto"] | None) -> int | None:
+    """The first layer to load into host memory for weights.gpu_layers; None: load whole
+    (unset, a MoE model or a value out of range: the engine names the error)."""
+    if gpu_layers is None or spec.num_local_experts:
+        return None
+    if gpu_layers == "auto":
+        return 0
+    return gpu_layers if 0 <= gpu_layers < spec.num_layers else None
+
+
+def _empty(
+    spec: ModelSpec, device: torch.device, host_experts: Format | None, host_from: int | None
+) -> CausalLM:
+    """The checkpoint's empty model: its host layers' projections on the CPU."""
+    if host_from is not None:
+        return empty_split_model(spec, device, host_from, torch.device("cpu"))
+    return empty_model(spec, device, torch.device("cpu") if host_experts else None)

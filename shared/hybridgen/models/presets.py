@@ -13,7 +13,9 @@ from torch import nn
 
 from hybridgen.experts.format import Alloc, Format, PackedMatrices, host_alloc
 from hybridgen.experts.store import ExpertStore
+from hybridgen.models.dense_quant import WeightFormat
 from hybridgen.models.errors import ModelLoadError, bad_model_path
+from hybridgen.models.host_load import empty_split_model, keep_on_host
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
 from hybridgen.models.spec import ModelSpec, RopeSpec
@@ -246,6 +248,8 @@ def build_synthetic(
     seed: int = 0,
     host_experts: Format | None = None,
     alloc: Alloc | None = None,
+    host_from: int | None = None,
+    host_format: WeightFormat = "native",
 ) -> CausalLM:
     """Seeded random weights, drawn on `device`; the same seed gives the same model.
 
@@ -253,8 +257,12 @@ def build_synthetic(
     from `alloc` (default: pinned on CUDA), each expert matrix drawn on `device` and converted
     on its own, so no full-precision copy of them is ever made (mixtral-8x22b's would be
     270 GB). The draws are the same, in the same order, as for experts on the device: native
-    host experts are the same model."""
-    model = empty_model(spec, device, torch.device("meta") if host_experts else None)
+    host experts are the same model. `host_from`: decoder layers from it on keep their
+    projections in host memory, in `host_format`, drawn the same way (models/host_load.py)."""
+    if host_from is not None:
+        model = empty_split_model(spec, device, host_from, torch.device("meta"))
+    else:
+        model = empty_model(spec, device, torch.device("meta") if host_experts else None)
     gen = torch.Generator(device=device).manual_seed(seed)
     if host_experts is not None:
         alloc = alloc or host_alloc(device.type == "cuda")
@@ -263,9 +271,12 @@ def build_synthetic(
     progress = Progress(
         "synthetic_weights", spec.num_layers, unit="layers", label="drawing weights"
     )
-    for name, param in model.named_parameters():
+    for name, param in list(model.named_parameters()):
         if name.endswith(("layernorm", "_norm")) or name == "norm":  # q_norm, k_norm too
             param.fill_(1.0)
+        elif param.is_meta and host_from is not None:  # a host layer's projection
+            w = torch.empty(param.shape, dtype=spec.dtype, device=device)
+            keep_on_host(model, name, w.normal_(0.0, STD, generator=gen), host_format)
         elif param.is_meta:  # layers.L.mlp.experts.E.{gate_up,down}_proj.weight, to the store
             _, layer, _, _, expert, proj, _ = name.split(".")
             w = torch.empty(param.shape, dtype=spec.dtype, device=device)

@@ -1,0 +1,140 @@
+"""Host layers loaded straight into host memory, int8 / int4 host layers computed by the
+CPU's kernels, the row split between the CPU and the link, and the prefetch order
+(models/host_layers.py, models/host_weights.py, models/host_load.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridgen.config.engine import EngineConfig
+from hybridgen.engine.engine import Engine
+from hybridgen.engine.host_layer_setup import split_fraction
+from hybridgen.experts.latency import LatencyModel
+from hybridgen.models.host_layers import PARTS, HostLayers, split_rows
+from hybridgen.models.loader import load_model
+from hybridgen.sampling.params import SamplingParams
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 9, 33, 7, 81, 4, 19], [300, 2, 2, 150]]
+
+
+def projection_bytes(model: torch.nn.Module, layers: range) -> int:
+    return sum(
+        p.numel() * p.element_size()
+        for i in layers
+        for path in PARTS
+        for p in model.get_submodule(f"layers.{i}.{path}").parameters()
+    )
+
+
+def test_split_fraction_balances_cpu_and_link() -> None:
+    """f * cpu = (1 - f) * link: the B7 figures (19 GB/s of int4 on the CPU, 52 GB/s PCIe)
+    give the CPU 27 % of the rows; each side then takes 0.73 / 52 GB/s of a layer."""
+    layer = 450_000_000
+    latency = LatencyModel(layer / 19e9, 0.0, 52e9, layer)
+    f = split_fraction(latency)
+    assert f == pytest.approx(19 / (19 + 52))
+    assert f * latency.cpu_s(1) == pytest.approx((1 - f) * latency.fetch_s)
+    assert split_fraction(LatencyModel(0.0, 0.0, 1.0, 0)) == 0.0
+
+
+def test_split_rows_keep_both_sides_in_blocks() -> None:
+    assert split_rows(0.27, 8192, 64) == 2240  # 0.27 * 128 blocks = 34.6 -> 35 blocks
+    assert split_rows(0.001, 256, 64) == 64  # each side keeps a block
+    assert split_rows(0.999, 256, 64) == 192
+    assert split_rows(0.4, 64, 64) == 0 and split_rows(0.6, 64, 64) == 64
+    assert split_rows(1.0, 100, 8) == 100 and split_rows(0.0, 100, 8) == 0
+
+
+@pytest.mark.parametrize("fmt", ["native", "int4"])
+def test_host_layers_load_into_host_memory(fmt: str) -> None:
+    """Loaded with gpu_layers=1, the device's tensors (the model's parameters and the two
+    staging slots) are the resident layer's, the rest of the model's and the staging's:
+    the host layers' projections never were device tensors, and the model is the one drawn
+    resident (same tokens)."""
+    whole = load_model("tiny-llama", CPU, weights=fmt)  # type: ignore[arg-type]
+    split = load_model("tiny-llama", CPU, weights=fmt, gpu_layers=1)  # type: ignore[arg-type]
+    host = split.model.host_layers
+    assert host is not None and host.host_layers == 3 and host.resolved
+    layer = projection_bytes(whole.model, range(1, 2))
+    assert host.layer_bytes == layer
+    device = sum(p.numel() * p.element_size() for p in split.model.parameters())
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.model.parameters())
+    assert device == whole_bytes - 3 * layer
+    assert host.staging_bytes == 2 * layer
+    assert all(p.fmt == fmt for layer_parts in host.projections for p in layer_parts)
+    config = EngineConfig(model="tiny-llama", device="cpu", weights_format=fmt)  # type: ignore[arg-type]
+    want = Engine(config, whole).generate(PROMPTS, GREEDY)
+    got = Engine(config, split).generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+def test_auto_loads_every_layer_into_host_memory_then_keeps_what_fits() -> None:
+    """gpu_layers: auto loads every layer into host memory, and the engine moves back the
+    most the budget holds (here, with no limit on the budget, all of them)."""
+    loaded = load_model("tiny-llama", CPU, gpu_layers="auto")
+    host = loaded.model.host_layers
+    assert host is not None and host.host_layers == 4 and not host.resolved
+    engine = Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_layers="auto"), loaded)
+    assert engine.host_layers is None and loaded.model.host_layers is None
+    assert projection_bytes(loaded.model, range(4)) > 0  # resident modules again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_host_layers_agree_with_resident(fmt: str) -> None:
+    """int8 / int4 host layers, on the CPU through torch's weight-only kernels (int4
+    repacked into its layout), streamed in the device's layout, or split between the two,
+    give the same quantized model's greedy tokens fully resident."""
+    base = EngineConfig(model="tiny-llama", device="cpu", weights_format=fmt)  # type: ignore[arg-type]
+    want = [c.token_ids for c in Engine(base).generate(PROMPTS, GREEDY)]
+    for compute in ("cpu", "split", "stream"):
+        config = EngineConfig(
+            model="tiny-llama",
+            device="cpu",
+            weights_format=fmt,  # type: ignore[arg-type]
+            gpu_layers=1,
+            host_layer_compute=compute,  # type: ignore[arg-type]
+        )
+        engine = Engine(config)
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == want, compute
+        host = engine.host_layers
+        assert host is not None
+        forms = [p.cpu_form for layer in host.projections for p in layer if p.cpu_rows]
+        assert all(len(f) == 2 for f in forms) and (forms == []) == (compute == "stream")
+        if fmt == "int4" and forms:  # torch's CPU int4 layout: [rows, in / 2] uint8
+            assert forms[0][0].dtype == torch.uint8
+
+
+def test_split_prefetches_the_next_layer_while_one_computes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The overlap's order (CPU twin of the CUDA streams): a step fetches the first host
+    layer at its start, entering layer i fetches i + 1 into the other slot before any of
+    layer i's projections runs, each layer is fetched once per step, and the CPU's rows go
+    to the worker thread while the device's rows run."""
+    engine = Engine(
+        EngineConfig(model="tiny-llama", device="cpu", gpu_layers=1, host_layer_compute="split")
+    )
+    host = engine.host_layers
+    assert host is not None and 0 < host.fraction < 1
+    events: list[tuple[str, int]] = []
+    fetch, project = HostLayers._fetch, HostLayers.project
+
+    def logged_fetch(self: HostLayers, i: int) -> None:
+        if self._filled[i % 2] != (self._step, i):
+            events.append(("fetch", i))
+        fetch(self, i)
+
+    def logged_project(self: HostLayers, layer: int, part: int, x: torch.Tensor) -> torch.Tensor:
+        y = project(self, layer, part, x)
+        events.append(("run", layer - self.gpu_layers))
+        return y
+
+    monkeypatch.setattr(HostLayers, "_fetch", logged_fetch)
+    monkeypatch.setattr(HostLayers, "project", logged_project)
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    step = [("fetch", 0), ("fetch", 1), *[("run", 0)] * 4, ("fetch", 2), *[("run", 1)] * 4]
+    assert events[: len(step) + 4] == [*step, *[("run", 2)] * 4]
+    assert host._worker is not None  # the CPU's rows ran beside the device's
+    host.close()
