@@ -9,6 +9,8 @@
 #   b4c    qwen3-30b-a3b, int4 experts, 12 GB budget: 1 stream (in-process beside it), 4 streams
 #   b4c_hf HF's Qwen3-MoE of the same shape under accelerate in the same budget (moe_bench's
 #          accelerate case), for B4c's comparison
+#   b7     llama3-70b, int4 weights, 24 GB budget, layers past gpu_layers auto in host memory
+#          (issue 23): 1 request, a 1,024-token prompt, 64 new tokens (in-process beside it)
 #   speech issue 22's speech benchmark: 16 spoken transcripts (1K + 4K tokens, 200 ms chunks
 #          over 20 s) through StreamGenerate against the same prompts sent whole, llama3-8b
 # Invoked through the device tool from the repo root with `.whl` carried; HYBRIDGEN_COMMIT
@@ -55,11 +57,15 @@ for what in "$@"; do
       load --config bench/served/b4c.yaml --requests 4 --prompt-len 256 --max-new-tokens 64 \
         --name b4c_4 --out "$OUT/b4c_4.json"
       ;;
+    b7)
+      load --config bench/served/b7.yaml --requests 1 --prompt-len 1024 --max-new-tokens 64 \
+        --runs 2 --timeout 600 --inprocess --name b7 --out "$OUT/b7.json"
+      ;;
     b4c_hf)
       timeout 540 python3 -m hybridgen.benchmarks.moe_bench --model qwen3-30b-a3b --budget-mb 12288 \
         --cases accelerate --out "$OUT/b4c_accelerate.json" 2>>"$OUT/moe_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [b12] [b3a] [b4a] [b4c] [b4c_hf]" >&2; exit 2 ;;
+    *) echo "usage: $0 [tests] [b12] [b3a] [b4a] [b4c] [b4c_hf] [b7]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null

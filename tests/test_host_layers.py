@@ -13,6 +13,7 @@ from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.config.file import parse_config
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.memory import graph_batch_size, plan_engine_memory, weights_bytes
+from hybridgen.models.host_layers import HostEmbedding
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import hf_greedy, sample_prompts
@@ -170,3 +171,20 @@ def test_auto_streams_prefill_and_computes_decode_on_the_cpu(checkpoint) -> None
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
     assert host.stats.streamed_layers == 2 * host.host_layers  # one prefill per prompt
     assert host.stats.cpu_layers == 2 * (NEW_TOKENS - 1) * host.host_layers
+
+
+def test_untied_embedding_table_moves_to_host_memory(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Beside host layers an untied embedding table lives in host memory too (its bytes go
+    to resident layers): the plan's weights drop by it, and the tokens stay HF's."""
+    path = checkpoint("mistral", num_hidden_layers=3)
+    prompts = sample_prompts(path, 2, [9, 23])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    whole = make_engine(path)
+    engine = make_engine(path, gpu_layers=2, host_layer_compute="split")
+    assert isinstance(engine.loaded.model.embed_tokens, HostEmbedding)
+    host = engine.host_layers
+    assert host is not None
+    table = engine.loaded.model.embed_tokens.weight
+    table_bytes = table.numel() * table.element_size()
+    assert whole.plan.weights - engine.plan.weights == table_bytes + (1 - 2) * host.layer_bytes
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected

@@ -18,6 +18,7 @@ from hybridgen.engine.memory import auto_gpu_layers
 from hybridgen.experts.latency import CALIBRATION_TOKENS, RUNS, LatencyModel
 from hybridgen.models.host_layers import (
     PARTS,
+    HostEmbedding,
     HostLayers,
     HostLayerStats,
     keep_resident,
@@ -67,15 +68,20 @@ def setup_host_layers(
         gpu_layers = resident_layers(config, model, device)
         state = offload_layers(model.layers, gpu_layers, "stream", device, model.spec.dtype)
     elif not state.resolved:
+        embedding_to_host(model, device)  # before sizing: its bytes go to resident layers
         state.compute = "stream"  # the memory plan's profiling step streams every layer
         gpu_layers = resident_layers(config, model, device)
         keep_resident(state, model.layers, gpu_layers)
         state.resolved = True
         if gpu_layers == state.num_layers:
             state, model.host_layers = None, None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if isinstance(model.embed_tokens, HostEmbedding):
+                model.embed_tokens = model.embed_tokens.resident(device)
     model.host_layers = state
+    if state is not None:
+        embedding_to_host(model, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if state is None:
         return None
     state.compute, state.stats, state.cpu_max_tokens = (
@@ -86,6 +92,15 @@ def setup_host_layers(
     place(state, config)
     log.info("host_layers", **state.placement())
     return state
+
+
+def embedding_to_host(model: CausalLM, device: torch.device) -> None:
+    """An untied token embedding table moves to host memory beside host layers (tied, the
+    LM head reads it on the device: it stays)."""
+    if model.spec.tie_word_embeddings or isinstance(model.embed_tokens, HostEmbedding):
+        return
+    table = model.embed_tokens.weight
+    model.embed_tokens = HostEmbedding(table, device.type == "cuda")  # type: ignore[assignment]
 
 
 def place(state: HostLayers, config: EngineConfig) -> None:

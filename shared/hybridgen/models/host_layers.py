@@ -336,3 +336,30 @@ def keep_resident(state: HostLayers, layers: nn.ModuleList, gpu_layers: int) -> 
             setattr(owner, name, proj.module(state.device))
     del state.projections[: gpu_layers - state.gpu_layers]
     state.gpu_layers = gpu_layers
+
+
+class HostEmbedding(nn.Module):
+    """The token embedding table in host memory (an untied one, beside host layers): a step
+    looks its tokens' rows up on the CPU and copies only those to the device, which keeps
+    the table's bytes (2.1 GB for llama3-70b) for resident layers. The table stays out of
+    the module tree, as a host layer's weights do."""
+
+    def __init__(self, weight: torch.Tensor, pin: bool) -> None:
+        super().__init__()
+        table = weight.detach().to(CPU).contiguous()
+        self._table = (table.pin_memory() if pin else table,)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._table[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(input_ids.to(CPU), self.weight)
+        return rows.to(input_ids.device, non_blocking=True)
+
+    def resident(self, device: torch.device) -> nn.Embedding:
+        """The table back on `device` as an nn.Embedding."""
+        table = self.weight.to(device)
+        embedding = nn.Embedding(table.shape[0], table.shape[1], device="meta")
+        embedding.weight = nn.Parameter(table, requires_grad=False)
+        return embedding
