@@ -9,7 +9,7 @@ import torch
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.host_layer_setup import split_fraction
+from hybridgen.engine.host_layer_setup import place, split_fraction
 from hybridgen.experts.latency import LatencyModel
 from hybridgen.models.host_layers import PARTS, HostLayers, split_rows
 from hybridgen.models.loader import load_model
@@ -48,6 +48,7 @@ def test_split_rows_keep_both_sides_in_blocks() -> None:
     assert split_rows(1.0, 100, 8) == 100 and split_rows(0.0, 100, 8) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["native", "int4"])
 def test_host_layers_load_into_host_memory(fmt: str) -> None:
     """Loaded with gpu_layers=1, the device's tensors (the model's parameters and the two
@@ -138,3 +139,16 @@ def test_split_prefetches_the_next_layer_while_one_computes(monkeypatch) -> None
     assert events[: len(step) + 4] == [*step, *[("run", 2)] * 4]
     assert host._worker is not None  # the CPU's rows ran beside the device's
     host.close()
+
+
+def test_auto_on_cuda_splits_decode_and_streams_prefill() -> None:
+    """CPU twin of auto's placement on CUDA: the timed share splits each projection's rows
+    for steps up to the crossover (at least one token: decode), larger ones stream."""
+    config = EngineConfig(model="tiny-llama", device="cpu", gpu_layers=1)
+    engine = Engine(config)
+    host = engine.host_layers
+    assert host is not None and host.fraction == 1.0 and host.cpu_max_tokens is None
+    place(host, config, cuda=True)
+    assert 0 < host.fraction < 1 and host.split
+    assert host.cpu_max_tokens is not None and host.cpu_max_tokens >= 1
+    assert host.choose(1) == "host" and host.choose(100_000) == "stream"

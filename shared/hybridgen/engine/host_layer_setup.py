@@ -89,7 +89,7 @@ def setup_host_layers(
         HostLayerStats(),
         None,
     )
-    place(state, config)
+    place(state, config, device.type == "cuda")
     log.info("host_layers", **state.placement())
     return state
 
@@ -103,11 +103,10 @@ def embedding_to_host(model: CausalLM, device: torch.device) -> None:
     model.embed_tokens = HostEmbedding(table, device.type == "cuda")  # type: ignore[assignment]
 
 
-def place(state: HostLayers, config: EngineConfig) -> None:
-    """Each host projection's CPU rows for the configured host_layer_compute: all (cpu, and
-    auto on a CPU-only engine), none (stream), or the share `split_fraction` gives (split,
-    and auto on CUDA, which also streams the steps above the crossover)."""
-    cuda = state.device.type == "cuda"
+def place(state: HostLayers, config: EngineConfig, cuda: bool) -> None:
+    """Each host projection's CPU rows for state.compute: all (cpu, and auto on a CPU-only
+    engine), none (stream), or the share `split_fraction` gives (split, and auto on CUDA,
+    which also streams the steps above the crossover)."""
     if state.compute == "cpu" or (state.compute == "auto" and not cuda):
         state.place(1.0)
         return
