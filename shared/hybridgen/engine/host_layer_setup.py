@@ -80,8 +80,9 @@ def setup_host_layers(
     model.host_layers = state
     if state is not None:
         embedding_to_host(model, device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # what moved left cached blocks on both sides
         torch.cuda.empty_cache()
+        torch.accelerator.empty_host_cache()
     if state is None:
         return None
     state.compute, state.stats, state.cpu_max_tokens = (
