@@ -152,3 +152,27 @@ def test_auto_on_cuda_splits_decode_and_streams_prefill() -> None:
     assert 0 < host.fraction < 1 and host.split
     assert host.cpu_max_tokens is not None and host.cpu_max_tokens >= 1
     assert host.choose(1) == "host" and host.choose(100_000) == "stream"
+
+
+@pytest.mark.slow
+def test_b7_served_config_is_llama3_70b_int4_in_24_gb() -> None:
+    """bench/served/b7.yaml (bench/run_h200_served.sh b7) says what issue 23's B7 is, and
+    the model's int4 decoder layers (~38.5 GB) are more than the budget: host layers it is."""
+    from pathlib import Path
+
+    from hybridgen.config.file import load_config
+    from hybridgen.models.presets import parameter_count, preset_spec
+
+    root = Path(__file__).resolve().parents[1]
+    config = load_config(root / "bench/served/b7.yaml").engine_config("cuda")
+    assert (config.model, config.gpu_memory_mb, config.weights_format) == (
+        "llama3-70b",
+        24576,
+        "int4",
+    )
+    assert (config.gpu_layers, config.host_layer_compute) == ("auto", "auto")
+    assert (config.max_num_seqs, config.max_model_len) == (1, 2048)
+    spec = preset_spec("llama3-70b")
+    layers = parameter_count(spec) - 2 * spec.vocab_size * spec.hidden_size
+    assert 4.5 / 8 * layers > config.gpu_memory_mb * 2**20
+    assert "bench/served/b7.yaml" in (root / "bench/run_h200_served.sh").read_text()
