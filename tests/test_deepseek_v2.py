@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.engine import Engine
+from hybridgen.engine.moe_graphs import MoeDecodeGraphs
+from hybridgen.engine.startup import place_moe_gate
 from hybridgen.kernels import reference
 from hybridgen.models.deepseek_moe import DeepseekMoeBlock
 from hybridgen.models.errors import ModelLoadError
@@ -241,3 +243,26 @@ def test_tiny_preset_with_host_experts_is_the_same_model() -> None:
     assert stats["cpu_experts"] > 0 and stats["gpu_experts"] > 0
     quantized = _cold("tiny-deepseek-v2", expert_format="int8")
     assert all(len(c.token_ids) == NEW_TOKENS for c in quantized.generate(prompts, GREEDY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate", ["gpu", "cpu"])
+def test_piecewise_decode_matches_hf(checkpoint, gate: str) -> None:  # type: ignore[no-untyped-def]
+    """The pieces the CUDA graphs capture, run eagerly: MLA's latent write and attention
+    inside each layer's piece, DeepSeek's grouped pick from fp32 logits in the piece or on
+    the host (moe_gate), the ungated shared experts added by the host; HF's greedy tokens."""
+    path = checkpoint("deepseek_v2")
+    prompts = sample_prompts(path, 3, [7, 29, 83])
+    engine = _cold(path)
+    place_moe_gate(engine.loaded.model, gate)
+    runner = engine.runner
+    graphs = MoeDecodeGraphs(
+        engine.loaded.model, runner.kv_caches, runner.rope, 4, runner.max_blocks, engine.device,
+        graphed=False,
+    )  # fmt: skip
+    assert [b is None for b in graphs.blocks] == [True, False, False]
+    assert all(p is None or p.logits.dtype == torch.float32 for p in graphs.picks)
+    runner.graphs = graphs
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    engine.release()
+    assert got == hf_greedy(path, prompts, NEW_TOKENS)
