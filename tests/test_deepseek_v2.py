@@ -266,3 +266,38 @@ def test_piecewise_decode_matches_hf(checkpoint, gate: str) -> None:  # type: ig
     got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     engine.release()
     assert got == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("options", [{}, Q_LORA, YARN], ids=["lite", "q_lora", "yarn"])
+def test_benchmark_baseline_config_has_the_checkpoints_shape(  # type: ignore[no-untyped-def]
+    checkpoint, options: dict[str, Any]
+) -> None:
+    """The accelerate baseline's transformers config (moe_bench) builds the very tensors of
+    the checkpoint's model, and the rope and softmax scale HF derives from it are the
+    checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridgen.benchmarks.hf_baseline import hf_config
+
+    path = checkpoint("deepseek_v2", **options)
+    config = hf_config(parse_config(path / "config.json"))
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config)
+    shapes = {k: v.shape for k, v in built.state_dict().items()}
+    reference_model = hf_model(path)
+    assert shapes == {k: v.shape for k, v in reference_model.state_dict().items()}
+    assert (
+        built.model.layers[1].self_attn.scaling == reference_model.model.layers[1].self_attn.scaling
+    )
+    assert built.model.layers[1].mlp.gate.topk_method == reference_model.config.topk_method
+
+
+def test_benchmark_baseline_of_deepseek_v2_lite_has_its_parameters() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hybridgen.benchmarks.hf_baseline import hf_config
+
+    lite = preset_spec("deepseek-v2-lite")
+    with torch.device("meta"):
+        hf_lite = AutoModelForCausalLM.from_config(hf_config(lite))
+    assert sum(p.numel() for p in hf_lite.parameters()) == lite.num_parameters()
