@@ -117,7 +117,8 @@ class ModelSpec:
     sliding_window: int = 0
     """Keys older than this many positions are invisible; 0 means full attention."""
     num_local_experts: int = 0
-    """Experts of each layer's sparse MoE block (Mixtral); 0 for a dense MLP."""
+    """Experts of each layer's sparse MoE block (Mixtral; DeepSeek's n_routed_experts); 0 for
+    a dense MLP."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k); 0 for a dense MLP."""
     moe_intermediate_size: int = 0
@@ -142,7 +143,7 @@ class ModelSpec:
     """Multi-head latent attention (DeepSeek-V2) in place of the q/k/v projections."""
     dense_layers: tuple[int, ...] = ()
     """Layers of a MoE model with a dense MLP of intermediate_size instead of experts
-    (Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
+    (Qwen-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
     router_weights_in_model_dtype: bool = False
