@@ -158,6 +158,30 @@ _KINDS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "rope": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2",  # MLA, shared experts, grouped top-k, a dense first layer
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "q_lora_rank": None,  # DeepSeek-V2-Lite's plain q_proj
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 24,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 3,
+        "n_shared_experts": 2,
+        "moe_intermediate_size": 32,
+        "topk_method": "group_limited_greedy",  # the top 3 among the best 2 of 4 groups
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+        "norm_topk_prob": False,
+        "first_k_dense_replace": 1,
+        "rope": {"rope_type": "default", "rope_theta": 10000.0},
+    },
 }
 KINDS = tuple(_KINDS)
 # With std 0.02 the tied-embedding models (llama3, qwen2) only repeat one token and the untied ones
@@ -373,6 +397,7 @@ DEFAULT_TOKENIZER_STYLE = {
     "mixtral": "llama3",
     "qwen2_moe": "qwen2",
     "qwen3_moe": "qwen2",
+    "deepseek_v2": "llama3",
 }
 
 

@@ -208,13 +208,14 @@ def test_warm_drafts_on_cuda_match_hf(checkpoint, mode: str) -> None:  # type: i
     assert stats.rounds > 0 and stats.accepted > 0
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2"])
 def test_cold_weights_on_cuda_matches_hf(checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
-    """fp32 Mixtral, Qwen2-MoE (shared expert in the pieces) and Qwen3-MoE (q/k norm) on the
+    """fp32 Mixtral, Qwen2-MoE (shared expert in the pieces), Qwen3-MoE (q/k norm) and
+    DeepSeek-V2 (MLA's latent write and attention captured, grouped routing in the pick) on the
     GPU with their experts in host memory and a 4-slot device cache, decoded from piecewise
     CUDA graphs: HF's greedy tokens, with experts both computed on the CPU and fetched into the
-    cache. test_cold_weights.py and test_qwen_moe.py cover the same paths with the engine on
-    the CPU, test_moe_graphs.py and test_qwen_moe.py the pieces run eagerly."""
+    cache. test_cold_weights.py, test_qwen_moe.py and test_deepseek_v2.py cover the same paths
+    with the engine on the CPU, test_moe_graphs.py and test_qwen_moe.py the pieces run eagerly."""
     path = checkpoint(kind)
     prompts = sample_prompts(path, 3, [7, 29, 83])
     expected = hf_greedy(path, prompts, 24)

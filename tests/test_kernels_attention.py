@@ -111,6 +111,7 @@ DECODE_CASES = [
     ([130, 5, 0], 4, 4, 64, 8, 0),  # MHA, block 8 < key tile
     ([61, 1], 6, 2, 48, 16, 0),  # GQA 3, head dim not a power of two
     ([70, 33], 40, 2, 64, 16, 0),  # 20 heads per kv head: a check step's 5 rows of GQA 4
+    ([45, 3], 16, 1, 576, 16, 0),  # DeepSeek-V2-Lite's MLA: 16 heads on one 576-wide latent
 ]
 
 

@@ -22,6 +22,7 @@ CASES = [
     ([0, 9, 3], [11, 9, 3], 6, 3, 48, 16, 0),  # idle sequence; GQA 3; head dim 48
     ([40], [70], 32, 4, 64, 16, 0),  # GQA 8: queries spread over several row tiles
     ([130, 2], [200, 2], 4, 2, 32, 16, 0),  # chunk longer than a row tile
+    ([9, 1], [30, 17], 16, 1, 576, 16, 0),  # DeepSeek-V2-Lite's MLA: 16 heads on one latent
 ]
 
 

@@ -1,7 +1,8 @@
-"""`hybridgen serve` (the three processes) on tiny Qwen2-MoE and Qwen3-MoE checkpoints with
-Cold-Weights: the experts in the shared expert arena (native), a 4-slot device cache in the
-GPU daemon, the CPU daemon computing uncached experts, and the streamed tokens HF's greedy
-ones (fp32). Qwen2-MoE's shared expert stays with the router in the GPU daemon."""
+"""`hybridgen serve` (the three processes) on tiny Qwen2-MoE, Qwen3-MoE and DeepSeek-V2
+checkpoints with Cold-Weights: the experts in the shared expert arena (native), a 4-slot
+device cache in the GPU daemon, the CPU daemon computing uncached experts, and the streamed
+tokens HF's greedy ones (fp32). Qwen2-MoE's shared expert and DeepSeek-V2's shared experts
+stay with the router in the GPU daemon; DeepSeek-V2's MLA caches its latent in the Hot pool."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.test_serving import Server, wait_serving
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "deepseek_v2"])
 def served(  # type: ignore[no-untyped-def]
     request: pytest.FixtureRequest, checkpoint, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Server]]:

@@ -15,8 +15,8 @@ log = structlog.get_logger()
 
 
 def hf_config(spec: ModelSpec) -> Any:
-    """A transformers config with the spec's shape (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE
-    or Qwen3-MoE)."""
+    """A transformers config with the spec's shape (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE,
+    Qwen3-MoE or DeepSeek-V2)."""
     import transformers
 
     rope: dict[str, Any] = {"rope_type": spec.rope.rope_type, "rope_theta": spec.rope.theta}
@@ -27,6 +27,15 @@ def hf_config(spec: ModelSpec) -> Any:
             high_freq_factor=spec.rope.high_freq_factor,
             original_max_position_embeddings=spec.rope.original_max_position,
         )
+    if spec.rope.rope_type == "yarn":
+        rope.update(
+            factor=spec.rope.factor,
+            original_max_position_embeddings=spec.rope.original_max_position,
+            beta_fast=spec.rope.beta_fast,
+            beta_slow=spec.rope.beta_slow,
+            mscale=spec.rope.mscale,
+            mscale_all_dim=spec.rope.mscale_all_dim,
+        )
     cls = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
@@ -34,6 +43,7 @@ def hf_config(spec: ModelSpec) -> Any:
         "mixtral": transformers.MixtralConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v2": transformers.DeepseekV2Config,
     }[spec.family]
     kwargs: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
@@ -68,7 +78,35 @@ def hf_config(spec: ModelSpec) -> Any:
             shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
             qkv_bias=spec.attention_bias,
         )
+    if spec.mla is not None:
+        kwargs.update(_deepseek_kwargs(spec))
     return cls(**kwargs)
+
+
+def _deepseek_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """DeepseekV2Config's MLA, routing and expert fields for the spec."""
+    assert spec.mla is not None
+    m = spec.mla
+    grouped = spec.topk_groups < spec.expert_groups
+    return dict(
+        num_key_value_heads=spec.num_heads,  # HF expands the latent to every head
+        head_dim=m.qk_rope_head_dim,
+        q_lora_rank=m.q_lora_rank or None,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        n_routed_experts=spec.num_local_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.expert_size,
+        n_shared_experts=spec.shared_expert_intermediate_size // spec.expert_size,
+        topk_method="group_limited_greedy" if grouped else "greedy",
+        n_group=spec.expert_groups,
+        topk_group=spec.topk_groups,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        first_k_dense_replace=len(spec.dense_layers),
+        norm_topk_prob=False,
+    )
 
 
 class HFBaseline:

@@ -53,6 +53,7 @@ from hybridgen.kvtiers.warm_offload import WarmOffload
 from hybridgen.kvtiers.warm_tier import WarmTier
 from hybridgen.models.host_layers import HostLayerStats
 from hybridgen.models.loader import LoadedModel, load_model, model_spec
+from hybridgen.models.mla import latent_kv_unsupported
 from hybridgen.placement.degrade import Degrade
 from hybridgen.placement.tuner import Tuner
 from hybridgen.placement.tuning_profile import RegionProfile
@@ -115,6 +116,9 @@ class Engine:
         lets the engine have its budget beside it."""
         spec = loaded.spec if loaded is not None else model_spec(config.model)
         check_host_budget(config, spec, experts_made=loaded is not None)
+        why = latent_kv_unsupported(spec, config.hot_codec, config.warm_pool_mb)
+        if why is not None:
+            raise ConfigError(why)
         self.loaded = loaded or load_configured(config)
         self.warm: WarmTier | None = None
         try:

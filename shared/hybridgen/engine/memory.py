@@ -219,7 +219,7 @@ def block_bytes(config: EngineConfig, spec: ModelSpec) -> int:
     per_layer = hot_kv_bytes_per_token(
         config.hot_codec, spec.num_kv_heads, spec.head_dim, spec.dtype
     )
-    return per_layer * spec.num_layers * config.block_size
+    return per_layer * spec.kv_copies // 2 * spec.num_layers * config.block_size
 
 
 def weights_bytes(model: CausalLM) -> int:

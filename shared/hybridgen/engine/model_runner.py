@@ -80,7 +80,7 @@ class ModelRunner:
         self.kv_caches = _allocate_kv(spec, num_blocks, block_size, device, hot_codec)
         self.warm = warm
         cos, sin = rope_tables(
-            spec.rope, spec.head_dim, spec.max_position_embeddings, max_model_len
+            spec.rope, spec.rope_dim, spec.max_position_embeddings, max_model_len
         )
         self.rope = (cos.to(device), sin.to(device))
         self.sampler = Sampler()
@@ -96,7 +96,12 @@ class ModelRunner:
         """Device bytes of every layer's Hot-KV (codes, scales and zeros included)."""
         total = 0
         for kv in self.kv_caches:
-            parts = kv if isinstance(kv, tuple) else [getattr(kv, f.name) for f in fields(kv)]
+            # Native: K and V, or their one tensor (MLA, spec.kv_copies); else the codes etc.
+            parts = (
+                kv[: self.spec.kv_copies]
+                if isinstance(kv, tuple)
+                else [getattr(kv, f.name) for f in fields(kv)]
+            )
             total += sum(t.numel() * t.element_size() for t in parts if t is not None)
         return total
 
@@ -337,12 +342,14 @@ class ModelRunner:
 def _allocate_kv(
     spec: ModelSpec, num_blocks: int, block_size: int, device: torch.device, hot_codec: str
 ) -> list[ops.KvCache]:
-    """Each layer's Hot-KV: native K and V views of one [L, 2, N, S, Hkv, D] tensor, or an
-    int8/int4 QuantKvCache (kernels/kv_quant.py) per layer."""
+    """Each layer's Hot-KV: native K and V views of one [L, 2, N, S, Hkv, D] tensor (MLA:
+    [L, 1, ...], K and V the same view: spec.kv_copies), or an int8/int4 QuantKvCache
+    (kernels/kv_quant.py) per layer."""
     if hot_codec == "native":
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        n = spec.kv_copies
+        shape = (spec.num_layers, n, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         kv = torch.empty(shape, dtype=spec.dtype, device=device)
-        return [(kv[i, 0], kv[i, 1]) for i in range(spec.num_layers)]
+        return [(kv[i, 0], kv[i, n - 1]) for i in range(spec.num_layers)]
     codec: Literal["int8", "int4"] = "int8" if hot_codec == "int8" else "int4"
     return [
         QuantKvCache.empty(codec, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, device)

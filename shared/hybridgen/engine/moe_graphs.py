@@ -40,7 +40,7 @@ from torch import Tensor
 from hybridgen.engine.cuda_graphs import DecodeInputs
 from hybridgen.kernels import ops
 from hybridgen.models.llama import AttentionBatch, CausalLM, DecoderLayer
-from hybridgen.models.moe import SparseMoeBlock, add_shared, route_top_k
+from hybridgen.models.moe import SparseMoeBlock, add_shared
 from hybridgen.runtime.log import Progress
 
 Outputs = tuple[Tensor, ...]
@@ -77,9 +77,9 @@ class HostPick:
 
     def __init__(self, block: SparseMoeBlock, rows: int, device: torch.device) -> None:
         self.on, self.k, self.device = block.gate_on, block.top_k, device
-        self.normalize, self.cast = block.norm_topk, block.cast_weights
+        self.pick = block.pick
         pinned = device.type == "cuda"
-        e, dtype = block.num_experts, block.gate.weight.dtype
+        e, dtype = block.num_experts, block.logits_dtype()
         self.ids = torch.zeros(rows, self.k, dtype=torch.int64, pin_memory=pinned)
         self.logits = torch.zeros(rows, e, dtype=dtype, pin_memory=pinned)
 
@@ -90,7 +90,7 @@ class HostPick:
         if self.on == "cpu":
             self.logits[:b].copy_(logits, non_blocking=True)
             return logits.new_empty(0)
-        ids, weights = route_top_k(logits, self.k, self.normalize, self.cast)
+        ids, weights = self.pick(logits)
         self.ids[:b].copy_(ids, non_blocking=True)
         return weights
 
@@ -98,7 +98,7 @@ class HostPick:
         """The host part, after the device synchronized: (ids [n, k] on the host, weights
         [n, k] on the device) for the first n rows."""
         if self.on == "cpu":
-            ids, picked = route_top_k(self.logits[:n], self.k, self.normalize, self.cast)
+            ids, picked = self.pick(self.logits[:n])
             return ids, picked.to(self.device, non_blocking=True)
         return self.ids[:n], weights[:n]
 

@@ -1,6 +1,7 @@
 """The Llama decoder, which also covers Mistral (sliding window), Qwen2 (qkv bias), Mixtral
 (a sparse mixture of experts in place of the MLP, moe.py), Qwen2-MoE (qkv bias, experts and a
-shared expert) and Qwen3-MoE (RMSNorm over each q and k head, experts).
+shared expert), Qwen3-MoE (RMSNorm over each q and k head, experts) and DeepSeek-V2
+(multi-head latent attention, mla.py; shared experts and grouped routing, deepseek_moe.py).
 
 Tokens of all sequences in a step are packed into one flat batch of T tokens, so every
 projection is a single matmul; only attention looks at sequence boundaries, through the
@@ -17,9 +18,12 @@ import torch
 from torch import nn
 
 from hybridgen.kernels import ops
+from hybridgen.models.deepseek_moe import DeepseekMoeBlock
 from hybridgen.models.dense_quant import project
 from hybridgen.models.host_layers import HostLayers
+from hybridgen.models.mla import MlaAttention
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
+from hybridgen.models.paged_attention import paged_attention
 from hybridgen.models.spec import ModelSpec
 
 
@@ -91,46 +95,7 @@ class Attention(nn.Module):
         k = self._head_norm(k.reshape(t, s.num_kv_heads, s.head_dim), self.k_norm)
         v = v.reshape(t, s.num_kv_heads, s.head_dim)
         ops.write_kv(q, k, v, batch.positions, rope[0], rope[1], kv, batch.slot_mapping)
-        out = torch.empty_like(q)  # [T, Hq, D]
-        nd = batch.num_decode
-        warm = batch.warm
-        if nd and warm is None:
-            ops.decode_attention(
-                q[:nd],
-                kv,
-                batch.block_tables[:nd],
-                batch.seq_lens[:nd],
-                self.scale,
-                s.sliding_window,
-                out=out[:nd],
-            )
-        elif nd and warm is not None:  # Hot and Warm partials, merged by log-sum-exp
-            hot = ops.decode_attention(
-                q[:nd],
-                kv,
-                batch.block_tables[:nd],
-                batch.seq_lens[:nd],
-                self.scale,
-                return_lse=True,
-            )
-            w_out, w_lse = warm.decode_partial(self.layer, q[:nd], self.scale)
-            out[:nd] = ops.merge_attention_partials(hot[0], hot[1], w_out, w_lse)[0]
-        if nd < len(batch.seq_lens_host):
-            first = batch.query_start_loc[nd]
-            out[first:] = ops.prefill_attention(
-                q[first:],
-                kv,
-                batch.block_tables[nd:],
-                [i - first for i in batch.query_start_loc[nd:]],
-                batch.seq_lens_host[nd:],
-                self.scale,
-                s.sliding_window,
-                None
-                if warm is None
-                else [
-                    warm.prefix(self.layer, i, q.dtype) for i in range(nd, len(batch.seq_lens_host))
-                ],
-            )
+        out = paged_attention(q, batch, kv, self.layer, self.scale, s.sliding_window)
         return project(self.o_proj, out.reshape(t, s.q_size))
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -161,10 +126,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.eps = spec.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
-        self.self_attn = Attention(spec, layer)
+        # Multi-head latent attention (DeepSeek-V2) or the ordinary kind.
+        self.self_attn: nn.Module = (
+            Attention(spec, layer) if spec.mla is None else MlaAttention(spec, layer)
+        )
         self.post_attention_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
         # Dense SwiGLU, or a sparse block of experts (of spec.expert_size each).
-        self.mlp: nn.Module = SparseMoeBlock(spec, MLP) if spec.is_moe_layer(layer) else MLP(spec)
+        block = DeepseekMoeBlock if spec.family == "deepseek_v2" else SparseMoeBlock
+        self.mlp: nn.Module = block(spec, MLP) if spec.is_moe_layer(layer) else MLP(spec)
 
     def forward(
         self,

@@ -44,8 +44,13 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Mixtral (w1 w3 w2) and Qwen-MoE (gate_proj up_proj down_proj) as save_pretrained writes them
 # (every transformers version): one tensor per expert.
 _EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)\.weight")
-# Qwen2-MoE's shared expert, a dense MLP beside the routed ones.
-_SHARED_KEY = re.compile(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight")
+# Qwen2-MoE's shared expert and DeepSeek-V2's shared experts, a dense MLP beside the routed ones.
+_SHARED_KEY = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)\.weight")
+# DeepSeek-V2's multi-head latent attention (mla.py): its projections and its two norms.
+_MLA_KEY = re.compile(
+    r"self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|"
+    r"q_a_layernorm|kv_a_layernorm)\.weight"
+)
 # transformers 5's in-memory layout, all experts in one tensor: gate_up [E, 2I, H], down [E, H, I].
 _FUSED_EXPERTS_KEY = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -79,6 +84,8 @@ def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
     if spec.is_moe_layer(int(m.group(1))) and rest.startswith(("block_sparse_moe.", "mlp.")):
         return _expert_target(spec, prefix, rest.split(".", 1)[1])
+    if spec.mla is not None and rest.startswith("self_attn."):
+        return _mla_target(spec, prefix, rest)
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
         "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
@@ -99,12 +106,30 @@ def _target(spec: ModelSpec, key: str) -> tuple[str, int, int] | None:
     return None
 
 
+def _mla_target(spec: ModelSpec, prefix: str, rest: str) -> tuple[str, int, int] | None:
+    """An MLA layer's attention tensor -> the parameter of the same name (a norm's without
+    `.weight`); q_proj only without q_lora_rank, q_a_* and q_b_proj only with it."""
+    assert spec.mla is not None
+    m = _MLA_KEY.fullmatch(rest)
+    if m is None:
+        return None
+    lora = bool(spec.mla.q_lora_rank)
+    if (m.group(1) == "q_proj" and lora) or (m.group(1).startswith("q_a") and not lora):
+        return None
+    if m.group(1) == "q_b_proj" and not lora:
+        return None
+    if m.group(1).endswith("layernorm"):
+        return prefix + rest.removesuffix(".weight"), 0, -1
+    return prefix + rest, 0, -1
+
+
 def _expert_target(spec: ModelSpec, prefix: str, rest: str) -> tuple[str, int, int] | None:
     """A MoE layer's MLP tensor (name after `block_sparse_moe.` or `mlp.`): the router, one
     expert's w1 / gate_proj, w3 / up_proj or w2 / down_proj, or the shared expert's and its
     gate's."""
     shared = spec.shared_expert_intermediate_size
-    if rest == "gate.weight" or (shared and rest == "shared_expert_gate.weight"):
+    gated = shared and spec.shared_expert_gated
+    if rest == "gate.weight" or (gated and rest == "shared_expert_gate.weight"):
         return f"{prefix}mlp.{rest}", 0, -1
     m = _EXPERT_KEY.fullmatch(rest)
     if m and int(m.group(1)) < spec.num_local_experts:
@@ -153,7 +178,7 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
         names.append("lm_head.weight")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += _attention_names(spec, p)
         if spec.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if spec.qk_norm:
@@ -161,6 +186,15 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
         names += _mlp_names(spec, i, p)
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     return names
+
+
+def _attention_names(spec: ModelSpec, p: str) -> list[str]:
+    """The HF names of a layer's attention projections (and MLA's norms), prefix `p`."""
+    if spec.mla is None:
+        return [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+    q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if spec.mla.q_lora_rank else ["q_proj"]
+    parts = [*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    return [f"{p}self_attn.{x}.weight" for x in parts]
 
 
 def _mlp_names(spec: ModelSpec, layer: int, p: str) -> list[str]:
@@ -175,8 +209,10 @@ def _mlp_names(spec: ModelSpec, layer: int, p: str) -> list[str]:
     names = [moe + "gate.weight"]
     for e in range(spec.num_local_experts):
         names += [f"{moe}experts.{e}.{w}" for w in swiglu]
-    if spec.shared_expert_intermediate_size:
+    if spec.shared_expert_intermediate_size and spec.shared_expert_gated:
         names += [f"{moe}shared_expert.{w}" for w in swiglu] + [moe + "shared_expert_gate.weight"]
+    elif spec.shared_expert_intermediate_size:  # DeepSeek-V2's, ungated
+        names += [f"{moe}shared_experts.{w}" for w in swiglu]
     return names
 
 

@@ -16,6 +16,8 @@ fp32 results are HF's to the last bit up to matmul blocking:
   out[t] = sum over its experts, ascending id, of (expert_e(x[t]) * w[t, e]).to(model dtype);
   Qwen2-MoE then adds its shared expert, sigmoid(x W_sg^T) * shared(x), a dense MLP that every
   token runs: it stays on the device with the router, only the routed experts move.
+  DeepSeek-V2's shared experts are one such MLP without a gate; its router (grouped top-k,
+  scaled weights) is deepseek_moe.py's subclass, which overrides `router_logits` and `pick`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = expert(spec, spec.shared_expert_intermediate_size)
+        if spec.shared_expert_intermediate_size and spec.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
         self.gate_on = "gpu"
         """Where route() picks experts: gpu (on the model's device) or cpu (the router's
@@ -102,13 +105,21 @@ class SparseMoeBlock(nn.Module):
         stay there: the host groups the tokens by expert from them."""
         logits = self.router_logits(x)
         if self.gate_on == "cpu":
-            ids, weights = route_top_k(logits.cpu(), self.top_k, self.norm_topk, self.cast_weights)
+            ids, weights = self.pick(logits.cpu())
             return ids, weights.to(x.device, non_blocking=True)
-        return route_top_k(logits, self.top_k, self.norm_topk, self.cast_weights)
+        return self.pick(logits)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> every expert's score [T, E], in the model dtype as HF."""
         return ops.linear(x, self.gate.weight)
+
+    def logits_dtype(self) -> torch.dtype:
+        """The dtype router_logits returns."""
+        return self.gate.weight.dtype
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (expert ids [T, k], weights [T, k]) on their device."""
+        return route_top_k(logits, self.top_k, self.norm_topk, self.cast_weights)
 
     def run_expert(self, expert: int, x: torch.Tensor, on_cpu: bool = False) -> torch.Tensor:
         """x: [N, H], the tokens routed to `expert` -> its MLP output [N, H]; with Cold-Weights
@@ -130,9 +141,12 @@ class SparseMoeBlock(nn.Module):
         return cache.run(slot, x)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The shared expert's gated output on x [T, H] (on the device), or None without one."""
-        if self.shared_expert is None or self.shared_expert_gate is None:
+        """The shared expert's output on x [T, H] (on the device), gated if it has a gate, or
+        None without one."""
+        if self.shared_expert is None:
             return None
+        if self.shared_expert_gate is None:
+            return self.shared_expert(x)
         gate = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight))  # [T, 1]
         return gate * self.shared_expert(x)
 

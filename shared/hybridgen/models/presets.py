@@ -18,7 +18,7 @@ from hybridgen.models.errors import ModelLoadError, bad_model_path
 from hybridgen.models.host_load import empty_split_model, keep_on_host
 from hybridgen.models.llama import CausalLM, empty_model
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
-from hybridgen.models.spec import ModelSpec, RopeSpec
+from hybridgen.models.spec import MlaSpec, ModelSpec, RopeSpec
 from hybridgen.runtime.log import Progress
 
 STD = 0.02
@@ -74,6 +74,25 @@ def _qwen3_moe(name: str, **kw: object) -> ModelSpec:
         norm_topk_prob=True,
         qk_norm=True,
         router_weights_in_model_dtype=True,
+        eos_token_ids=(257,),
+        bos_token_id=256,
+    )
+    return _spec(name, **{**defaults, **kw})
+
+
+def _deepseek_v2(name: str, mla: MlaSpec, **kw: object) -> ModelSpec:
+    """DeepSeek-V2's shape: MLA (its latent and rope key cached as one KV head), shared
+    experts beside the routed ones, a dense first layer, router weights never renormalised."""
+    defaults: dict[str, object] = dict(
+        architecture="DeepseekV2ForCausalLM",
+        family="deepseek_v2",
+        rms_norm_eps=1e-6,
+        num_kv_heads=1,
+        head_dim=mla.cache_dim,
+        mla=mla,
+        norm_topk_prob=False,
+        shared_expert_gated=False,
+        dense_layers=(0,),
         eos_token_ids=(257,),
         bos_token_id=256,
     )
@@ -212,6 +231,56 @@ PRESETS: dict[str, ModelSpec] = {
         head_dim=128,
         num_local_experts=128,
         max_position_embeddings=40960,
+    ),
+    "tiny-deepseek-v2": _deepseek_v2(
+        "tiny-deepseek-v2",
+        MlaSpec(
+            q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+        ),
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=2 * 64,
+        num_layers=4,
+        num_heads=4,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        expert_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=1.5,
+        max_position_embeddings=4096,
+        rope=RopeSpec(theta=10000.0),
+    ),
+    "deepseek-v2-lite": _deepseek_v2(
+        "deepseek-v2-lite",
+        MlaSpec(
+            q_lora_rank=0,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=2 * 1408,
+        num_layers=27,
+        num_heads=16,
+        num_local_experts=64,
+        num_experts_per_tok=6,
+        max_position_embeddings=163840,
+        rope=RopeSpec(
+            theta=10000.0,
+            rope_type="yarn",
+            factor=40.0,
+            original_max_position=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
     ),
 }
 

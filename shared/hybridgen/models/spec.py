@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 """The families whose MoE config follows Qwen's (num_experts, moe_intermediate_size, ...)."""
@@ -61,13 +62,34 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention's widths (DeepSeek-V2, models/mla.py)."""
+
+    q_lora_rank: int
+    """Width of the query's low-rank bottleneck (q_a_proj, q_b_proj); 0: a plain q_proj."""
+    kv_lora_rank: int
+    """Width of the compressed key/value latent that the KV cache holds."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without rotary embedding (from the latent via kv_b_proj)."""
+    qk_rope_head_dim: int
+    """Width of the rotated query part and of the one rope key all heads share."""
+    v_head_dim: int
+    """Per-head value width (from the latent via kv_b_proj)."""
+
+    @property
+    def cache_dim(self) -> int:
+        """Width of one token's cached "head": the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the engine needs to know about a decoder-only model's shape."""
 
     architecture: str
     """HF architecture name, e.g. LlamaForCausalLM."""
     family: str
-    """llama, mistral, qwen2, mixtral, qwen2_moe or qwen3_moe."""
+    """llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe or deepseek_v2."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
@@ -79,9 +101,9 @@ class ModelSpec:
     num_heads: int
     """Query heads."""
     num_kv_heads: int
-    """Key/value heads (GQA when fewer than num_heads)."""
+    """Key/value heads (GQA when fewer than num_heads); MLA: 1, the shared latent."""
     head_dim: int
-    """Width of one head."""
+    """Width of one head; MLA: of the cached latent and rope key (MlaSpec.cache_dim)."""
     max_position_embeddings: int
     """Longest context the model supports."""
     rms_norm_eps: float
@@ -95,7 +117,8 @@ class ModelSpec:
     sliding_window: int = 0
     """Keys older than this many positions are invisible; 0 means full attention."""
     num_local_experts: int = 0
-    """Experts of each layer's sparse MoE block (Mixtral); 0 for a dense MLP."""
+    """Experts of each layer's sparse MoE block (Mixtral; DeepSeek's n_routed_experts); 0 for
+    a dense MLP."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k); 0 for a dense MLP."""
     moe_intermediate_size: int = 0
@@ -106,9 +129,21 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     """Width of the dense shared expert every token also runs, scaled by
     sigmoid(shared_expert_gate x) (Qwen2-MoE); 0: none."""
+    shared_expert_gated: bool = True
+    """The shared expert's output is scaled by its sigmoid gate (Qwen2-MoE); False adds it
+    as it is (DeepSeek-V2's shared experts, which have no gate)."""
+    expert_groups: int = 1
+    """Routed experts split into this many groups (DeepSeek's n_group); the top-k picks only
+    among the topk_groups groups with the highest best score (group_limited_greedy)."""
+    topk_groups: int = 1
+    """Groups the top-k picks from (DeepSeek's topk_group); expert_groups: all (greedy)."""
+    routed_scaling_factor: float = 1.0
+    """The top-k router weights are multiplied by this (DeepSeek-V2)."""
+    mla: MlaSpec | None = None
+    """Multi-head latent attention (DeepSeek-V2) in place of the q/k/v projections."""
     dense_layers: tuple[int, ...] = ()
     """Layers of a MoE model with a dense MLP of intermediate_size instead of experts
-    (Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
+    (Qwen-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first_k_dense_replace)."""
     qk_norm: bool = False
     """RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
     router_weights_in_model_dtype: bool = False
@@ -134,6 +169,11 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of a query head (MLA: qk_rope_head_dim)."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
     def expert_size(self) -> int:
         """Width of each routed expert."""
         return self.moe_intermediate_size or self.intermediate_size
@@ -147,10 +187,16 @@ class ModelSpec:
         """Layers that route experts."""
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
+    @property
+    def kv_copies(self) -> int:
+        """Tensors a layer's Hot-KV keeps: K and V (2), or one that is both (1, MLA: its
+        cached latent and rope key are the keys and, absorbed, the values)."""
+        return 2 if self.mla is None else 1
+
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V for one token over all layers."""
         itemsize = (dtype or self.dtype).itemsize
-        return 2 * self.num_layers * self.kv_size * itemsize
+        return self.kv_copies * self.num_layers * self.kv_size * itemsize
 
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
@@ -160,13 +206,25 @@ class ModelSpec:
         if self.qk_norm:
             attn += 2 * self.head_dim
         # Experts and the router's row per expert; a shared expert and its gate's one row.
+        if self.mla is not None:
+            attn = self._mla_parameters()
         moe = self.num_local_experts * (3 * h * self.expert_size + h)
         if self.shared_expert_intermediate_size:
-            moe += 3 * h * self.shared_expert_intermediate_size + h
+            moe += 3 * h * self.shared_expert_intermediate_size + int(self.shared_expert_gated) * h
         layers = self.num_layers * (attn + 2 * h) + self.moe_layer_count * moe
         layers += (self.num_layers - self.moe_layer_count) * 3 * h * self.intermediate_size
         head = 0 if self.tie_word_embeddings else v * h
         return layers + v * h + head + h
+
+    def _mla_parameters(self) -> int:
+        """One MLA layer's attention parameters (projections and the two latent norms)."""
+        assert self.mla is not None
+        m, h, heads = self.mla, self.hidden_size, self.num_heads
+        q_out = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        q = h * q_out if not m.q_lora_rank else m.q_lora_rank * (h + 1 + q_out)
+        kv = h * m.cache_dim + m.kv_lora_rank
+        kv += m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h
 
 
 def _require(cfg: dict[str, Any], key: str, path: Path, kind: type = int) -> Any:
@@ -281,6 +339,102 @@ def _qwen_moe_fields(cfg: dict[str, Any], path: Path, family: str) -> dict[str, 
     }
 
 
+def _positive_or_zero(cfg: dict[str, Any], key: str, path: Path, default: int = 0) -> int:
+    value = cfg.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelLoadError(f"{path}: '{key}'={value!r} must be an integer >= 0")
+    return value
+
+
+def _mla(cfg: dict[str, Any], path: Path) -> MlaSpec:
+    """DeepSeek-V2's attention widths, validated."""
+    rope_dim = _require(cfg, "qk_rope_head_dim", path)
+    if rope_dim % 2:
+        raise ModelLoadError(f"{path}: 'qk_rope_head_dim'={rope_dim} must be even")
+    if cfg.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for deepseek_v2")
+    return MlaSpec(
+        q_lora_rank=_positive_or_zero(cfg, "q_lora_rank", path),
+        kv_lora_rank=_require(cfg, "kv_lora_rank", path),
+        qk_nope_head_dim=_require(cfg, "qk_nope_head_dim", path),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=_require(cfg, "v_head_dim", path),
+    )
+
+
+def _deepseek_routing(cfg: dict[str, Any], path: Path, experts: int) -> dict[str, Any]:
+    """DeepSeek-V2's router: topk_method, its groups and the scaling factor, validated."""
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(
+            f"{path}: topk_method={method!r} is not supported; "
+            "supported: ['greedy', 'group_limited_greedy']"
+        )
+    groups = topk = 1
+    if method == "group_limited_greedy":
+        groups, topk = _require(cfg, "n_group", path), _require(cfg, "topk_group", path)
+        if experts % groups or topk > groups:
+            raise ModelLoadError(
+                f"{path}: n_group={groups} must divide n_routed_experts={experts} and "
+                f"topk_group={topk} must be at most n_group"
+            )
+    if cfg.get("norm_topk_prob"):
+        raise ModelLoadError(
+            f"{path}: norm_topk_prob=true is not supported for deepseek_v2 (transformers' "
+            "DeepseekV2 ignores it and DeepSeek's own code divides by the sum: set it false)"
+        )
+    return {
+        "expert_groups": groups,
+        "topk_groups": topk,
+        "routed_scaling_factor": float(_require(cfg, "routed_scaling_factor", path, float)),
+        "norm_topk_prob": False,
+    }
+
+
+def _deepseek_fields(cfg: dict[str, Any], path: Path, rope: RopeSpec) -> dict[str, Any]:
+    """The ModelSpec fields of a DeepSeek-V2 config beyond the dense ones: MLA (its latent
+    cached as one KV head), shared experts, grouped top-k routing, leading dense layers."""
+    if rope.rope_type not in ("default", "yarn"):
+        raise ModelLoadError(
+            f"{path}: rope_scaling.rope_type={rope.rope_type!r} is not supported for "
+            "deepseek_v2; supported: ['default', 'yarn']"
+        )
+    layers = _require(cfg, "num_hidden_layers", path)
+    experts = _require(cfg, "n_routed_experts", path)
+    per_token = _require(cfg, "num_experts_per_tok", path)
+    if per_token > experts:
+        raise ModelLoadError(
+            f"{path}: num_experts_per_tok={per_token} must be at most n_routed_experts={experts}"
+        )
+    dense = _positive_or_zero(cfg, "first_k_dense_replace", path)
+    if dense >= layers:
+        raise ModelLoadError(
+            f"{path}: first_k_dense_replace={dense} leaves no MoE layer of {layers}"
+        )
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ModelLoadError(
+            f"{path}: moe_layer_freq={cfg['moe_layer_freq']!r} is not supported; use 1 "
+            "(transformers' DeepseekV2 ignores it)"
+        )
+    mla = _mla(cfg, path)
+    width = _require(cfg, "moe_intermediate_size", path)
+    return {
+        "num_local_experts": experts,
+        "num_experts_per_tok": per_token,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width * _positive_or_zero(cfg, "n_shared_experts", path),
+        "shared_expert_gated": False,
+        "dense_layers": tuple(range(dense)),
+        "num_kv_heads": 1,
+        "head_dim": mla.cache_dim,
+        "mla": mla,
+        "attention_bias": False,
+        "sliding_window": 0,
+        **_deepseek_routing(cfg, path, experts),
+    }
+
+
 def parse_config(path: Path) -> ModelSpec:
     """Read `config.json` and validate what the engine depends on, naming the bad key."""
     try:
@@ -317,7 +471,10 @@ def parse_config(path: Path) -> ModelSpec:
         window = 0
     moe = family == "mixtral" or family in QWEN_MOE
     experts, per_token = _parse_experts(cfg, path) if moe else (0, 0)
-    qwen_moe = _qwen_moe_fields(cfg, path, family) if family in QWEN_MOE else {}
+    extra = _qwen_moe_fields(cfg, path, family) if family in QWEN_MOE else {}
+    rope = parse_rope(cfg, path)
+    if family == "deepseek_v2":
+        extra = _deepseek_fields(cfg, path, rope)
     spec = ModelSpec(
         architecture=arch,
         family=family,
@@ -330,7 +487,7 @@ def parse_config(path: Path) -> ModelSpec:
         head_dim=cfg.get("head_dim") or hidden // heads,
         max_position_embeddings=_require(cfg, "max_position_embeddings", path),
         rms_norm_eps=float(_require(cfg, "rms_norm_eps", path, float)),
-        rope=parse_rope(cfg, path),
+        rope=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         sliding_window=int(window),
@@ -341,4 +498,4 @@ def parse_config(path: Path) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id"),
         name=str(path.parent),
     )
-    return replace(spec, **qwen_moe)
+    return replace(spec, **extra)
