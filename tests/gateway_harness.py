@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from hybridgen.config.sections import ServerConfig
 from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.validation import check_text_size, validate_request
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.serving.backend import Backend
 from hybridgen.serving.delta import Delta
 from hybridgen.serving.metrics import Metrics
-from hybridgen.serving.server import Gateway, ServerConfig, build
+from hybridgen.serving.server import Gateway, build
 
 VOCAB, MAX_LEN = 1000, 128
 
@@ -108,7 +109,7 @@ class InProcessGateway:
 
 @contextmanager
 def serving(backend: Backend, **settings: Any) -> Iterator[InProcessGateway]:
-    """A gateway on a free loopback port with these ServerConfig settings."""
+    """A gateway on a free loopback port with these server-section settings."""
     config = ServerConfig(**{"port": 0, "metrics_port": 0, **settings})
     gateway = InProcessGateway(backend, config)
     try:

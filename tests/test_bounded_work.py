@@ -73,7 +73,7 @@ def gateway(checkpoint: Any) -> Iterator[InProcessGateway]:
     config = EngineConfig(
         model=str(checkpoint("llama3")), device="cpu", gpu_memory_mb=256, max_model_len=256
     )
-    with serving(EngineBackend(config), max_message_bytes=64 * MB) as gw:
+    with serving(EngineBackend(config), max_message_mb=64) as gw:
         yield gw
 
 

@@ -30,9 +30,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hybridgen.config.sections import ServerConfig
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.serving.metrics import Metrics
-from hybridgen.serving.server import ServerConfig, build
+from hybridgen.serving.server import build
 from hybridgen.serving.service import SERVICE_NAME
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc

@@ -204,6 +204,6 @@ def _write(path: Path, text: str) -> Path:
 
 
 def _config(**settings: object):  # type: ignore[no-untyped-def]
-    from hybridgen.serving.server import ServerConfig
+    from hybridgen.config.sections import ServerConfig
 
     return ServerConfig(port=0, metrics_port=0, **settings)  # type: ignore[arg-type]

@@ -21,9 +21,11 @@ import pytest
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.config.file import parse_config
+from hybridgen.config.sections import ServerConfig
+from hybridgen.gateway.main import parse_args, with_flags
 from hybridgen.runtime.startup_error import EXIT_STARTUP
 from hybridgen.serving.engine_backend import EngineBackend
-from hybridgen.serving.server import ServerConfig
+from hybridgen.serving.server import grpc_options
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 from tests.gateway_harness import InProcessGateway, ScriptedBackend, serving
@@ -61,15 +63,44 @@ def test_the_config_keys_reach_the_gateway() -> None:
             }
         }
     ).server
-    got = ServerConfig.from_section(section, port=5)
+    got = with_flags(section, parse_args(["--port", "5", "--api-key-file", "/flag"]))
     assert (got.max_message_bytes, got.max_streams_per_connection) == (3 * MB, 7)
     assert (got.keepalive_s, got.request_timeout_s, got.metrics_host) == (2.5, 9.0, "127.0.0.2")
-    assert (got.reflection, got.api_key_file, got.port) == (False, "/k", 5)
+    assert (got.reflection, got.api_key_file, got.port) == (False, "/flag", 5)
     assert (got.tls.cert_file, got.tls.key_file) == ("/c", "/k2")
+    options = dict(grpc_options(got))
+    assert options["grpc.max_receive_message_length"] == 3 * MB
+    assert options["grpc.max_concurrent_streams"] == 7
+    assert options["grpc.keepalive_time_ms"] == 2500
+
+
+def test_the_cpu_daemons_socket_leaves_the_public_limits_to_the_gateway() -> None:
+    """The daemons' own socket carries the gateway's one connection: no keys, TLS, timeout,
+    stream cap, metrics or HTTP of its own; the queue and message size are the config's."""
+    from hybridgen.cpu_daemon.main import socket_settings
+
+    public = parse_config(
+        {
+            "server": {
+                "max_queue": 9,
+                "max_message_mb": 3,
+                "max_streams_per_connection": 7,
+                "request_timeout_s": 9,
+                "api_key_file": "/k",
+                "http_port": 8080,
+                "tls": {"cert_file": "/c", "key_file": "/k2"},
+            }
+        }
+    ).server
+    own = socket_settings(public)
+    assert (own.max_queue, own.max_message_bytes) == (9, 3 * MB)
+    assert (own.api_key_file, own.tls.enabled, own.request_timeout_s) == (None, False, 0.0)
+    assert (own.metrics_port, own.http_port) == (0, 0)
+    assert own.max_streams_per_connection == ServerConfig().max_streams_per_connection
 
 
 def test_messages_beyond_max_message_mb_are_refused_compressed_or_not() -> None:
-    with serving(ScriptedBackend(), max_message_bytes=1 * MB) as gw:
+    with serving(ScriptedBackend(), max_message_mb=1) as gw:
         channel, api = stub(gw.target)
         with channel:
             big = pb.TokenizeRequest(text="x" * int(1.4 * MB))

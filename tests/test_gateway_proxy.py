@@ -31,12 +31,13 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
+from hybridgen.config.sections import ServerConfig
 from hybridgen.engine.sequence import FinishReason
 from hybridgen.gateway.proxy_backend import POLL_S, ProxyBackend
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.serving.delta import Delta
 from hybridgen.serving.metrics import Metrics
-from hybridgen.serving.server import ServerConfig, build, remove_stale_socket
+from hybridgen.serving.server import build, remove_stale_socket
 from hybridgen.serving.service import SERVICE_NAME
 from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -31,10 +32,12 @@ from hybridgen.runtime import log as hlog
 from hybridgen.runtime.affinity import bind
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
-from hybridgen.serving.server import ServerConfig, serve
+from hybridgen.serving.server import serve
 
 log = structlog.get_logger()
 
+_DRAIN_GRACE_S = 2.0
+"""On shutdown, how long the gateway's streams through this socket may finish."""
 PEER_DEAD = 3
 """Exit status when the GPU daemon died: systemd (or `hybridgen serve`) restarts the pair."""
 
@@ -58,6 +61,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def socket_settings(server: config_sections.ServerConfig) -> config_sections.ServerConfig:
+    """The server section as this daemon's socket uses it. The gateway in front enforces the
+    public limits (keys, TLS, timeouts, streams per client) and serves metrics and HTTP; this
+    socket is the daemons' own (mode 0660), and takes the gateway's one connection and
+    whatever message size it lets through."""
+    return dataclasses.replace(
+        server,
+        metrics_port=0,
+        http_port=0,
+        request_timeout_s=0.0,
+        max_streams_per_connection=config_sections.ServerConfig.max_streams_per_connection,
+        tls=config_sections.TlsConfig(),
+        api_key_file=None,
+    )
+
+
 async def run(backend: RingBackend, listen: str, server: config_sections.ServerConfig) -> int:
     async def watch_peer() -> None:
         while backend.dead is None:
@@ -65,16 +84,9 @@ async def run(backend: RingBackend, listen: str, server: config_sections.ServerC
         os.kill(os.getpid(), signal.SIGTERM)  # drain and stop: the streams already failed
 
     watcher = asyncio.create_task(watch_peer())
-    # The gateway in front enforces the public limits (keys, timeouts); this socket is the
-    # daemons' own (mode 0660), and takes whatever message size the gateway lets through.
-    config = ServerConfig(
-        listen=listen,
-        metrics_port=0,
-        max_queue=server.max_queue,
-        max_message_bytes=server.max_message_bytes,
-        grace_s=2.0,
-    )
-    await serve(backend, config, Metrics(), watchdog=False)  # the heartbeat pings it
+    socket = socket_settings(server)
+    await serve(backend, socket, Metrics(), listen, _DRAIN_GRACE_S, watchdog=False)  # the
+    # heartbeat pings the watchdog
     watcher.cancel()
     return PEER_DEAD if backend.dead is not None else 0
 

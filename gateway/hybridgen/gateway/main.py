@@ -17,16 +17,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 
 import structlog
 
 from hybridgen.config.file import ConfigError, load_config
+from hybridgen.config.sections import ServerConfig
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
-from hybridgen.serving.server import ServerConfig, serve
+from hybridgen.serving.server import serve
 
 log = structlog.get_logger()
 
@@ -43,6 +45,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+_FLAGS = ("host", "port", "metrics_port", "http_port", "api_key_file")
+"""The server keys a flag overrides."""
+
+
+def with_flags(section: ServerConfig, args: argparse.Namespace) -> ServerConfig:
+    """The config's server section with the flags given on the command line."""
+    given = {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
+    return dataclasses.replace(section, **given)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     hlog.configure(json=True)
@@ -50,14 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         section = load_config(args.config).server
     except ConfigError as exc:
         return startup_failed("hybridgen-gateway", str(exc))
-    flags = {
-        "host": args.host,
-        "port": args.port,
-        "metrics_port": args.metrics_port,
-        "http_port": args.http_port,
-        "api_key_file": args.api_key_file,
-    }
-    server = ServerConfig.from_section(section, **{k: v for k, v in flags.items() if v is not None})
+    server = with_flags(section, args)
     upstream = args.upstream or f"unix:{section.runtime_dir}/cpu.sock"
     structlog.contextvars.bind_contextvars(process="gateway", instance=section.instance)
     metrics = Metrics()

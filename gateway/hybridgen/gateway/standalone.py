@@ -17,13 +17,15 @@ import sys
 
 import structlog
 
+from hybridgen.config import schema
 from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.config.sections import ServerConfig
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.runtime import log as hlog
 from hybridgen.serving.backend import Backend
 from hybridgen.serving.engine_backend import EngineBackend
 from hybridgen.serving.metrics import Metrics
-from hybridgen.serving.server import ServerConfig, serve
+from hybridgen.serving.server import serve
 
 log = structlog.get_logger()
 
@@ -77,24 +79,19 @@ def _backend(args: argparse.Namespace, metrics: Metrics) -> Backend | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     hlog.configure(json=not args.log_console)
-    if args.max_queue < 1:
-        log.error("bad_argument", key="max_queue", value=args.max_queue, allowed=">= 1")
+    flags = ("host", "port", "metrics_port", "http_port", "max_queue")
+    try:  # the flags are the server section's keys, checked by its schema
+        server = schema.build(ServerConfig, {k: getattr(args, k) for k in flags}, "server.")
+    except ConfigError as exc:
+        log.error("bad_argument", error=str(exc))
         return 2
     metrics = Metrics()
     backend = _backend(args, metrics)
     if backend is None:
         return 2
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        max_queue=args.max_queue,
-        listen=args.listen,
-    )
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            asyncio.run(serve(backend, server, metrics))
+            asyncio.run(serve(backend, server, metrics, args.listen))
         except Exception:
             return 1  # already logged with its traceback
     return 0

@@ -244,7 +244,8 @@ class TlsConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The gateway's public endpoint and the processes' shared names."""
+    """The gateway's public endpoint and the processes' shared names; serving/server.py
+    serves it as it is (the CPU daemon's socket: cpu_daemon/main.py socket_settings)."""
 
     host: str = checked("127.0.0.1", *NONEMPTY)
     """Address the gRPC API listens on (0.0.0.0 or :: for every interface)."""

@@ -1,5 +1,6 @@
 """The gateway's server: grpc.aio with GenerationService, health, reflection, a Prometheus
-endpoint, the server.* settings (limits, keepalive, TLS, API keys), over a Backend:
+endpoint, hybridgen_config.yaml's server section (config/sections.py ServerConfig: limits,
+keepalive, TLS, API keys, ports), over a Backend:
 EngineBackend (the model in this process), the gateway's ProxyBackend (forwards to a daemon
 serving the same API) or the CPU daemon's RingBackend. The gateway's main runs it as the
 product's gateway process, the CPU daemon's main on its unix socket, and
@@ -7,7 +8,9 @@ product's gateway process, the CPU daemon's main on its unix socket, and
 
 Start-up order: the port opens first with health NOT_SERVING (clients see UNAVAILABLE while
 the model loads), then the backend loads and health turns SERVING. SIGTERM/SIGINT drain:
-health NOT_SERVING, new calls UNAVAILABLE, running streams get `grace_s` to finish.
+health NOT_SERVING, new calls UNAVAILABLE, running streams get `grace_s` to finish. The
+process's own choices beside the section (where to listen, how long to drain) are serve's
+arguments.
 """
 
 from __future__ import annotations
@@ -21,18 +24,16 @@ import signal
 import socket
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hybridgen.config import sections as config_sections
 from hybridgen.config.engine import ConfigError
-from hybridgen.config.sections import TlsConfig
+from hybridgen.config.sections import ServerConfig, TlsConfig
 from hybridgen.runtime import sd_notify
 from hybridgen.serving.auth import ApiKeys, AuthInterceptor
 from hybridgen.serving.backend import Backend
@@ -53,65 +54,14 @@ _HEALTH_POLL_S = 0.25
 _UNIX_SOCKET_MODE = 0o660
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """How the gateway listens (the `server` section of the configuration)."""
+DRAIN_GRACE_S = 10.0
+"""On shutdown, how long the gateway's running streams may finish before they are cancelled
+(the supervisor's stop timeout outlasts it)."""
 
-    host: str = "127.0.0.1"
-    """Address to bind; loopback unless asked."""
-    port: int = 50051
-    """gRPC port; 0 picks a free one."""
-    metrics_port: int = 9400
-    """Prometheus /metrics port; 0 disables the endpoint."""
-    metrics_host: str = "127.0.0.1"
-    """Address of the /metrics endpoint (it has no authentication)."""
-    max_queue: int = 64
-    """Requests that may wait for the engine before Generate answers RESOURCE_EXHAUSTED."""
-    max_message_bytes: int = 16 * 2**20
-    """Largest request or response message, counted after decompression."""
-    max_streams_per_connection: int = 1024
-    """Concurrent calls per client connection (HTTP/2 max_concurrent_streams)."""
-    keepalive_s: float = 30.0
-    """Ping idle connections this often; close one whose ping is unanswered as long again."""
-    request_timeout_s: float = 0.0
-    """Longest a Generate call may run before DEADLINE_EXCEEDED; 0: no limit."""
-    tls: TlsConfig = field(default_factory=TlsConfig)
-    """TLS (and mutual TLS) on the port; off by default."""
-    api_key_file: str | None = None
-    """API keys (serving/auth.py); None: every caller is let in."""
-    reflection: bool = True
-    """Serve gRPC server reflection."""
-    grace_s: float = 10.0
-    """On shutdown, how long running streams may finish before they are cancelled."""
-    listen: str | None = None
-    """gRPC address, host:port or unix:/path; None listens on host:port."""
-    http_port: int = 0
-    """OpenAI-compatible HTTP API port on host (serving/openai_http.py); 0: none."""
 
-    @classmethod
-    def from_section(cls, server: config_sections.ServerConfig, **overrides: Any) -> ServerConfig:
-        """The gateway's settings from hybridgen_config.yaml's server section."""
-        settings: dict[str, Any] = {
-            "host": server.host,
-            "port": server.port,
-            "metrics_port": server.metrics_port,
-            "metrics_host": server.metrics_host,
-            "max_queue": server.max_queue,
-            "max_message_bytes": server.max_message_bytes,
-            "max_streams_per_connection": server.max_streams_per_connection,
-            "keepalive_s": server.keepalive_s,
-            "request_timeout_s": server.request_timeout_s,
-            "tls": server.tls,
-            "api_key_file": server.api_key_file,
-            "reflection": server.reflection,
-            "http_port": server.http_port,
-        }
-        return cls(**(settings | overrides))
-
-    @property
-    def address(self) -> str:
-        """The gRPC address to bind."""
-        return self.listen if self.listen is not None else f"{self.host}:{self.port}"
+def listen_address(config: ServerConfig, listen: str | None) -> str:
+    """The gRPC address to bind: `listen` (host:port or unix:/path), else server.host:port."""
+    return listen if listen is not None else f"{config.host}:{config.port}"
 
 
 # Clients may ping (without calls in flight) at most this often, or keepalive_s if shorter;
@@ -159,9 +109,12 @@ class Gateway:
     """server.api_key_file's keys, which the HTTP port asks for too; None: no keys."""
 
 
-async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gateway:
-    """Create the server with every service registered and the port bound; ConfigError for
-    an unreadable key or certificate file, OSError when the address cannot be bound."""
+async def build(
+    backend: Backend, config: ServerConfig, metrics: Metrics, listen: str | None = None
+) -> Gateway:
+    """Create the server with every service registered and bound to `listen` (host:port or
+    unix:/path; None: config.host:port, port 0 picks a free one); ConfigError for an
+    unreadable key or certificate file, OSError when the address cannot be bound."""
     interceptors = []
     keys = ApiKeys.load(config.api_key_file) if config.api_key_file is not None else None
     if keys is not None:
@@ -176,15 +129,16 @@ async def build(backend: Backend, config: ServerConfig, metrics: Metrics) -> Gat
     if config.reflection:
         names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-    path = unix_path(config.address)
+    wanted = listen_address(config, listen)
+    path = unix_path(wanted)
     if path is not None:
         remove_stale_socket(path)
-    port = _bind(server, config.address, credentials)
+    port = _bind(server, wanted, credentials)
     if path is not None:
         os.chmod(path, _UNIX_SOCKET_MODE)  # bound above: the file exists now
-        address = config.address
+        address = wanted
     else:
-        address = f"{config.address.rsplit(':', 1)[0]}:{port}"
+        address = f"{wanted.rsplit(':', 1)[0]}:{port}"
     metrics.queue_depth.set_function(backend.queue_depth)
     return Gateway(server, service, health_servicer, port, address, keys)
 
@@ -303,20 +257,26 @@ def _serve_metrics(metrics: Metrics, config: ServerConfig) -> None:
 
 
 async def serve(
-    backend: Backend, config: ServerConfig, metrics: Metrics, watchdog: bool = True
+    backend: Backend,
+    config: ServerConfig,
+    metrics: Metrics,
+    listen: str | None = None,
+    grace_s: float = DRAIN_GRACE_S,
+    watchdog: bool = True,
 ) -> None:
-    """Run until SIGTERM/SIGINT, then drain. `metrics` is shared with the backend, which
-    sets its own gauges. Tells systemd READY once serving; `watchdog`: ping its watchdog from
-    the event loop (a process whose own loop pings it passes False)."""
+    """Run until SIGTERM/SIGINT, then drain: running streams get `grace_s` to finish.
+    `listen`: as build's. `metrics` is shared with the backend, which sets its own gauges.
+    Tells systemd READY once serving; `watchdog`: ping its watchdog from the event loop (a
+    process whose own loop pings it passes False)."""
     if config.metrics_port:
         _serve_metrics(metrics, config)
     try:
-        gateway = await build(backend, config, metrics)
+        gateway = await build(backend, config, metrics, listen)
     except (ConfigError, OSError) as exc:  # address in use, stale-socket refusal, bad files
-        log.error("cannot_listen", address=config.address, error=str(exc))
+        log.error("cannot_listen", address=listen_address(config, listen), error=str(exc))
         raise
     await gateway.server.start()
-    http = await _start_http(gateway, config)
+    http = await _start_http(gateway, config, grace_s)
     log.info("gateway_listening", address=gateway.address, metrics=config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -338,12 +298,12 @@ async def serve(
     interval = sd_notify.watchdog_interval_s() if watchdog else None
     watcher = asyncio.create_task(_follow_backend(gateway, backend, serving, interval))
     await stop.wait()
-    log.info("gateway_draining", grace_s=config.grace_s)
+    log.info("gateway_draining", grace_s=grace_s)
     sd_notify.stopping()
     gateway.service.draining = True
     watcher.cancel()
     await _set_health(gateway.health, _NOT_SERVING)
-    stopping = [gateway.server.stop(config.grace_s), *([http.stop()] if http else [])]
+    stopping = [gateway.server.stop(grace_s), *([http.stop()] if http else [])]
     await asyncio.gather(*stopping)
     await backend.stop()
     path = unix_path(gateway.address)
@@ -353,13 +313,13 @@ async def serve(
     log.info("gateway_stopped")
 
 
-async def _start_http(gateway: Gateway, config: ServerConfig) -> HttpServer | None:
+async def _start_http(gateway: Gateway, config: ServerConfig, grace_s: float) -> HttpServer | None:
     """The OpenAI API on config.http_port, over the gRPC service's admission and backend."""
     if not config.http_port:
         return None
     keys = gateway.keys
     app = OpenAIApi(gateway.service, keys.allows if keys is not None else None).app()
-    http = HttpServer(app, config.host, config.http_port, config.grace_s, config.tls)
+    http = HttpServer(app, config.host, config.http_port, grace_s, config.tls)
     try:
         port = await http.start()
     except OSError as exc:
