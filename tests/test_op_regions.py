@@ -96,6 +96,7 @@ def test_moe_gate_placements_give_hf_tokens_and_are_measured(checkpoint) -> None
     device; unpinned, it is timed both ways at start (asked for here: on by default on CUDA)."""
     import dataclasses
 
+    from hybridgen.models.moe import moe_blocks
     from hybridgen.sampling.params import SamplingParams
     from tests.hf_reference import hf_greedy, sample_prompts
 
@@ -114,5 +115,6 @@ def test_moe_gate_placements_give_hf_tokens_and_are_measured(checkpoint) -> None
     gate = {r.name: r for r in engine_regions(measured)}["moe_gate"]
     assert gate.source == "measured" and gate.measured["cpu_ms"] > 0 and gate.measured["gpu_ms"] > 0
     assert gate.placement == ("cpu" if gate.measured["cpu_ms"] < gate.measured["gpu_ms"] else "gpu")
+    assert {b.gate_on for b in moe_blocks(measured.loaded.model)} == {gate.placement}
     assert [c.token_ids for c in measured.generate(prompts, greedy)] == expected
     measured.release()

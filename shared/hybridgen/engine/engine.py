@@ -32,10 +32,11 @@ from hybridgen.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfi
 from hybridgen.engine.sequence import FinishReason, Sequence
 from hybridgen.engine.spill_policy import SpillCosts
 from hybridgen.engine.startup import (
+    measure_moe_gate,
     measure_regions,
     measure_spill_costs,
     place_attn_warm,
-    place_moe_gate_measured,
+    place_moe_gate,
     setup_moe,
 )
 from hybridgen.engine.step_budget import StepBudget, key_weight
@@ -192,7 +193,7 @@ class Engine:
             )
         self.degrade = Degrade(config, self.warm, spec.vocab_size, "attn_warm" in self.measured)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
-        self.measured.update(measure_regions(self))
+        self._place(measure_regions(config, self.device, spec.vocab_size, self.warm))
         if self.experts is not None:  # counted from the first served step: the start-up's
             self.experts[0].stats = MoeStats()  # profiling prefill repeats one token
         if self.host_layers is not None:  # likewise: served steps only
@@ -209,6 +210,17 @@ class Engine:
             **self.plan.summary(),
         )
 
+    def _place(self, measured: dict[str, RegionProfile]) -> None:
+        """Put each region timed at start (startup.measure_*) on its faster side."""
+        for region, r in measured.items():
+            if region == "moe_gate":
+                place_moe_gate(self.loaded.model, r.placement)
+            elif region == "sample":
+                self.degrade.place_sample(r.placement)
+            elif region == "kv_codec" and self.warm is not None:
+                self.warm.codec_on = r.placement
+        self.measured.update(measured)
+
     def _runner(self) -> ModelRunner:
         """attn_warm placed (its timing must come before the KV pool), then the model runner
         with the KV pool and the CUDA graphs."""
@@ -217,7 +229,7 @@ class Engine:
             self.measured.update(place_attn_warm(self.warm, config, self.device))
         graph_batch = graph_batch_size(config, self.loaded.model)
         graphed = bool(graph_batch) and self.device.type == "cuda"
-        self.measured.update(place_moe_gate_measured(self, graphed))
+        self._place(measure_moe_gate(config, self.loaded.model, self.device, graphed))
         self._check_reach()
         return ModelRunner(
             self.loaded.model,

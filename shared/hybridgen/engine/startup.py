@@ -4,14 +4,16 @@
                       cache, sized from the budget with expert_cache_slots: auto
     place_attn_warm   attn_warm unpinned: both sides timed over synthetic Warm blocks, before
                       the KV pool is allocated
-    place_moe_gate_measured   moe_gate unpinned and unprofiled: both sides timed, before the
+    measure_moe_gate  moe_gate unpinned and unprofiled: both sides timed, before the
                       decode graphs capture where the routers pick
     measure_regions   sample and kv_codec unpinned and unprofiled: both sides timed at the
                       live shapes, each placed on the faster one
     measure_spill_costs  spill_policy auto: a Warm block's read in a decode step and a block's
                       move Hot <-> Warm, for the spill decision (spill_policy.py)
 
-The timers are placement/region_timing.py's, the ones hybridgen-profiler uses offline. On a
+Each takes explicit inputs, not the engine; the measure_* ones return the figures and the
+faster side of each region, which the engine applies (Engine._place). The timers are
+placement/region_timing.py's, the ones hybridgen-profiler uses offline. On a
 CPU-only engine both sides are the CPU, so nothing is timed unless a test asks
 (EngineConfig.measure_regions) and the defaults hold.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 import torch
@@ -44,9 +46,6 @@ from hybridgen.placement.region_timing import (
     profile_sample,
 )
 from hybridgen.placement.tuning_profile import RegionProfile
-
-if TYPE_CHECKING:
-    from hybridgen.engine.engine import Engine
 
 log = structlog.get_logger()
 
@@ -136,45 +135,46 @@ def place_attn_warm(
     return {"attn_warm": r}
 
 
-def unplaced_regions(engine: Engine) -> set[str]:
+def unplaced_regions(config: EngineConfig, device: torch.device) -> set[str]:
     """Of sample, kv_codec and moe_gate, those the engine times at start: neither pinned nor
     placed by a profile, when config.measure_regions (default: on CUDA) asks for it."""
-    config = engine.config
     on = config.measure_regions
-    if config.mode == "pure_gpu" or not (on or (on is None and engine.device.type == "cuda")):
+    if config.mode == "pure_gpu" or not (on or (on is None and device.type == "cuda")):
         return set()
     return {"sample", "kv_codec", "moe_gate"} - set(config.pinned_regions + config.profiled_regions)
 
 
-def place_moe_gate_measured(engine: Engine, graphed: bool) -> dict[str, RegionProfile]:
-    """moe_gate timed both ways and placed, when unplaced; before the decode graphs are
-    captured (`graphed`: they will be, so the router is timed as a graph replays it)."""
-    blocks = moe_blocks(engine.loaded.model)
-    if "moe_gate" not in unplaced_regions(engine) or not blocks:
+def measure_moe_gate(
+    config: EngineConfig, model: CausalLM, device: torch.device, graphed: bool
+) -> dict[str, RegionProfile]:
+    """{"moe_gate": both sides timed} when it is unplaced, for placing before the decode
+    graphs are captured (`graphed`: they will be, so the router is timed as a graph replays
+    it); {} otherwise. The placement is the profile's; the engine applies it."""
+    blocks = moe_blocks(model)
+    if "moe_gate" not in unplaced_regions(config, device) or not blocks:
         return {}
     with torch.inference_mode():
         r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS, graphed)
-    place_moe_gate(engine.loaded.model, r.placement)
     log.info("region_measured", region="moe_gate", placement=r.placement, **r.measured)
     return {"moe_gate": r}
 
 
-def measure_regions(engine: Engine) -> dict[str, RegionProfile]:
-    """Time sample and kv_codec both ways and place each on the faster side, unless the
-    config pinned it or a profile placed it (config.measure_regions says where)."""
-    config, measured = engine.config, {}
-    free = unplaced_regions(engine)
+def measure_regions(
+    config: EngineConfig, device: torch.device, vocab_size: int, warm: WarmTier | None
+) -> dict[str, RegionProfile]:
+    """Time sample and kv_codec (with a Warm tier) both ways, unless the config pinned them
+    or a profile placed them (config.measure_regions says where): each region's figures and
+    the faster side, which the engine applies."""
+    measured = {}
+    free = unplaced_regions(config, device)
     with torch.inference_mode():
         if "sample" in free:
             batch = min(config.max_num_seqs, START_SAMPLE_BATCH)
-            vocab = engine.spec.vocab_size
-            r = profile_sample(vocab, config.num_candidates, engine.device, batch, START_RUNS)
-            engine.degrade.place_sample(r.placement)
-            measured["sample"] = r
-        if "kv_codec" in free and engine.warm is not None:
-            r = profile_kv_codec(engine.warm, START_RUNS)
-            engine.warm.codec_on = r.placement
-            measured["kv_codec"] = r
+            measured["sample"] = profile_sample(
+                vocab_size, config.num_candidates, device, batch, START_RUNS
+            )
+        if "kv_codec" in free and warm is not None:
+            measured["kv_codec"] = profile_kv_codec(warm, START_RUNS)
     for name, r in measured.items():
         log.info("region_measured", region=name, placement=r.placement, **r.measured)
     return measured

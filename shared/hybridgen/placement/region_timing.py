@@ -1,7 +1,7 @@
 """Timing the switchable op-regions both ways at given shapes (DESIGN.md "Op-Regions"): what
 hybridgen-profiler records offline (tools/profiler.py) and what the engine measures at start
 for the regions nothing else places (engine/startup.py: measure_regions,
-place_moe_gate_measured before the decode graphs are captured, and place_attn_warm over 512
+measure_moe_gate before the decode graphs are captured, and place_attn_warm over 512
 blocks of one layer, before the KV pool is allocated).
 
     attn_warm  CPU partial over the Warm blocks vs the device's (WarmTier.device_partial), all
