@@ -1,4 +1,5 @@
-"""Request validation and lifecycle in the in-process engine (CPU, tiny preset)."""
+"""Request validation (the edge's checks with the engine's limits, and the engine's assertion
+of them) and lifecycle in the in-process engine (CPU, tiny preset)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.sequence import FinishReason
-from hybridgen.engine.validation import InvalidRequest
+from hybridgen.engine.validation import InvalidRequest, UncheckedRequest
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
 
@@ -29,17 +30,55 @@ def engine() -> Engine:
     ],
 )
 def test_invalid_requests_name_the_field(engine: Engine, prompt, params, field) -> None:  # type: ignore[no-untyped-def]
+    """The edge's checks name the field; the engine, given the request unchecked, refuses
+    it as an internal error (whose cause is the edge's) and admits nothing."""
     with pytest.raises(InvalidRequest) as err:
-        engine.add_request("bad", prompt, params)
+        engine.validate(prompt, params)
     assert err.value.field == field
+    with pytest.raises(UncheckedRequest) as unchecked:
+        engine.add_request("bad", prompt, params)
+    cause = unchecked.value.__cause__
+    assert isinstance(cause, InvalidRequest) and cause.field == field
     assert not engine.has_unfinished()
 
 
 def test_invalid_sampling_is_rejected_before_admission(engine: Engine) -> None:
-    with pytest.raises(InvalidSamplingParameter, match="top_p"):
-        engine.add_request("bad", [1, 2], SamplingParams(top_p=1.5))
-    with pytest.raises(InvalidSamplingParameter, match="temperature"):
-        engine.add_request("bad", [1, 2], SamplingParams(temperature=float("nan")))
+    for params, field in [
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+    ]:
+        with pytest.raises(InvalidSamplingParameter, match=field):
+            engine.validate([1, 2], params)
+        with pytest.raises(UncheckedRequest, match=field):
+            engine.add_request("bad", [1, 2], params)
+    assert not engine.has_unfinished()
+
+
+def test_a_running_request_id_is_an_internal_error(engine: Engine) -> None:
+    engine.add_request("twice", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(UncheckedRequest, match="already running"):
+        engine.add_request("twice", [3, 4], SamplingParams(max_tokens=1))
+    assert engine.abort("twice") and not engine.has_unfinished()
+
+
+def test_the_in_process_edges_name_the_field(
+    engine: Engine, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profiler and the offline CLI take requests from a file and a command line: they
+    run the edge's checks before the engine (which only asserts them) and name the field."""
+    from hybridgen.benchmarks.prompt_file import Prompt
+    from hybridgen.cli import offline
+    from hybridgen.tools import profiler
+
+    with pytest.raises(
+        profiler.ProfilerError, match=r"^prompt file line 3: max_tokens=1000 is out"
+    ):
+        profiler.replay(engine, [Prompt(3, "Hello", 1000)], 8)
+    assert not engine.has_unfinished()
+    # Its logging set-up (warnings only) would outlive the test and hide later tests' logs.
+    monkeypatch.setattr(offline.log, "configure", lambda **_: None)
+    assert offline.main(["Hello", "--max-tokens", "100000", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: max_tokens=100000 is out of range")
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ from hybridgen.placement.region_timing import (
 )
 from hybridgen.placement.tuning_profile import TuningProfile, save_profile
 from hybridgen.runtime import log as hlog
-from hybridgen.sampling.params import SamplingParams
+from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
 log = structlog.get_logger()
 
@@ -113,9 +113,10 @@ def replay(engine: Engine, prompts: list[Prompt], max_new_tokens: int) -> Shapes
         limit = p.max_new_tokens or max_new_tokens
         params = SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True)
         try:
-            engine.add_request(f"profile-{i}", ids, params)
-        except InvalidRequest as exc:
+            engine.validate(ids, params)  # the prompt file is this tool's edge
+        except (InvalidRequest, InvalidSamplingParameter) as exc:
             raise ProfilerError(f"prompt file line {p.line}: {exc}") from exc
+        engine.add_request(f"profile-{i}", ids, params)
         shapes.prompt_lens.append(len(ids))
     progress, done = hlog.Progress("profiler_replay", len(prompts), unit="requests"), 0
     while engine.has_unfinished():

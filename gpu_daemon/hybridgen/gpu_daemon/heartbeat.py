@@ -32,7 +32,7 @@ from hybridgen.engine.engine import Engine
 from hybridgen.engine.info import engine_info, host_layer_info, memory_info, moe_info
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
-from hybridgen.engine.validation import InvalidRequest
+from hybridgen.engine.validation import InvalidRequest, UncheckedRequest
 from hybridgen.ipc.channels import Channels, Outbox, take_payload
 from hybridgen.ipc.messages import (
     LAST_CHUNK,
@@ -46,7 +46,6 @@ from hybridgen.ipc.peer import STALL_TIMEOUT_S, PeerWatch
 from hybridgen.ipc.ticket import CorruptPayload, Op, Ticket
 from hybridgen.runtime import sd_notify
 from hybridgen.runtime.percentile import p99
-from hybridgen.sampling.params import InvalidSamplingParameter
 
 log = structlog.get_logger()
 
@@ -188,7 +187,7 @@ class GpuHeartbeat:
             prompt, params = decode_new_seq(payload)
             try:
                 self.engine.add_request(str(rid), prompt, params, bool(ticket.flags & PROMPT_OPEN))
-            except (InvalidRequest, InvalidSamplingParameter) as e:
+            except UncheckedRequest as e:  # the CPU daemon validated it: a bug there
                 self._send_result(_refused(rid, e, len(prompt)))
         elif ticket.op is Op.APPEND_PROMPT:
             self._extend_prompt(ticket, decode_prompt_chunk(payload))
@@ -250,11 +249,12 @@ class GpuHeartbeat:
             self.outbox.append((op, rid, b"", flags, shape))
 
     def _extend_prompt(self, ticket: Ticket, token_ids: list[int]) -> None:
-        """A chunk of an open prompt; a bad one ends its request (the CPU daemon names it)."""
+        """A chunk of an open prompt; one that breaks what the CPU daemon's checks guarantee
+        ends its request (INTERNAL)."""
         rid, keep = ticket.request_id, ticket.shape[1]
         try:
             self.engine.extend_prompt(str(rid), keep, token_ids, bool(ticket.flags & LAST_CHUNK))
-        except InvalidRequest as e:
+        except (InvalidRequest, UncheckedRequest) as e:
             seq = self.engine.seqs.get(str(rid))
             if seq is None:  # aborted meanwhile: nobody waits for an answer
                 log.info("prompt_chunk_dropped", request_id=rid, reason=str(e))
@@ -323,6 +323,7 @@ class GpuHeartbeat:
 
 
 def _refused(rid: int, error: Exception, prompt_tokens: int) -> RequestOutput:
-    """The engine would not take the request (the message names the field)."""
-    refusal = StepFailed(ErrorCode.INVALID_ARGUMENT, str(error))
-    return RequestOutput.failed(str(rid), refusal, prompt_tokens)
+    """The engine would not take the request: it reached it unchecked (a bug in the CPU
+    daemon, whose checks answer clients INVALID_ARGUMENT), so INTERNAL."""
+    log.error("unchecked_request", request_id=rid, error=str(error))
+    return RequestOutput.failed(str(rid), StepFailed(ErrorCode.INTERNAL, str(error)), prompt_tokens)

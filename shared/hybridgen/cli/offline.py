@@ -38,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
+    prompt_ids = tok.encode(prompt)
     try:
-        engine.add_request("offline", prompt, params)
+        engine.validate(prompt_ids, params)  # this command is the edge: the engine asserts only
     except (InvalidRequest, InvalidSamplingParameter) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    engine.add_request("offline", prompt_ids, params)
     if engine.spec.synthetic:
         print(f"[{engine.spec.name}: synthetic preset, random weights]", file=sys.stderr)
     ids: list[int] = []

@@ -46,7 +46,13 @@ from hybridgen.engine.step_faults import (
     is_out_of_memory,
     step_failure,
 )
-from hybridgen.engine.validation import InvalidRequest, validate_extension, validate_request
+from hybridgen.engine.validation import (
+    InvalidRequest,
+    UncheckedRequest,
+    edge_checked,
+    validate_extension,
+    validate_request,
+)
 from hybridgen.experts.latency import LatencyModel
 from hybridgen.experts.store import ExpertCache, MoeStats
 from hybridgen.kvtiers.warm_drafts import WarmDrafts
@@ -268,6 +274,9 @@ class Engine:
         return stats.figures(self.stats.steps)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The edge's checks with this engine's limits, for an in-process front end (the
+        offline CLI, the profiler): InvalidRequest or InvalidSamplingParameter naming the
+        field and the allowed range."""
         validate_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)
 
     def add_request(
@@ -277,11 +286,14 @@ class Engine:
         params: SamplingParams,
         prompt_open: bool = False,
     ) -> None:
-        """`prompt_open`: streaming input, the prompt's first part; extend_prompt brings more."""
+        """A request the edge validated (engine/validation.py); `prompt_open`: streaming
+        input, the prompt's first part, extend_prompt brings more. UncheckedRequest when it
+        breaks what the edge's checks guarantee, and nothing is admitted."""
         if request_id in self.seqs:
-            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+            raise UncheckedRequest(f"request_id {request_id!r} is already running")
         ids = self.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        validate_request(ids, params, self.spec.vocab_size, self.max_model_len, prompt_open)
+        with edge_checked():
+            validate_request(ids, params, self.spec.vocab_size, self.max_model_len, prompt_open)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, len(ids), ids, params, seed, self._arrivals, self.eos_ids)
         seq.prompt_open = prompt_open
@@ -291,12 +303,15 @@ class Engine:
 
     def extend_prompt(self, request_id: str, keep: int, token_ids: list[int], last: bool) -> None:
         """Streaming input: an open prompt becomes its first `keep` tokens then `token_ids`;
-        `last` closes it and decoding starts. Raises InvalidRequest (the request stays)."""
+        `last` closes it and decoding starts. InvalidRequest when the request has no open
+        prompt (aborted meanwhile), UncheckedRequest when the edge's checks of the chunk
+        (stream_input.PromptFeed) were skipped; the request stays either way."""
         seq = self.seqs.get(request_id)
         if seq is None or not seq.prompt_open:
             raise InvalidRequest("request_id", f"{request_id!r} has no open prompt")
         limits = (self.spec.vocab_size, self.max_model_len)
-        validate_extension(seq.prompt_len, keep, token_ids, seq.params, *limits, last)
+        with edge_checked():
+            validate_extension(seq.prompt_len, keep, token_ids, seq.params, *limits, last)
         self.scheduler.extend_prompt(seq, keep, token_ids, last)
 
     def abort(self, request_id: str) -> bool:

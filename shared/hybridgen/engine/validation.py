@@ -1,14 +1,20 @@
 """Request checks that need only the model's limits (vocabulary size, context length).
 
-Kept free of torch and the engine so that a process without the model (the gateway in front
-of the CPU daemon) can refuse bad requests with exactly the engine's messages.
+The edge runs them: the front end that takes the client's request (serving/service.py's
+admit -> Backend.validate, in the gateway with the limits GetModelInfo reports; the prompt's
+streamed chunks in serving/stream_input.py's PromptFeed; the offline CLI and the profiler),
+and answers InvalidRequest or InvalidSamplingParameter naming the field and the allowed range.
+The engine only asserts what they guarantee (`edge_checked`): a request that reaches it
+unchecked is a bug in front of it, refused as UncheckedRequest (INTERNAL), never a crash.
+Kept free of torch and the engine so that a process without the model can run them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
-from hybridgen.sampling.params import SamplingParams
+from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
 
 class InvalidRequest(ValueError):
@@ -17,6 +23,21 @@ class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class UncheckedRequest(RuntimeError):
+    """A request broke what the edge's checks guarantee when it reached the engine: a bug in
+    front of the engine (the request is refused as INTERNAL), not the client's mistake."""
+
+
+@contextlib.contextmanager
+def edge_checked() -> Iterator[None]:
+    """Around the engine's assertion of the edge's checks: a failure is UncheckedRequest
+    (its cause the edge's error, which names the field)."""
+    try:
+        yield
+    except (InvalidRequest, InvalidSamplingParameter) as exc:
+        raise UncheckedRequest(f"a request reached the engine unchecked: {exc}") from exc
 
 
 def validate_request(

@@ -30,10 +30,16 @@ from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.info import MIB, engine_info, host_layer_info, memory_info, moe_info
 from hybridgen.engine.request_output import RequestOutput
-from hybridgen.engine.validation import InvalidRequest, check_text_size, validate_request
+from hybridgen.engine.step_errors import ErrorCode, StepFailed
+from hybridgen.engine.validation import (
+    InvalidRequest,
+    UncheckedRequest,
+    check_text_size,
+    validate_request,
+)
 from hybridgen.models.chat import ChatMessage, chat_prompt_ids
 from hybridgen.models.tokenizer import Tokenizer
-from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
+from hybridgen.sampling.params import SamplingParams
 from hybridgen.serving.delta import Delta, to_delta
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.stream_input import PromptFeed, PromptPart, start_feeding
@@ -358,8 +364,8 @@ class EngineBackend:
                 engine.add_request(
                     command.request_id, command.prompt_ids, command.params, command.prompt_open
                 )
-            except (InvalidRequest, InvalidSamplingParameter) as exc:
-                command.sink(exc)
+            except UncheckedRequest as exc:  # validate() passed it: a bug in front of the engine
+                command.sink(_internal(exc))
                 return
             self._sinks[command.request_id] = command.sink
         elif isinstance(command, _Extend) and command.request_id in self._sinks:
@@ -367,8 +373,8 @@ class EngineBackend:
                 engine.extend_prompt(
                     command.request_id, command.keep, command.token_ids, command.last
                 )
-            except InvalidRequest as exc:
-                self._sinks.pop(command.request_id)(exc)
+            except (InvalidRequest, UncheckedRequest) as exc:  # PromptFeed checked the chunk
+                self._sinks.pop(command.request_id)(_internal(exc))
                 engine.abort(command.request_id)
         # A late abort (the request already finished) finds no sink; that is fine.
         elif isinstance(command, _Abort) and command.request_id in self._sinks:
@@ -407,3 +413,10 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _internal(error: Exception) -> StepFailed:
+    """A request or chunk the engine refused although validate() or PromptFeed passed it: a
+    bug in front of the engine, answered INTERNAL in the engine's words."""
+    log.error("unchecked_request", error=str(error))
+    return StepFailed(ErrorCode.INTERNAL, str(error))
