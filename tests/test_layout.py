@@ -79,3 +79,13 @@ def test_the_gateway_loads_no_torch() -> None:
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "triton", "transformers")}
     assert not heavy, sorted(heavy)[:10]
     assert "hybridgen.gateway.main" in loaded
+
+
+def test_the_readme_walks_one_request_through_at_most_eight_real_files() -> None:
+    """README's walk names each file by what it does; a file moved or renamed fails here."""
+    layout = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    walk = re.findall(r"^\| (\d+) \| `([^`]+)` \| (.+) \|$", layout, re.MULTILINE)
+    assert 1 <= len(walk) <= 8, walk
+    assert [int(n) for n, _, _ in walk] == list(range(1, len(walk) + 1))
+    missing = [path for _, path, _ in walk if not (ROOT / path).is_file()]
+    assert not missing, missing
