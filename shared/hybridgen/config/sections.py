@@ -100,9 +100,11 @@ class OffloadThreshold:
     softmax: float = at_least(12000.0, 0)
     """Softmax of the degrade path."""
     layernorm: float = at_least(800.0, 0)
-    """RMSNorm / LayerNorm."""
+    """RMSNorm / LayerNorm: the design's key, which moves nothing yet (norm runs fused into
+    the device's projection kernels, as placements.norm says)."""
     rotary_emb: float = at_least(5000.0, 0)
-    """Rotary position embedding."""
+    """Rotary position embedding: the design's key, which moves nothing yet (rope runs fused
+    into the device's attention kernel, as placements.rope says)."""
 
 
 @dataclass(frozen=True)
