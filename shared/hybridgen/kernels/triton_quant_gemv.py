@@ -76,23 +76,36 @@ def _int4_kernel(
 ):  # fmt: skip
     # part: [SPLIT, T, N], fp32 partials (or, with one split, y itself). K_SPLIT (a multiple
     # of BLOCK_K) inputs per split.
-    NG: tl.constexpr = BLOCK_K // GROUP
     nb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)  # int32 loop bounds; the pointers use int64 nb and t
+    row_lo = nb * 64 + tl.arange(0, 32)
+    k_start = split * K_SPLIT
+    lo, hi = int4_block_dots(x_ptr + t * stride_x, q_ptr + nb * K * 32, sz_ptr, row_lo, N, K,
+                             k_start, tl.minimum(k_start + K_SPLIT, K), GROUP, BLOCK_K)  # fmt: skip
+    out = part_ptr + (split * tl.num_programs(1) + t) * N + row_lo
+    tl.store(out, lo.to(part_ptr.dtype.element_ty))
+    tl.store(out + 32, hi.to(part_ptr.dtype.element_ty))
+
+
+@triton.jit
+def int4_block_dots(x_ptr, block, sz_ptr, row_lo, N, K, k_start, k_end, GROUP: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    # -> two [32] fp32: rows row_lo and row_lo + 32 (one block of 64, its [K, 32] bytes at
+    # `block`; sz [K / GROUP, N, 2] at sz_ptr) dotted with x [K] over inputs k_start..k_end
+    # (a multiple of BLOCK_K from 0). The grouped expert kernels take the same loop.
+    NG: tl.constexpr = BLOCK_K // GROUP
     j = tl.arange(0, 32)
     kk = tl.arange(0, BLOCK_K)
     gg = tl.arange(0, NG)
-    block = q_ptr + nb * K * 32  # this block's [K, 32] bytes
-    row_lo = nb * 64 + j
     acc_lo = tl.zeros((BLOCK_K, 32), dtype=tl.float32)
     acc_hi = tl.zeros((BLOCK_K, 32), dtype=tl.float32)
-    for k0 in range(split * K_SPLIT, tl.minimum(split * K_SPLIT + K_SPLIT, K), BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + kk
         k_ok = k < K
         packed = tl.load(block + k[:, None] * 32 + j[None, :], mask=k_ok[:, None], other=136,
                          eviction_policy="evict_first")  # fmt: skip
-        x = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         g = k0 // GROUP + gg
         g_ok = g < K // GROUP
         sz = sz_ptr + (g[:, None] * N + row_lo[None, :]) * 2  # [NG, 32], the low rows
@@ -104,9 +117,7 @@ def _int4_kernel(
         w_hi = ((packed >> 4).to(tl.float32) - 8.0) * _per_group(s_hi, NG, GROUP)
         acc_lo += (w_lo + _per_group(z_lo, NG, GROUP)) * x[:, None]
         acc_hi += (w_hi + _per_group(z_hi, NG, GROUP)) * x[:, None]
-    out = part_ptr + (split * tl.num_programs(1) + t) * N + row_lo
-    tl.store(out, tl.sum(acc_lo, axis=0).to(part_ptr.dtype.element_ty))
-    tl.store(out + 32, tl.sum(acc_hi, axis=0).to(part_ptr.dtype.element_ty))
+    return tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)
 
 
 @triton.jit
