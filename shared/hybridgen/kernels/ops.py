@@ -22,6 +22,7 @@ try:
         triton_activation,
         triton_dense_quant,
         triton_gemv,
+        triton_grouped_experts,
         triton_norm,
         triton_paged_decode,
         triton_paged_prefill,
@@ -41,6 +42,9 @@ __all__ = [
     "KvCache",
     "add_rms_norm",
     "decode_attention",
+    "expert_weighted_sum",
+    "grouped_expert_swiglu",
+    "grouped_experts_usable",
     "linear",
     "merge_attention_partials",
     "paged_decode_attention",
@@ -88,6 +92,43 @@ def quant_int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor | None:
 def quant_int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor | None:
     """The same for int4 experts in expert_format's layout (codes q, scales and zeros sz)."""
     return triton_quant_gemv.int4_linear(x, q, sz, group) if _quant_fused(x) else None
+
+
+GROUPED_EXPERTS = True
+"""A layer's device-cached int8 / int4 experts at decode run in one launch per matrix on CUDA
+(False: one call per expert; for benchmarks that compare the two)."""
+
+
+def grouped_experts_usable(x: Tensor, fmt: str) -> bool:
+    """Whether the experts of a step on x [T, H], stored in `fmt`, run through
+    grouped_expert_swiglu: int8 / int4 on CUDA for up to triton_quant_gemv.MAX_ROWS rows, the
+    per-expert kernels' range (more rows dequantize and multiply)."""
+    return (
+        GROUPED_EXPERTS
+        and fmt in ("int8", "int4")
+        and _use_triton(x)
+        and x.shape[0] <= triton_quant_gemv.MAX_ROWS
+    )
+
+
+def grouped_expert_swiglu(
+    x: Tensor,
+    fmt: str,
+    gate_up: dict[str, Tensor],
+    down: dict[str, Tensor],
+    rows: Tensor,
+    slots: Tensor,
+    group: int,
+) -> Tensor:
+    """Expert slot slots[p] of the device cache (its gate_up and down tensors) on x[rows[p]],
+    for every pair p -> [P, H] (triton_grouped_experts; where grouped_experts_usable)."""
+    return triton_grouped_experts.grouped_swiglu(x, fmt, gate_up, down, rows, slots, group)
+
+
+def expert_weighted_sum(y: Tensor, weights: Tensor, widx: Tensor, top_k: int) -> Tensor:
+    """Each token's top_k expert outputs (rows of y, ascending id), weighted and summed in the
+    MoE block's order (triton_grouped_experts.weighted_sum)."""
+    return triton_grouped_experts.weighted_sum(y, weights, widx, top_k)
 
 
 def quant_dense_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:

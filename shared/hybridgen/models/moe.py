@@ -30,7 +30,8 @@ import structlog
 import torch
 from torch import nn
 
-from hybridgen.experts.format import PackedMatrices
+from hybridgen.experts.format import GROUP, PackedMatrices
+from hybridgen.experts.grouped import finish_step, launch_hits, step_table
 from hybridgen.experts.latency import LatencyModel, calibrate
 from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats, RemoteDown
 from hybridgen.kernels import ops
@@ -156,6 +157,8 @@ class SparseMoeBlock(nn.Module):
     def combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' outputs on x [T, H], weighted and summed -> [T, H]. ids [T, k]
         on the host or x's device (route()'s), weights [T, k] on x's device."""
+        if self.cold is not None and ops.grouped_experts_usable(x, self.cold[1].gate_up.fmt):
+            return self._combine_grouped(x, ids.cpu(), weights)
         routed = self._group(ids, x.device)
         if self.cold is not None:
             self.cold[1].stats.count_routed(self.cold[0], [(r.expert, r.tokens) for r in routed])
@@ -181,6 +184,35 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, r.rows, y)
         assert out is not None
         return out
+
+    def _combine_grouped(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """combine() with the device cache's hits in one grouped launch (experts/grouped.py);
+        ids on the host. Misses are placed as in the per-expert path: the CPU's go first (to
+        the CPU daemon, if any), the cache's hits are launched, then the fetched misses run
+        one by one (a fetch may overwrite a hit's slot only after the launch that reads it),
+        and the CPU daemon's answer is collected last."""
+        assert self.cold is not None and self.store is not None
+        layer, cache, _ = self.cold
+        routed = self._group(ids, ids.device)
+        cache.stats.count_routed(layer, [(r.expert, r.tokens) for r in routed])
+        on_cpu = self._cpu_experts(routed)
+        hit = [r for r in routed if r.expert not in on_cpu and (layer, r.expert) in cache]
+        hit_ids = {r.expert for r in hit}
+        others = [r for r in routed if r.expert not in hit_ids]
+        remote = self._send_cpu_experts(x, others, on_cpu)
+        sent = remote[1] if remote is not None else {}
+        slots = {r.expert: cache.fetch(layer, r.expert, self.store) for r in hit}
+        cache.stats.gpu_experts += len(slots)
+        table = step_table(ids, slots, [r.expert for r in others], x.device)
+        y = launch_hits(x, table, cache, GROUP)
+        ys = {r.expert: self.run_expert(r.expert, x[r.rows], r.expert in on_cpu)
+              for r in others if r.expert not in sent}  # fmt: skip
+        if remote is not None:
+            ys.update(self._collect_cpu_experts(x, *remote))
+        other_ys = [ys[r.expert] for r in others]
+        return finish_step(x, table, y, other_ys, weights)
 
     @staticmethod
     def _group(ids: torch.Tensor, device: torch.device) -> list[Routed]:

@@ -1,0 +1,85 @@
+"""The MoE block with its device-cached int8 / int4 experts in one grouped launch per layer
+(experts/grouped.py, kernels/triton_grouped_experts.py) against the per-expert path, on the
+tiny Qwen3-MoE (16 experts, top-4) and tiny Mixtral (8, top-2) presets.
+
+Without a GPU the cache lives on the CPU and the grouped kernels run under TRITON_INTERPRET=1:
+`ops._use_triton` is patched to say yes, which the grouped path asks (on CUDA it is true).
+The per-expert path then takes torch's CPU int8 / int4 kernels, so the two agree to fp32
+rounding, not to the bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridgen.experts.store import MoeStats
+from hybridgen.kernels import ops
+from hybridgen.models.loader import load_model
+from hybridgen.models.moe import enable_cold_weights, moe_blocks
+from tests.kernel_helpers import rel_err
+
+pytestmark = pytest.mark.slow
+
+SLOTS = 6
+"""Device cache slots for all layers: some experts hit, others are fetched or on the CPU."""
+STEPS = 4
+
+
+def _run(
+    model: str, fmt: str, limit: int, xs: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], MoeStats]:
+    """Every step through every MoE layer, the first half with every miss fetched (the cache
+    fills), the rest with misses of up to `limit` tokens on the CPU -> (outputs, counters)."""
+    loaded = load_model(model, torch.device("cpu"), torch.float32, host_experts=fmt)  # type: ignore[arg-type]
+    blocks = moe_blocks(loaded.model)
+    cache, latency = enable_cold_weights(blocks, SLOTS, 0, torch.device("cpu"))
+    outs = []
+    with torch.no_grad():
+        for step, x in enumerate(xs):
+            latency.max_cpu_tokens_override = 0 if step < len(xs) // 2 else limit
+            outs += [block(x) for block in blocks]
+    return outs, cache.stats
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("tokens", "limit"), [(1, 0), (1, 1), (3, 1)])
+def test_grouped_block_equals_per_expert_path(
+    monkeypatch: pytest.MonkeyPatch, model: str, fmt: str, tokens: int, limit: int
+) -> None:
+    """Steps of `tokens` rows through every MoE layer: the grouped path's outputs are the
+    per-expert path's, its counters the same, and it launched at most once per layer and
+    step. limit 0: every miss is fetched; 1: later, a miss with one token runs on the CPU."""
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    launches: list[int] = []
+    real = ops.grouped_expert_swiglu
+
+    def counted(*args: Any) -> torch.Tensor:
+        launches.append(args[4].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "grouped_expert_swiglu", counted)
+    gen = torch.Generator().manual_seed(tokens * 10 + limit)
+    hidden = 128
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(STEPS)]
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
+    expected, theirs = _run(model, fmt, limit, xs)
+    assert not launches
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", True)
+    got, mine = _run(model, fmt, limit, xs)
+    for out, ref in zip(got, expected, strict=True):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert rel_err(out, ref) < 1e-5
+    assert (mine.cpu_experts, mine.gpu_experts) == (theirs.cpu_experts, theirs.gpu_experts)
+    assert mine.cache_hits + mine.cache_misses == mine.gpu_experts
+    assert mine.routed == theirs.routed
+    # Hits come up within the steps; each launch has the layer's hits as its pairs.
+    assert mine.cache_hits > 0
+    if tokens == 1:
+        assert sum(launches) == mine.cache_hits
+    assert 0 < len(launches) <= len(expected)  # one per layer and step at most
+    if limit == 1:
+        assert mine.cpu_experts > 0
