@@ -1,0 +1,160 @@
+"""One MoE layer's device-cached int4 / int8 experts at decode: the grouped launch
+(experts/grouped.py, kernels/triton_grouped_experts.py) against one call per expert
+(ops.GROUPED_EXPERTS False), on qwen3-30b-a3b's shape (8 of 128 experts, T=1) and
+mixtral-8x7b's (2 of 8, T=1 and 4). Device only.
+
+Two figures per case, both with every routed expert a cache hit:
+  block us    wall time of SparseMoeBlock.combine (host bookkeeping, the routing read-back,
+              the launches), averaged over back-to-back calls ended by one synchronize: what a
+              decode step pays per layer when the host cannot run ahead of the device.
+  kernels us  the device work alone, replayed in a CUDA graph: the grouped launches with
+              their table built beforehand, against cache.run per expert plus the weighted
+              sum in torch.
+Each call routes a fresh random set of experts, so qwen3's 2.6 MB experts come from HBM, not
+L2. Prints a table; writes $OUT/grouped_experts.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from torch import nn
+
+from hybridgen.benchmarks.report import machine_info, write_out
+from hybridgen.experts.format import GROUP, PackedMatrices
+from hybridgen.experts.grouped import finish_step, launch_hits, step_table
+from hybridgen.experts.latency import LatencyModel
+from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats
+from hybridgen.kernels import ops
+from hybridgen.models.moe import SparseMoeBlock
+from hybridgen.models.presets import preset_spec
+
+CASES = (("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("mixtral-8x7b", 4))
+ROUTES = 64
+"""Random routings cycled through (each call a fresh one)."""
+CALLS = 200
+DEVICE = torch.device("cuda")
+
+
+def make_block(model: str, fmt: str) -> tuple[SparseMoeBlock, ExpertCache]:
+    """The model's MoE block (random bf16 weights, packed on the device) with every expert
+    of layer 0 in a device cache that holds them all, and misses never on the CPU."""
+    spec = preset_spec(model)
+    h, i, e = spec.hidden_size, spec.expert_size, spec.num_local_experts
+    block = SparseMoeBlock(spec, lambda _s, _w: nn.Identity())
+    block.experts = nn.ModuleList()
+    block.gate.to(DEVICE, torch.bfloat16)
+    stacks = []
+    for out, in_ in ((2 * i, h), (h, i)):
+        w = torch.randn(e, out, in_, device=DEVICE, dtype=torch.bfloat16) * in_**-0.5
+        stacks.append(PackedMatrices.pack(w, fmt).moved(lambda s, d: torch.empty(s, dtype=d)))  # type: ignore[arg-type]
+        del w
+    block.store = ExpertStore(*stacks)
+    cache = ExpertCache(e + 1, block.store, DEVICE, MoeStats())
+    for expert in range(e):
+        cache.fetch(0, expert, block.store)
+    latency = LatencyModel(1.0, 1.0, 25e9, block.store.expert_bytes, 1e-4, 0)
+    block.to_cold_weights(0, cache, latency)
+    return block, cache
+
+
+def routings(e: int, k: int, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ROUTES random (ids [t, k] on the device, weights [t, k] fp32 summing to 1)."""
+    out = []
+    for _ in range(ROUTES):
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(DEVICE)
+        w = torch.rand(t, k, device=DEVICE)
+        out.append((ids, w / w.sum(-1, keepdim=True)))
+    return out
+
+
+def block_us(block: SparseMoeBlock, x: torch.Tensor, routes: list, grouped: bool) -> float:
+    ops.GROUPED_EXPERTS = grouped
+    for ids, w in routes[:4]:
+        block.combine(x, ids, w)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for n in range(CALLS):
+        block.combine(x, *routes[n % len(routes)])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / CALLS * 1e6
+
+
+def kernels_us(block: SparseMoeBlock, cache: ExpertCache, x: torch.Tensor, routes: list) -> dict:
+    """CUDA-graph replays of both paths' device work over every routing."""
+    slots = {e: cache.fetch(0, e, block.store) for e in range(block.num_experts)}  # type: ignore[arg-type]
+    host = [(ids.cpu(), w) for ids, w in routes]
+    tables = [step_table(ids, slots, [], DEVICE) for ids, _ in host]
+
+    def grouped() -> None:
+        for (_, w), table in zip(host, tables, strict=True):
+            finish_step(x, table, launch_hits(x, table, cache, GROUP), [], w)
+
+    # Today's path per routing: each expert once on its rows, ascending, weighted and added.
+    plans: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = []
+    for ids, _ in host:
+        plan = []
+        for e in sorted(set(ids.flatten().tolist())):
+            rows, pos = torch.where(ids == e)
+            plan.append((slots[e], rows.to(DEVICE), pos.to(DEVICE)))
+        plans.append(plan)
+
+    def per_expert() -> None:
+        for plan, (_, w) in zip(plans, host, strict=True):
+            out = torch.zeros_like(x)
+            for slot, rows, pos in plan:
+                y = (cache.run(slot, x[rows]) * w[rows, pos, None]).to(x.dtype)
+                out.index_add_(0, rows, y)
+
+    return {"grouped": replay_us(grouped), "per_expert": replay_us(per_expert)}
+
+
+def replay_us(fn) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / ROUTES
+
+
+def main() -> None:
+    results: dict[str, dict[str, float]] = {}
+    print(f"{'case':28} {'block us: per-expert':>21} {'grouped':>8} {'x':>5} | "
+          f"{'kernels us: per-expert':>22} {'grouped':>8} | rel err")  # fmt: skip
+    for fmt, (model, t) in itertools.product(("int4", "int8"), CASES):
+        block, cache = make_block(model, fmt)
+        spec = preset_spec(model)
+        x = torch.randn(t, spec.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+        routes = routings(block.num_experts, block.top_k, t)
+        ops.GROUPED_EXPERTS = False
+        ref = block.combine(x, *routes[0]).float()
+        ops.GROUPED_EXPERTS = True
+        err = float((block.combine(x, *routes[0]).float() - ref).norm() / ref.norm())
+        row = {"per_expert_block_us": block_us(block, x, routes, False),
+               "grouped_block_us": block_us(block, x, routes, True), "rel_err": err}  # fmt: skip
+        kern = kernels_us(block, cache, x, routes)
+        row |= {"per_expert_kernels_us": kern["per_expert"], "grouped_kernels_us": kern["grouped"]}
+        label = f"{model} {fmt} T={t} top-{block.top_k}"
+        results[label] = row
+        print(f"{label:28} {row['per_expert_block_us']:21.1f} {row['grouped_block_us']:8.1f} "
+              f"{row['per_expert_block_us'] / row['grouped_block_us']:5.1f} | "
+              f"{row['per_expert_kernels_us']:22.1f} {row['grouped_kernels_us']:8.1f} | "
+              f"{err:.1e}", flush=True)  # fmt: skip
+        del block, cache
+        torch.cuda.empty_cache()
+    ops.GROUPED_EXPERTS = True
+    write_out("grouped_experts.json", {"us": results, "machine": machine_info()})
+
+
+if __name__ == "__main__":
+    main()
