@@ -344,3 +344,51 @@ def test_bad_cold_weights_config_names_the_key() -> None:
         EngineConfig(expert_cache_slots=0)
     with pytest.raises(ConfigError, match="expert_cpu_max_tokens"):
         EngineConfig(expert_cpu_max_tokens=-1)
+
+
+def test_a_slow_round_trip_sends_the_miss_to_the_device() -> None:
+    """A CPU a little faster than a fetch plus a call (2.5 against 2.4 ms beside two cached
+    experts) takes a lone miss while EXPERT_RUN costs nothing beyond its compute; once the
+    round trip is seen to add 2 ms (the rings, the wake-ups), the miss is fetched."""
+    model = LatencyModel(2.5e-3, 0.0, 1e9, 2_000_000, gpu_s=0.4e-3)
+    assert model.cpu_experts(2, [(7, 1)], overlap=True) == {7}
+    for _ in range(60):
+        model.observe_remote(2e-3)
+    assert model.remote_s == pytest.approx(2e-3, rel=0.01)
+    assert model.cpu_experts(2, [(7, 1)], overlap=True) == set()
+    assert model.figures()["remote_us"] == pytest.approx(2e3, rel=0.01)
+
+
+class _SlowDaemon:
+    """A CPU daemon whose EXPERT_RUN answers `delay_s` late beyond `compute_s` of work."""
+
+    def __init__(self, store: ExpertStore, compute_s: float, delay_s: float) -> None:
+        self.store, self.compute_s, self.delay_s = store, compute_s, delay_s
+        self.cpu_s = 0.0
+
+    def submit(self, layer: int, jobs: list[tuple[int, torch.Tensor]]) -> int:
+        return 1
+
+    def wait(self, seq: int, jobs: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        import time
+
+        time.sleep(self.compute_s + self.delay_s)
+        self.cpu_s += self.compute_s
+        return [self.store.run_cpu(e, x) for e, x in jobs]
+
+
+def test_the_daemons_round_trip_is_measured_apart_from_its_compute(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The MoE block hands its CPU experts to the CPU daemon: the daemon's reported compute
+    time goes to cpu_scale, the rest of the wait to remote_s."""
+    path = checkpoint("mixtral")
+    cold = load_model(str(path), torch.device("cpu"), torch.float32, host_experts="native").model
+    blocks = [layer.mlp for layer in cold.layers]
+    cache, latency = enable_cold_weights(blocks, 2, 1000, torch.device("cpu"))  # type: ignore[arg-type]
+    latency.cpu_fixed_s, latency.cpu_s_per_token = 1e-3, 0.0
+    cache.remote = _SlowDaemon(blocks[0].store, compute_s=2e-3, delay_s=20e-3)  # type: ignore[union-attr]
+    x = torch.randn(1, cold.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        blocks[0](x)
+    assert cache.stats.cpu_daemon_experts == 2
+    assert latency.cpu_scale == pytest.approx(1 + 0.1 * (2e-3 / 2e-3 - 1))  # 2 ms for 2 calls
+    assert 0.1 * 20e-3 <= latency.remote_s < 0.1 * 40e-3

@@ -66,6 +66,15 @@ class LatencyModel:
     a moving average (observe_cpu): the start-up timing runs on an idle host, while serving
     the CPU computes beside the engine's own thread and, under the daemons, behind a ring."""
 
+    remote_s: float = 0.0
+    """Under the daemons: what one EXPERT_RUN round trip adds to the CPU daemon's compute (the
+    rings, the wake-ups, the copies), a moving average (observe_remote); a layer that sends
+    any expert to the CPU daemon pays it once."""
+
+    def observe_remote(self, seconds: float) -> None:
+        """One EXPERT_RUN took `seconds` from hand-over to answer beyond its compute."""
+        self.remote_s += CPU_SCALE_WEIGHT * (max(seconds, 0.0) - self.remote_s)
+
     def observe_cpu(self, calls: int, tokens: int, seconds: float) -> None:
         """One layer's CPU experts, `calls` of them with `tokens` routed tokens in all, took
         `seconds` from their hand-over to their answer."""
@@ -98,17 +107,19 @@ class LatencyModel:
         """Which of a layer's uncached experts, (id, routed tokens), the CPU computes, beside
         `cached` experts the device runs. Without `overlap` (the CPU's experts run in the
         engine's own thread) or with cpu_max_tokens pinned, each on its own; with it, the
-        fewest-token experts first, each where the layer's later side ends sooner."""
+        fewest-token experts first, each where the layer's later side ends sooner, the CPU's
+        side starting with the round trip (remote_s)."""
         if not overlap or self.max_cpu_tokens_override is not None:
             return {e for e, tokens in uncached if tokens <= self.cpu_max_tokens}
         device_s, cpu_s = cached * self.gpu_s, 0.0
         chosen: set[int] = set()
         for expert, tokens in sorted(uncached, key=lambda job: job[1]):
-            on_cpu = max(cpu_s + self.cpu_s(tokens), device_s)
+            cost = self.cpu_s(tokens) + (0.0 if chosen else self.remote_s)
+            on_cpu = max(cpu_s + cost, device_s)
             on_device = max(cpu_s, device_s + self.fetch_s + self.gpu_s)
             if on_cpu < on_device:
                 chosen.add(expert)
-                cpu_s += self.cpu_s(tokens)
+                cpu_s += cost
             else:
                 device_s += self.fetch_s + self.gpu_s
         return chosen
@@ -120,6 +131,7 @@ class LatencyModel:
             "fetch_us": self.fetch_s * 1e6,
             "gpu_us": self.gpu_s * 1e6,
             "cpu_scale": self.cpu_scale,
+            "remote_us": self.remote_s * 1e6,
             "cpu_max_tokens": self.cpu_max_tokens,
         }
 

@@ -37,6 +37,9 @@ class RemoteDown(RuntimeError):
 class RemoteExperts(Protocol):
     """The CPU daemon computing experts (cpu_daemon.expert_link.ExpertLinkClient)."""
 
+    cpu_s: float
+    """The CPU daemon's compute time over every answer."""
+
     def submit(self, layer: int, jobs: list[tuple[int, Tensor]]) -> int: ...
 
     def wait(self, seq: int, jobs: list[tuple[int, Tensor]]) -> list[Tensor]: ...

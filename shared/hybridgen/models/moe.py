@@ -262,15 +262,19 @@ class SparseMoeBlock(nn.Module):
     def _collect_cpu_experts(
         self, x: torch.Tensor, seq: int, jobs: dict[int, torch.Tensor], start: float
     ) -> dict[int, torch.Tensor]:
-        """The CPU daemon's answer to `seq` on x's device (computed here if it fails); the
-        time since `start` goes to the latency model."""
+        """The CPU daemon's answer to `seq` on x's device (computed here if it fails); its
+        compute time and the rest of the time since `start` (the round trip; an upper bound
+        when the answer waited for the device's launches) go to the latency model."""
         assert self.cold is not None and self.store is not None
         _, cache, latency = self.cold
         try:
             assert cache.remote is not None
+            computed = cache.remote.cpu_s
             ys = cache.remote.wait(seq, list(jobs.items()))
+            computed = cache.remote.cpu_s - computed
             tokens = sum(rows.shape[0] for rows in jobs.values())
-            latency.observe_cpu(len(jobs), tokens, time.perf_counter() - start)
+            latency.observe_cpu(len(jobs), tokens, computed)
+            latency.observe_remote(time.perf_counter() - start - computed)
             cache.stats.cpu_daemon_experts += len(jobs)
         except RemoteDown as exc:
             self._drop_remote(exc)
