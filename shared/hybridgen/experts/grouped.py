@@ -46,16 +46,16 @@ def step_table(
     """ids [T, k] on the host (route()'s), hits {expert: cache slot}, others: the step's other
     experts in the order their outputs come -> the table on `device`."""
     tokens, top_k = ids.shape
-    order = ids.argsort(dim=1)
-    experts = ids.gather(1, order)  # [T, k], ascending per token: Y's rows
-    widx = (order + torch.arange(tokens)[:, None] * top_k).flatten()
-    flat = experts.flatten().tolist()
+    routed = ids.tolist()
+    orders = [sorted(range(top_k), key=row.__getitem__) for row in routed]
+    flat = [routed[t][j] for t in range(tokens) for j in orders[t]]  # Y's rows' experts
+    widx = [t * top_k + j for t in range(tokens) for j in orders[t]]
     outs = [r for r, e in enumerate(flat) if e in hits]
     rows = [r // top_k for r in outs]
     slots = [hits[flat[r]] for r in outs]
     other = [r for e in others for r, f in enumerate(flat) if f == e]
-    parts = [torch.tensor(v, dtype=torch.int32) for v in (rows, slots, outs, other)]
-    table = torch.cat([*parts, widx.to(torch.int32)]).to(device, non_blocking=True)
+    host = torch.tensor(rows + slots + outs + other + widx, dtype=torch.int32)
+    table = host.to(device, non_blocking=True)
     p, m = len(outs), len(other)
     return StepTable(
         rows=table[:p],

@@ -43,11 +43,13 @@ SUM_BLOCK = 1024
 @triton.jit
 def _int8_grouped_kernel(
     x_ptr, in_ptr, slot_ptr, q_ptr, s_ptr, y_ptr, N, K, stride_x, stride_qs, stride_q,
-    stride_y, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_y, GATHER: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Grid (cdiv(N, BLOCK_N), P): pair p's rows of x row in[p] @ slot[p]'s [N, K] -> y[p].
+    # Grid (cdiv(N, BLOCK_N), P): pair p's rows of x row in[p] (row p without GATHER) @
+    # slot[p]'s [N, K] -> y[p].
     p = tl.program_id(1).to(tl.int64)
-    row = tl.load(in_ptr + p).to(tl.int64)
+    row = tl.load(in_ptr + p).to(tl.int64) if GATHER else p
     slot = tl.load(slot_ptr + p).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -61,13 +63,14 @@ def _int8_grouped_kernel(
 @triton.jit
 def _int4_grouped_kernel(
     x_ptr, in_ptr, slot_ptr, q_ptr, sz_ptr, part_ptr, N, K, K_SPLIT, stride_x,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Grid (N / 64, P, SPLIT): part [SPLIT, P, N] (y itself with one split).
+    # Grid (N / 64, P, SPLIT): part [SPLIT, P, N] (y itself with one split); x row in[p]
+    # (row p without GATHER).
     nb = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    row = tl.load(in_ptr + p).to(tl.int64)
+    row = tl.load(in_ptr + p).to(tl.int64) if GATHER else p
     slot = tl.load(slot_ptr + p).to(tl.int64)
     row_lo = nb * 64 + tl.arange(0, 32)
     k_start = split * K_SPLIT
@@ -100,13 +103,15 @@ def _weighted_sum_kernel(
 
 
 def grouped_linear(
-    x: Tensor, fmt: str, parts: dict[str, Tensor], rows: Tensor, slots: Tensor, group: int
+    x: Tensor, fmt: str, parts: dict[str, Tensor], rows: Tensor | None, slots: Tensor, group: int
 ) -> Tensor:
-    """For each pair p: x[rows[p]] [K] @ slot slots[p]'s matrix^T -> [P, N] in x.dtype, fp32
-    sums; `parts` are an ExpertCache stack's tensors (int8 q, s or int4 q, sz), rows and slots
-    int32 [P] on x's device."""
+    """For each pair p: x[rows[p]] [K] (x[p] when rows is None) @ slot slots[p]'s matrix^T ->
+    [P, N] in x.dtype, fp32 sums; `parts` are an ExpertCache stack's tensors (int8 q, s or
+    int4 q, sz), rows and slots int32 [P] on x's device."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    pairs = rows.shape[0]
+    pairs = slots.shape[0]
+    gather = rows is not None
+    rows = rows if rows is not None else slots  # not read without GATHER
     if fmt == "int8":
         q, s = parts["q"], parts["s"]
         _, n, k = q.shape
@@ -114,7 +119,7 @@ def grouped_linear(
         y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
         _int8_grouped_kernel[(triton.cdiv(n, BLOCK_N), pairs)](
             x, rows, slots, q, s, y, n, k, x.stride(0), q.stride(0), q.stride(1), y.stride(0),
-            EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
+            GATHER=gather, EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
         )  # fmt: skip
         return y
     q, sz = parts["q"], parts["sz"]
@@ -128,7 +133,7 @@ def grouped_linear(
     part = torch.empty(splits, pairs, n, dtype=x.dtype if splits == 1 else torch.float32,
                        device=x.device)  # fmt: skip
     _int4_grouped_kernel[(n // 64, pairs, splits)](
-        x, rows, slots, q, sz, part, n, k, k_split, x.stride(0), GROUP=group,
+        x, rows, slots, q, sz, part, n, k, k_split, x.stride(0), GATHER=gather, GROUP=group,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return part[0] if splits == 1 else part.sum(0).to(x.dtype)
@@ -147,8 +152,7 @@ def grouped_swiglu(
     gate_up and down -> [P, H] in x.dtype."""
     h = grouped_linear(x, fmt, gate_up, rows, slots, group)  # [P, 2I]
     act = triton_activation.silu_and_mul(h)  # [P, I]
-    every = torch.arange(rows.shape[0], dtype=torch.int32, device=x.device)
-    return grouped_linear(act, fmt, down, every, slots, group)
+    return grouped_linear(act, fmt, down, None, slots, group)
 
 
 def weighted_sum(y: Tensor, weights: Tensor, widx: Tensor, top_k: int) -> Tensor:
