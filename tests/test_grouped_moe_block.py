@@ -2,10 +2,10 @@
 (experts/grouped.py, kernels/triton_grouped_experts.py) against the per-expert path, on the
 tiny Qwen3-MoE (16 experts, top-4) and tiny Mixtral (8, top-2) presets.
 
-Without a GPU the cache lives on the CPU and the grouped kernels run under TRITON_INTERPRET=1:
-`ops._use_triton` is patched to say yes, which the grouped path asks (on CUDA it is true).
-The per-expert path then takes torch's CPU int8 / int4 kernels, so the two agree to fp32
-rounding, not to the bit.
+On CUDA both paths run their Triton kernels. Without a GPU the cache lives on the CPU and
+the grouped kernels run under TRITON_INTERPRET=1: `ops._use_triton` is patched to say yes,
+which the grouped path asks; the per-expert path then takes torch's CPU int8 / int4 kernels.
+Either way the two agree to fp32 rounding, not to the bit (K splits sum in another order).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hybridgen.experts.store import MoeStats
 from hybridgen.kernels import ops
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import enable_cold_weights, moe_blocks
-from tests.kernel_helpers import rel_err
+from tests.kernel_helpers import DEVICE, rel_err
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +33,9 @@ def _run(
 ) -> tuple[list[torch.Tensor], MoeStats]:
     """Every step through every MoE layer, the first half with every miss fetched (the cache
     fills), the rest with misses of up to `limit` tokens on the CPU -> (outputs, counters)."""
-    loaded = load_model(model, torch.device("cpu"), torch.float32, host_experts=fmt)  # type: ignore[arg-type]
+    loaded = load_model(model, DEVICE, torch.float32, host_experts=fmt)  # type: ignore[arg-type]
     blocks = moe_blocks(loaded.model)
-    cache, latency = enable_cold_weights(blocks, SLOTS, 0, torch.device("cpu"))
+    cache, latency = enable_cold_weights(blocks, SLOTS, 0, DEVICE)
     outs = []
     with torch.no_grad():
         for step, x in enumerate(xs):
@@ -53,7 +53,8 @@ def test_grouped_block_equals_per_expert_path(
     """Steps of `tokens` rows through every MoE layer: the grouped path's outputs are the
     per-expert path's, its counters the same, and it launched at most once per layer and
     step. limit 0: every miss is fetched; 1: later, a miss with one token runs on the CPU."""
-    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     launches: list[int] = []
     real = ops.grouped_expert_swiglu
 
@@ -64,7 +65,7 @@ def test_grouped_block_equals_per_expert_path(
     monkeypatch.setattr(ops, "grouped_expert_swiglu", counted)
     gen = torch.Generator().manual_seed(tokens * 10 + limit)
     hidden = 128
-    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(STEPS)]
+    xs = [torch.randn(tokens, hidden, generator=gen).to(DEVICE) for _ in range(STEPS)]
     monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
     expected, theirs = _run(model, fmt, limit, xs)
     assert not launches
