@@ -10,24 +10,25 @@ set -o pipefail
 old=$1
 pairs=${2:-5}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-  --target /tmp/site_old "$old" >/dev/null
+  --target /tmp/site_old "$PWD/$old" >/dev/null
 one() {  # $1: label, $2: PYTHONPATH
   (cd /tmp && PYTHONPATH=$2 python3 -c "
 import json
+from hybridgen.benchmarks import ipc_bench
 from hybridgen.benchmarks.ipc_bench import measure_jitter, measure_ring
 r = measure_ring(200_000, 2000)
 h = measure_jitter(5.0)
-print(json.dumps({'tree': '$1', 'tickets_per_s': r['tickets_per_s'],
+print(json.dumps({'tree': '$1', 'module': ipc_bench.__file__, 'tickets_per_s': r['tickets_per_s'],
                   'ring_p99_us': r['latency_us']['p99'],
                   'heartbeat_p99_ms': h['lateness_ms']['p99']}))" 2>>"$OUT/ring_ab_stderr.log")
 }
 for _ in $(seq "$pairs"); do
-  one A /tmp/site_old:/tmp/site >>"$OUT/ring_ab.jsonl"
-  one B "$PYTHONPATH" >>"$OUT/ring_ab.jsonl"
+  one A /tmp/site_old:/tmp/site | grep '^{' >>"$OUT/ring_ab.jsonl"
+  one B "$PYTHONPATH" | grep '^{' >>"$OUT/ring_ab.jsonl"
 done
 python3 - "$OUT" <<'PY'
 import json, statistics, sys
-rows = [json.loads(line) for line in open(f"{sys.argv[1]}/ring_ab.jsonl")]
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/ring_ab.jsonl") if line.startswith("{")]
 out = {}
 for tree in ("A", "B"):
     mine = [r for r in rows if r["tree"] == tree]

@@ -97,7 +97,9 @@ def test_weighted_sum(dtype: torch.dtype) -> None:
         term = (y[rows] * flat[widx[rows].to(DEVICE), None]).to(dtype)
         expected = term if expected is None else expected + term
     assert expected is not None
-    if dtype == torch.float32:
+    if dtype == torch.float32 and DEVICE.type == "cpu":
         assert torch.equal(out, expected)
+    elif dtype == torch.float32:  # compiled, the multiply and the add fuse into one FMA (one
+        assert rel_err(out, expected) < 1e-6  # rounding fewer than torch's): seen on the H200
     else:  # the interpreter truncates fp32 -> bf16 casts (tests/test_kernels.py)
         assert rel_err(out, expected) < 2e-2

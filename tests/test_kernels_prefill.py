@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.kernels import reference
+from hybridgen.kernels import reference, triton_paged_decode
 from hybridgen.kernels import triton_paged_prefill as t_prefill
 from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks
 from tests.kernel_helpers import DEVICE, randn, rel_err, tol
@@ -109,3 +109,15 @@ def test_plan_is_one_per_step() -> None:
     assert t_prefill._plan([0, 5, 200], [5, 300], 32, DEVICE) is a
     assert a[0].tolist()[:3] == [[0, 0], [1, 0], [1, 32]]
     assert a[1].tolist() == [[0, 5, 5], [5, 195, 300]]
+
+
+@pytest.mark.parametrize("head_dim", [48, 64, 128, 576])
+def test_tiles_fit_shared_memory(head_dim: int) -> None:
+    """The decode and prefill tiles of every head width the models use (576: DeepSeek-V2's
+    latent, 16 query heads on one) keep their fp32 query rows, K tile and V tile within the
+    H200's 232,448 bytes of shared memory: 32 keys of the padded 1,024 asked 329,792 there."""
+    limit = 232_448
+    d, g, n = triton_paged_decode._tile_sizes(head_dim, 16)
+    assert (g * d + 2 * n * d) * 4 <= limit
+    d, g, m, n = t_prefill._tile_sizes(head_dim, 16)
+    assert (m * g * d + 2 * n * d) * 4 <= limit

@@ -251,11 +251,23 @@ def pick_num_splits(batch: int, n_kv_heads: int, max_keys: int, block_n: int, sm
     return max(1, min(want, cap, _MAX_SPLITS))
 
 
+def key_tile(block_d: int, keys: int) -> int:
+    """Keys per inner-loop tile (`keys` for head dims <= 128, half up to 512) for a padded
+    head width, so that a K and a V tile of
+    [keys, BLOCK_D] fit shared memory beside the queries: a 576-wide MLA latent pads to 1,024,
+    where 32 keys asked 329,792 bytes of the H200's 232,448 (fp32); tl.dot needs >= 16."""
+    if block_d <= 128:
+        return keys
+    if block_d <= 512:
+        return keys // 2
+    return 16
+
+
 def _tile_sizes(head_dim: int, group: int) -> tuple[int, int, int]:
     # (BLOCK_D, BLOCK_G, BLOCK_N); tl.dot needs every dimension >= 16.
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = _TILE_KEYS if block_d <= 128 else _TILE_KEYS // 2
+    block_n = key_tile(block_d, _TILE_KEYS)
     return block_d, block_g, block_n
 
 

@@ -34,6 +34,7 @@ from hybridgen.kernels.triton_paged_decode import (
     _Kv,
     _load_kv_tile,
     _natural_lse,
+    key_tile,
 )
 
 _ROWS = 128
@@ -159,8 +160,10 @@ def _tile_sizes(head_dim: int, group: int) -> tuple[int, int, int, int]:
     # (BLOCK_D, BLOCK_G, BLOCK_M, BLOCK_N): BLOCK_M * BLOCK_G = _ROWS rows a program.
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = triton.next_power_of_2(group)
-    block_m = max(_ROWS // block_g, 1)
-    block_n = _TILE_KEYS if block_d <= 128 else _TILE_KEYS // 2
+    # Wider than 512 (an MLA latent), 16 query rows: their [rows, BLOCK_D] tile beside a K
+    # and a V tile must fit shared memory too.
+    block_m = max((_ROWS if block_d <= 512 else 16) // block_g, 1)
+    block_n = key_tile(block_d, _TILE_KEYS)
     return block_d, block_g, block_m, block_n
 
 
