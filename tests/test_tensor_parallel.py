@@ -68,6 +68,26 @@ def test_tp2_pads_an_odd_vocabulary(checkpoint) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mixtral"])
+def test_tp2_draws_the_same_synthetic_model(preset: str) -> None:
+    """A preset split over two ranks is the model one device draws: the same greedy tokens,
+    and logits within fp32 summation noise."""
+    prompt = list(range(3, 40))
+    one = Engine(EngineConfig(model=preset, device="cpu", max_num_seqs=4))
+    expected = one.generate([prompt], GREEDY)[0].token_ids
+    logits = one.prompt_logits(prompt)
+    one.release()
+    engine = Engine(EngineConfig(model=preset, device="cpu", max_num_seqs=4, tensor_parallel=2))
+    try:
+        assert isinstance(engine.loaded.model, ShardedCausalLM)
+        torch.testing.assert_close(engine.prompt_logits(prompt), logits, rtol=0, atol=1e-5)
+        got = engine.generate([prompt], GREEDY)[0].token_ids
+    finally:
+        engine.release()
+    assert got == expected
+
+
+@pytest.mark.slow
 def test_lost_rank_fails_the_step_not_hangs(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A worker killed between steps: the next step raises RankLost (the daemon then exits
     and its supervisor restarts it) instead of waiting on the dead rank; release() still

@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from hybridgen.config.engine import ConfigError, EngineConfig
@@ -55,6 +56,7 @@ class WorkerArgs:
     ranks: int
     port: int
     backend: str
+    seed: int
 
 
 class Workers:
@@ -104,16 +106,27 @@ def start(config: EngineConfig) -> LoadedModel:
     model = resolve_model(config.model)
     local_spec(full_spec(model, device, config.torch_dtype()), ranks)  # fails before spawning
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's object broadcasts use the current device
     store = dist.TCPStore(
         "127.0.0.1", 0, ranks, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
     )
     args = [
-        WorkerArgs(model, config.dtype, worker_device(config, r), r, ranks, store.port, backend)
+        WorkerArgs(
+            model,
+            config.dtype,
+            worker_device(config, r),
+            r,
+            ranks,
+            store.port,
+            backend,
+            config.seed,
+        )
         for r in range(1, ranks)
     ]
     workers = Workers([_spawn(a) for a in args])
     try:
-        net = load_shard(model, device, config.torch_dtype(), 0, ranks)
+        net = load_shard(model, device, config.torch_dtype(), 0, ranks, config.seed)
         _wait_ready(store, workers, ranks)
         dist.init_process_group(
             backend, store=store, rank=0, world_size=ranks, timeout=GROUP_TIMEOUT

@@ -81,6 +81,24 @@ def shard_tensor(key: str, tensor: torch.Tensor, rank: int, ranks: int) -> torch
     return tensor
 
 
+def shard_fused(
+    name: str, tensor: torch.Tensor, spec: ModelSpec, rank: int, ranks: int
+) -> torch.Tensor:
+    """Rank `rank`'s part of our fused parameter `name` of the whole model `spec` (a
+    synthetic preset's, drawn whole): q, k and v, and gate and up, each split on its own."""
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return shard_tensor("lm_head.weight", tensor, rank, ranks)
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        parts = tensor.split([spec.q_size, spec.kv_size, spec.kv_size])
+    elif name.endswith("gate_up_proj.weight"):
+        parts = tensor.chunk(2)
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        return tensor.chunk(ranks, dim=1)[rank]
+    else:
+        return tensor
+    return torch.cat([part.chunk(ranks)[rank] for part in parts])
+
+
 def shard_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]], rank: int, ranks: int
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             "127.0.0.1", args.port, args.ranks, is_master=False, timeout=GROUP_TIMEOUT
         )
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        net = load_shard(args.model, device, dtype, args.rank, args.ranks)
+        net = load_shard(args.model, device, dtype, args.rank, args.ranks, args.seed)
         store.set(f"ready{args.rank}", "1")
         dist.init_process_group(
             args.backend, store=store, rank=args.rank, world_size=args.ranks, timeout=GROUP_TIMEOUT
