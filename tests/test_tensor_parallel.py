@@ -3,10 +3,12 @@ checkpoints, in process and through `hybridgen serve`; the config checks; a lost
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from yaml import safe_load
@@ -22,6 +24,7 @@ from hybridgen.sampling.params import SamplingParams
 from hybridgen.v1 import generation_pb2 as pb
 from tests.hf_reference import hf_greedy, sample_prompts
 from tests.served import DefaultServer
+from tests.test_serving import find_pid, wait_serving
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -235,6 +238,52 @@ def test_served_tp2_generate_matches_hf(checkpoint, tmp_path: Path) -> None:  # 
     assert "tensor_parallel_worker_failed" not in log
     assert "ignored a notification" not in server.log_path.read_text()
     assert got == expected
+
+
+@pytest.mark.slow
+def test_served_lost_rank_restarts_the_daemon(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A worker rank killed under `hybridgen serve`: the next call fails (UNAVAILABLE, no
+    hang), the GPU daemon exits and its supervisor starts it again with a new worker, and
+    the same call then gives the same tokens."""
+    path = checkpoint("llama3")
+    prompt = sample_prompts(path, 1, [21])[0]
+    topology = "device_topology:\n  gpu:\n    tensor_parallel: 2\n"
+    server = DefaultServer(tmp_path, topology, model=path)
+    try:
+        before = greedy(server, prompt)
+        worker = _worker_of(server)
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            greedy(server, prompt)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_serving(server.port, timeout=30, want=False)  # health follows the dead daemon
+        wait_serving(server.port, timeout=180, proc=server.proc)
+        assert greedy(server, prompt) == before
+        assert _worker_of(server) != worker
+    finally:
+        assert server.stop() == 0
+    assert (
+        "tensor_parallel_rank_lost" in (tmp_path / "run" / server.instance / "gpu.log").read_text()
+    )
+
+
+def _worker_of(server: DefaultServer) -> int:
+    """The pid of the worker rank under the instance's GPU daemon."""
+    gpu = find_pid("-m hybridgen.gpu_daemon.main", f"--instance {server.instance}")
+    assert gpu is not None
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _parent(entry) == gpu:
+            cmd = (entry / "cmdline").read_bytes()
+            if b"hybridgen.parallel.worker" in cmd:
+                return int(entry.name)
+    raise AssertionError("no worker rank under the GPU daemon")
+
+
+def _parent(entry: Path) -> int | None:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def greedy(server: DefaultServer, prompt: list[int]) -> list[int]:
