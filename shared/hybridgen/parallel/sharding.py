@@ -47,6 +47,11 @@ def local_spec(spec: ModelSpec, ranks: int) -> ModelSpec:
         "moe_intermediate_size": spec.moe_intermediate_size,
         "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
     }
+    if spec.mla is not None:
+        raise ConfigError(
+            f"{TP_KEY}={ranks} is out of range for {spec.name or spec.architecture}: allowed 1 "
+            "(multi-head latent attention, DeepSeek-V2, is not split yet)"
+        )
     for name, width in widths.items():
         if width % ranks:
             raise ConfigError(
