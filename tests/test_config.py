@@ -23,7 +23,13 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "hybridgen_config.example.yaml"
 
 FULL: dict[str, Any] = {
     "device_topology": {
-        "gpu": {"id": 1, "memory_mb": 24576, "bandwidth_gbps": 600},
+        "gpu": {
+            "id": 1,
+            "memory_mb": 24576,
+            "bandwidth_gbps": 600,
+            "tensor_parallel": 1,
+            "ids": None,
+        },
         "cpu": {"cores": "0-15", "memory_mb": 128000, "bandwidth_gbps": 204.8},
     },
     "kv_cache": {
@@ -128,6 +134,7 @@ def test_every_section_parses() -> None:
     }
     topo = config.device_topology
     assert (topo.gpu.id, topo.gpu.memory_mb, topo.gpu.bandwidth_gbps) == (1, 24576, 600.0)
+    assert (topo.gpu.tensor_parallel, topo.gpu.device_ids) == (1, (1,))
     assert isinstance(topo.gpu.bandwidth_gbps, float)
     assert topo.cpu.cores == tuple(range(16))
     assert (topo.cpu.memory_mb, topo.cpu.bandwidth_gbps) == (128000, 204.8)

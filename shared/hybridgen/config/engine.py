@@ -20,6 +20,10 @@ MAX_DRAFT_TOKENS = 16
 more than 7 query heads per kv head (warm_drafts.STACKED_HEADS)."""
 
 
+MAX_TENSOR_PARALLEL = 8
+"""Most ranks of tensor parallel: the GPUs of one host."""
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the key."""
 
@@ -170,6 +174,11 @@ class EngineConfig:
     expert_cpu_max_tokens: int | None = None
     """Cold-Weights: an uncached expert with at most this many routed tokens runs on the CPU,
     more are fetched into the cache; None: the crossover of the latency model timed at start."""
+    tensor_parallel: int = 1
+    """Ranks the model is split over (device_topology.gpu.tensor_parallel), one per device:
+    this process is rank 0, the others are worker processes (hybridgen/parallel)."""
+    tensor_parallel_ids: tuple[int, ...] | None = None
+    """CUDA device of each rank (device_topology.gpu.ids); None: 0..tensor_parallel-1."""
     mode: str = "hybrid"
     """The config's top-level mode, which GetModelInfo reports: hybrid, or pure_gpu (no
     Warm tier and sampling on the device: the CPU only detokenizes and streams)."""
@@ -336,6 +345,29 @@ class EngineConfig:
             0 <= self.step_latency_ms <= 10000, "step_latency_ms", self.step_latency_ms, "0..10000"
         )
         _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """tensor_parallel's range, and what it does not combine with (yet)."""
+        tp = self.tensor_parallel
+        _check(1 <= tp <= MAX_TENSOR_PARALLEL, "tensor_parallel", tp, f"1..{MAX_TENSOR_PARALLEL}")
+        ids = self.tensor_parallel_ids
+        _check(
+            ids is None or (len(ids) == tp and len(set(ids)) == tp and min(ids) >= 0),
+            "tensor_parallel_ids",
+            ids,
+            f"{tp} distinct device ids >= 0 (one per rank), or unset",
+        )
+        if tp == 1:
+            return
+        for key, value, allowed in (
+            ("warm_pool_mb", self.warm_pool_mb, 0),
+            ("gpu_layers", self.gpu_layers, None),
+            ("expert_cache_slots", self.expert_cache_slots, None),
+            ("weights_format", self.weights_format, "native"),
+            ("hot_codec", self.hot_codec, "native"),
+        ):
+            _check(value == allowed, key, value, f"{allowed!r} with tensor_parallel > 1")
 
     @property
     def warm_extends_hot(self) -> bool:

@@ -116,6 +116,27 @@ class HybridGenConfig:
                         "allowed gpu or null with mode=pure_gpu"
                     )
 
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor_parallel > 1 does not combine with (yet), by the keys that set it."""
+        if self.device_topology.gpu.tensor_parallel == 1:
+            return
+        for key, value, allowed in (
+            ("kv_cache.warm_region_mb", self.warm_pool_mb, 0),
+            ("weights.gpu_layers", self.weights.gpu_layers, None),
+            ("cold_weights.expert_cache_slots", self.cold_weights.expert_cache_slots, None),
+            ("weights.format", self.weights.format, "native"),
+            ("kv_cache.hot_codec", self.kv_cache.hot_codec, "native"),
+        ):
+            if value != allowed:
+                shown = "null" if allowed is None else repr(allowed)
+                raise ConfigError(
+                    f"{key}={value!r} is out of range: allowed {shown} with "
+                    "device_topology.gpu.tensor_parallel > 1 (each rank keeps its share of a "
+                    "native Hot cache and every layer's weights on its GPU)"
+                )
+
     def with_model(self, model: str | None) -> HybridGenConfig:
         """The same config serving `model` instead (a command-line override); None: unchanged."""
         if model is None:
@@ -152,7 +173,7 @@ class HybridGenConfig:
         import torch  # here, not at the top: the gateway reads this file without torch
 
         if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-            device = f"cuda:{self.device_topology.gpu.id}"
+            device = f"cuda:{self.device_topology.gpu.device_ids[0]}"
         m, pure_gpu = self.model, self.mode == "pure_gpu"
         profile = None if pure_gpu else self.tuning_profile()
         if profile is not None:
@@ -203,6 +224,8 @@ class HybridGenConfig:
             gpu_layers=self.weights.gpu_layers,
             host_layer_compute=self.weights.host_layer_compute,
             expert_cpu_max_tokens=self.cold_weights.cpu_max_tokens,
+            tensor_parallel=self.device_topology.gpu.tensor_parallel,
+            tensor_parallel_ids=self.device_topology.gpu.ids,
             profiled_regions=placed.profiled,
             profile_measured=placed.measured,
             seed=m.seed,

@@ -135,6 +135,17 @@ def _describe(hint: Any) -> str:
 _MAX_CPUS = 8192
 
 
+def parse_device_ids(value: object, key: str = "ids") -> tuple[int, ...]:
+    """Distinct CUDA device ids >= 0, written as a YAML list such as [0, 1]."""
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ConfigError(
+            f"{key}={value!r} has the wrong type: expected a list of device ids >= 0 such as [0, 1]"
+        )
+    if len(set(value)) != len(value) or not value:
+        raise ConfigError(f"{key}={value!r} is out of range: allowed distinct device ids")
+    return tuple(value)
+
+
 def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
     """CPU ids of a list such as "0-15" or "0,2,4-7" (the cpuset / taskset -c syntax)."""
 

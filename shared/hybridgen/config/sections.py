@@ -10,8 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hybridgen.config.engine import MAX_DRAFT_TOKENS, ConfigError
-from hybridgen.config.schema import at_least, between, checked, parse_cpu_list
+from hybridgen.config.engine import MAX_DRAFT_TOKENS, MAX_TENSOR_PARALLEL, ConfigError
+from hybridgen.config.schema import (
+    at_least,
+    between,
+    checked,
+    parse_cpu_list,
+    parse_device_ids,
+)
 from hybridgen.models.default_model import DEFAULT_MODEL
 
 Device = Literal["cpu", "gpu"]
@@ -26,12 +32,33 @@ class GpuTopology:
     """The GPU the daemon drives."""
 
     id: int = at_least(0, 0)
-    """CUDA device index."""
+    """CUDA device index (with tensor_parallel 1)."""
+    tensor_parallel: int = between(1, 1, MAX_TENSOR_PARALLEL)
+    """GPUs the model is split over (tensor parallel: heads, MLP widths and vocabulary), one
+    process each; 1: one GPU, `id`."""
+    ids: tuple[int, ...] | None = field(default=None, metadata={"parse": parse_device_ids})
+    """CUDA device of each rank with tensor_parallel > 1, e.g. [0, 1]; null: 0..N-1 (with
+    tensor_parallel 1 it stays null: `id` picks the GPU)."""
     memory_mb: int | None = at_least(None, 64)
     """Hard budget for everything the GPU daemon allocates; null: 90 % of free memory."""
     bandwidth_gbps: float | None = checked(None, *_POSITIVE)
     """Device memory bandwidth for the placement cost model (Cold-Weights' latency model:
     a fetched expert's time on the device); null: measured at start."""
+
+    def _validate(self, prefix: str) -> None:
+        tp = self.tensor_parallel
+        if self.ids is not None and (tp == 1 or len(self.ids) != tp):
+            allowed = "null with tensor_parallel 1 (id picks the GPU)"
+            if tp > 1:
+                allowed = f"{tp} distinct device ids (one per rank of {prefix}tensor_parallel)"
+            raise ConfigError(f"{prefix}ids={list(self.ids)} is out of range: allowed {allowed}")
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        """The CUDA device of each rank, rank 0's first."""
+        if self.tensor_parallel == 1:
+            return (self.id,)
+        return self.ids or tuple(range(self.tensor_parallel))
 
 
 @dataclass(frozen=True)

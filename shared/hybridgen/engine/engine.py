@@ -61,6 +61,8 @@ from hybridgen.kvtiers.warm_tier import WarmTier
 from hybridgen.models.host_layers import HostLayerStats
 from hybridgen.models.loader import LoadedModel, load_model, model_spec
 from hybridgen.models.mla import latent_kv_unsupported
+from hybridgen.parallel import launch as tensor_parallel
+from hybridgen.parallel.model import RankLost, ShardedCausalLM
 from hybridgen.placement.degrade import Degrade
 from hybridgen.placement.tuner import Tuner
 from hybridgen.placement.tuning_profile import RegionProfile
@@ -92,7 +94,10 @@ def load_configured(config: EngineConfig) -> LoadedModel:
     """The model `config` names, on its device in its dtype; with Cold-Weights on, its
     experts in host memory in cold_weights.expert_format (in the shared arena of
     shm_instance, when set); with weights.gpu_layers, the layers past it straight into host
-    memory. What Engine loads when it is given no model."""
+    memory; with tensor_parallel > 1, rank 0's shard, its workers started. What Engine loads
+    when it is given no model."""
+    if config.tensor_parallel > 1:
+        return tensor_parallel.start(config)
     host_experts = config.expert_format if config.expert_cache_slots is not None else None
     return load_model(
         config.model,
@@ -139,7 +144,7 @@ class Engine:
         runner, the scheduler and the start-up measurements."""
         sd_notify.status("warming up")  # under a supervisor; a no-op in-process
         config = self.config
-        spec = self.spec = self.loaded.model.spec
+        spec = self.spec = self.loaded.spec  # tensor parallel: the model's is one rank's
         self.host_layers = setup_host_layers(config, self.loaded.model, self.device)
         """Layers whose projections live in host memory (weights.gpu_layers), if any."""
         self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(
@@ -344,7 +349,7 @@ class Engine:
 
         A step that raises ends the requests in it (their outputs carry the error) and frees
         their KV; the engine goes on with the others. A device left unusable (a sticky CUDA
-        error) is not survivable: that exception propagates."""
+        error) or a lost tensor-parallel rank is not survivable: that exception propagates."""
         batch: ScheduledBatch | None = None
         try:
             batch = self.scheduler.schedule()
@@ -353,7 +358,7 @@ class Engine:
                 self.faults.check(self.stats.steps, self.device)
                 yield from self._run(batch, defer_sampling)
         except Exception as exc:
-            if not device_usable(self.device):
+            if isinstance(exc, RankLost) or not device_usable(self.device):
                 raise
             failed = batch.seqs if batch is not None else list(self.scheduler.running)
             yield self._fail(failed, exc)
@@ -580,6 +585,8 @@ class Engine:
             self.loaded.expert_arena.close()
         if self._owns_loaded and self.loaded.model.host_layers is not None:
             self.loaded.model.host_layers.close()  # its CPU worker thread
+        if self._owns_loaded and isinstance(self.loaded.model, ShardedCausalLM):
+            tensor_parallel.stop(self.loaded.model)
 
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """fp32 logits [V] after the whole prompt, in one pass outside the scheduler (for

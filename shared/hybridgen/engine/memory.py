@@ -208,8 +208,8 @@ def graph_batch_size(config: EngineConfig, model: CausalLM) -> int:
     """Largest decode batch captured in CUDA graphs (a MoE model's piecewise, between the
     layers' expert picks: moe_graphs.py); 0: none, also when layers live in host memory
     (weights.gpu_layers): their host calls and weight copies cannot be captured, so decode
-    runs eager."""
-    if not config.cuda_graphs or model.host_layers is not None:
+    runs eager; and with tensor_parallel > 1 (eager only, for now)."""
+    if not config.cuda_graphs or model.host_layers is not None or config.tensor_parallel > 1:
         return 0
     return min(config.max_graph_batch, config.max_num_seqs)
 

@@ -77,7 +77,8 @@ class ModelRunner:
         self.model, self.spec, self.device = model, spec, device
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
-        self.kv_caches = _allocate_kv(spec, num_blocks, block_size, device, hot_codec)
+        # The model's own heads: under tensor parallel one rank's share of spec's.
+        self.kv_caches = _allocate_kv(model.spec, num_blocks, block_size, device, hot_codec)
         self.warm = warm
         cos, sin = rope_tables(
             spec.rope, spec.rope_dim, spec.max_position_embeddings, max_model_len
