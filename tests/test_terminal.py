@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import structlog
 
 from hybridgen.cli.terminal import Terminal
 from hybridgen.runtime import log as hlog
@@ -78,3 +79,19 @@ def test_progress_reports_its_status_to_the_supervisor(
         "3",
     )
     assert os.environ["NOTIFY_SOCKET"] == path
+
+
+def test_logging_follows_stderr_after_a_swapped_stream_closes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Logging configured while sys.stderr was a stream since closed (pytest's capture in
+    an earlier test, a redirect) writes to today's sys.stderr: it bound the stream once, and
+    a later test's log line raised "I/O operation on closed file" inside the engine."""
+    gone = io.StringIO()
+    monkeypatch.setattr("sys.stderr", gone)
+    hlog.configure(json=True)
+    gone.close()
+    monkeypatch.undo()
+    structlog.get_logger().warning("after_the_swap", n=1)
+    assert '"event": "after_the_swap"' in capsys.readouterr().err
+    hlog.configure()

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import time
+from typing import TextIO, cast
 
 import structlog
 
@@ -16,6 +17,18 @@ from hybridgen.runtime import sd_notify
 PROGRESS_STATUS = re.compile(r"(?P<label>.+) (?P<done>\d+)/(?P<total>\d+) (?P<unit>\S+)")
 """A daemon's STATUS= while a Progress runs ("loading weights 12/291 tensors"): what `hybridgen
 serve` draws a progress bar from and `systemctl status` shows."""
+
+
+class _Stderr:
+    """sys.stderr as it is at each write, not as it was when logging was configured: a
+    stream swapped in for a while (pytest's capture, a redirect) and closed since must not
+    make every later log line raise."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def configure(json: bool | None = None, level: str | None = None) -> None:
@@ -37,7 +50,7 @@ def configure(json: bool | None = None, level: str | None = None) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level_name]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _Stderr())),
         cache_logger_on_first_use=False,
     )
 
