@@ -23,9 +23,13 @@ print(round(0.8 * d['median']['total_tok_s'] / d['workload']['max_new_tokens'], 
 for what in "$@"; do
   case "$what" in
     tests)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
+      # every test file that runs anything on CUDA (kernel_helpers.DEVICE, cuda skips, served
+      # CUDA engines), together in one process
+      timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
         tests/test_kernels_attention.py tests/test_kernels_prefill.py tests/test_hot_codec_kernels.py \
         tests/test_warm_device.py tests/test_kvcodec.py tests/test_step_faults.py \
+        tests/test_dense_quant.py tests/test_device_checker.py tests/test_grouped_experts.py \
+        tests/test_grouped_moe_block.py tests/test_host_layers.py tests/test_host_split.py \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
       ;;
     b12)
