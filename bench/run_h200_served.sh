@@ -11,6 +11,10 @@
 #          accelerate case), for B4c's comparison
 #   b7     llama3-70b, int4 weights, 24 GB budget, layers past gpu_layers auto in host memory
 #          (issue 23): 1 request, a 1,024-token prompt, 64 new tokens (in-process beside it)
+#   b7_hf  HF's Llama of llama3-70b's shape under accelerate in the same budget, bf16, for B7's
+#          comparison (dense_offload_bench): cut to 56 of 80 layers (12 on the device, 77 GB
+#          in host memory; all 80 would need 118 GB there), the full depth derived from its
+#          layer times; 4 new tokens, as each step copies the same bytes (estimated ~2 min)
 #   speech issue 22's speech benchmark: 16 spoken transcripts (1K + 4K tokens, 200 ms chunks
 #          over 20 s) through StreamGenerate against the same prompts sent whole, llama3-8b
 # Invoked through the device tool from the repo root with `.whl` carried; HYBRIDGEN_COMMIT
@@ -69,7 +73,12 @@ for what in "$@"; do
       timeout 540 python3 -m hybridgen.benchmarks.moe_bench --model qwen3-30b-a3b --budget-mb 12288 \
         --cases accelerate --out "$OUT/b4c_accelerate.json" 2>>"$OUT/moe_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [b12] [b3a] [b4a] [b4c] [b4c_hf] [b7]" >&2; exit 2 ;;
+    b7_hf)
+      timeout 300 python3 -m hybridgen.benchmarks.dense_offload_bench --model llama3-70b \
+        --budget-mb 24576 --prompt-len 1024 --max-new-tokens 4 --layers 56 \
+        --out "$OUT/b7_accelerate.json" 2>>"$OUT/dense_offload_stderr.log"
+      ;;
+    *) echo "usage: $0 [tests] [b12] [b3a] [b4a] [b4c] [b4c_hf] [b7] [b7_hf]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null

@@ -40,8 +40,9 @@ import structlog
 import torch
 from torch import Tensor
 
+from hybridgen.benchmarks.accelerate_offload import build, place
 from hybridgen.benchmarks.engine_bench import random_prompts
-from hybridgen.benchmarks.hf_baseline import hf_config, timed_generate
+from hybridgen.benchmarks.hf_baseline import timed_generate
 from hybridgen.benchmarks.report import machine_info
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.engine import Engine, load_configured
@@ -186,58 +187,21 @@ def _delta_rate(before: dict[str, float], after: dict[str, float]) -> float:
     return hits / (hits + misses) if hits + misses else 0.0
 
 
-def _draw_baseline_weights(model: torch.nn.Module, draw_on: torch.device) -> None:
-    """Random weights into the host copy, drawn on `draw_on` one slice of a tensor at a time:
-    a CPU generator takes about 10 s per Mixtral expert stack, a CUDA one milliseconds."""
-    gen = torch.Generator(device=draw_on).manual_seed(0)
-    params = list(model.parameters())
-    progress = hlog.Progress("baseline_weights", len(params), unit="tensors")
-    with torch.no_grad():
-        for i, p in enumerate(params):
-            if p.dim() == 1:  # norms
-                p.fill_(1.0)
-            else:  # an expert stack [E, out, in] one expert at a time
-                for part in p.split(1) if p.dim() > 2 else [p]:
-                    drawn = torch.empty(part.shape, dtype=part.dtype, device=draw_on)
-                    part.copy_(drawn.normal_(0.0, 0.02, generator=gen))
-            progress.update(i + 1)
-
-
 def accelerate_case(args: argparse.Namespace) -> dict[str, Any]:
     """HF's model of the preset's shape (Mixtral, Qwen3-MoE) dispatched by accelerate in the
-    same budget, a decoder layer never split; random bf16 weights."""
-    from accelerate import dispatch_model, infer_auto_device_map
-    from transformers import AutoModelForCausalLM
-
+    same budget, a decoder layer never split; random bf16 weights (accelerate_offload.py)."""
     spec = preset_spec(args.model)
     layers = args.baseline_layers or spec.num_layers
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            hf_config(replace(spec, num_layers=layers)), dtype=dtype
-        )
-    model = model.to_empty(device="cpu")
-    _draw_baseline_weights(model, torch.device("cuda" if cuda else "cpu"))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        budget = {0: f"{args.budget_mb}MiB", "cpu": "1000GiB"}
-        layer_class = type(model.model.layers[0]).__name__  # MixtralDecoderLayer, ...
-        device_map = infer_auto_device_map(
-            model, max_memory=budget, no_split_module_classes=[layer_class]
-        )
-        model = dispatch_model(model, device_map=device_map)
-        placed = {str(d) for d in device_map.values()}
-    else:
-        placed = {"cpu"}
+    off = build(place(replace(spec, num_layers=layers), args.budget_mb, cuda))
     ids = torch.tensor(random_prompts(1, args.prompt_len, spec.vocab_size, seed=1))
     ids = ids.to("cuda" if cuda else "cpu")
-    ttft_s, tok_s = timed_generate(model, ids, args.baseline_new_tokens)
+    ttft_s, tok_s = timed_generate(off.model, ids, args.baseline_new_tokens)
     result: dict[str, Any] = {
         "layers": layers,
         "shape": "same" if layers == spec.num_layers else f"{layers} of {spec.num_layers} layers",
-        "dtype": str(dtype).removeprefix("torch."),
-        "devices": sorted(placed),
+        "dtype": str(off.dtype).removeprefix("torch."),
+        "devices": off.devices,
         "ttft_ms": ttft_s * 1e3,
         "decode_tok_s": tok_s,
         "new_tokens": args.baseline_new_tokens,
