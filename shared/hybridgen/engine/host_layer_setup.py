@@ -82,7 +82,7 @@ def setup_host_layers(
         embedding_to_host(model, device)
     if device.type == "cuda":  # what moved left cached blocks on both sides
         torch.cuda.empty_cache()
-        torch.accelerator.empty_host_cache()
+        _empty_host_cache()
     if state is None:
         return None
     state.compute, state.stats, state.cpu_max_tokens = (
@@ -165,3 +165,13 @@ def calibrate_host_layer(state: HostLayers, config: EngineConfig) -> LatencyMode
         fixed = state.layer_bytes / (config.cpu_bandwidth_gbps * 1e9)
     link = state.layer_bytes / link_s if link_s > 0 else math.inf
     return LatencyModel(fixed, per_token, link, state.layer_bytes)
+
+
+def _empty_host_cache() -> None:
+    """Give the pinned host blocks the moves left cached back (torch.accelerator's call from
+    torch 2.13; the CUDA caching host allocator's own call before it, as on torch 2.11)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is not None:
+        empty()
