@@ -142,6 +142,30 @@ def test_budgets(instance: str) -> None:
         check_budget(warm, "cpu", instance, check_model(warm))
 
 
+def test_budget_counts_weights_format_and_gpu_layers(instance: str) -> None:
+    """B7's config (llama3-70b, int4, gpu_layers auto, 24 GB) passes the preflight: int4
+    projections count half a byte a weight, and layers past gpu_layers stay off the device."""
+
+    def config(**keys: str) -> HybridGenConfig:
+        return _config(
+            model__name_or_path="llama3-70b", device_topology__gpu__memory_mb="24576", **keys
+        )
+
+    with pytest.raises(PreflightError, match="134,571 MiB in bfloat16"):
+        check_budget(config(), "cuda", instance, check_model(config()))
+    int4 = config(weights__format="int4")  # ~33 GiB of int4 weights: still too many
+    with pytest.raises(PreflightError, match="cannot hold the weights of llama3-70b"):
+        check_budget(int4, "cuda", instance, check_model(int4))
+    for layers in ("auto", "40"):
+        split = config(weights__format="int4", weights__gpu_layers=layers)
+        check_budget(split, "cuda", instance, check_model(split))
+    native = config(weights__gpu_layers="12")  # 12 bf16 layers and the head: ~22 GiB
+    check_budget(native, "cuda", instance, check_model(native))
+    with pytest.raises(PreflightError, match="cannot hold the weights"):
+        deep = config(weights__gpu_layers="14")
+        check_budget(deep, "cuda", instance, check_model(deep))
+
+
 # -- hybridgen serve -------------------------------------------------------------------------
 
 

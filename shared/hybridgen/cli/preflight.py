@@ -223,8 +223,28 @@ def _weights_dtype(config: HybridGenConfig, spec: ModelSpec, cuda: bool) -> torc
 
 
 def _device_weights_bytes(spec: ModelSpec, config: HybridGenConfig) -> int:
-    """The weights the device holds: with Cold-Weights the experts live in host memory."""
-    from hybridgen.models.presets import parameter_count
+    """The least the device must hold of the weights: with Cold-Weights the experts live in
+    host memory; with weights.gpu_layers only the first N decoder layers (auto: as few as
+    none) stay, and an untied embedding leaves; weights.format int8 / int4 projections count
+    a byte / half a byte a weight (their scales left out: a lower bound, never refusing what
+    the engine would run)."""
+    from hybridgen.models.presets import parameters
 
     cold = config.cold_weights.expert_cache_slots is not None
-    return parameter_count(spec, experts=not cold) * spec.dtype.itemsize
+    keep, fmt = config.weights.gpu_layers, config.weights.format
+    per_weight = {"native": float(spec.dtype.itemsize), "int8": 1.0, "int4": 0.5}[fmt]
+    total = 0.0
+    for name, count in parameters(spec):
+        if cold and ".experts." in name:
+            continue
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        if layer is not None and keep is not None and (keep == "auto" or layer >= keep):
+            continue
+        if keep is not None and name == "embed_tokens.weight" and not spec.tie_word_embeddings:
+            continue  # host layers take the embedding to host memory (host_layer_setup.py)
+        projection = layer is not None and name.endswith("_proj.weight")
+        head = name == "lm_head.weight" and not spec.tie_word_embeddings
+        quantized = ".experts." not in name and (projection or head)
+        total += count * (per_weight if quantized else spec.dtype.itemsize)
+    return int(total)

@@ -285,14 +285,18 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def parameter_count(spec: ModelSpec, experts: bool = True) -> int:
-    """The parameters of a model of `spec`, counted on the meta device (no memory);
-    `experts=False` leaves out the MoE experts, which Cold-Weights keeps in host memory."""
+def parameters(spec: ModelSpec) -> list[tuple[str, int]]:
+    """Each parameter of a model of `spec` and its element count, built on the meta device
+    (no memory)."""
     with torch.device("meta"):
         net = CausalLM(spec)
-    return sum(
-        p.numel() for name, p in net.named_parameters() if experts or ".experts." not in name
-    )
+    return [(name, p.numel()) for name, p in net.named_parameters()]
+
+
+def parameter_count(spec: ModelSpec, experts: bool = True) -> int:
+    """The parameters of a model of `spec`; `experts=False` leaves out the MoE experts,
+    which Cold-Weights keeps in host memory."""
+    return sum(n for name, n in parameters(spec) if experts or ".experts." not in name)
 
 
 def preset_spec(name: str) -> ModelSpec:
