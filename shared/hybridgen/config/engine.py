@@ -5,23 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from hybridgen.config.ranges import CHOICES, RANGES
+
 if TYPE_CHECKING:  # both import the kernels, a second on the CPU: not for a config
     import torch
 
     from hybridgen.experts.format import Format
     from hybridgen.models.dense_quant import WeightFormat
-
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""The engine's dtypes ("auto": the model's own); torch is imported only where one is used,
-so that a process that reads the config (the gateway) does not load it."""
-
-MAX_DRAFT_TOKENS = 16
-"""Most tokens drafted per Warm read (kv_cache.warm_draft_tokens); fewer where the model has
-more than 7 query heads per kv head (warm_drafts.STACKED_HEADS)."""
-
-
-MAX_TENSOR_PARALLEL = 8
-"""Most ranks of tensor parallel: the GPUs of one host."""
 
 
 class ConfigError(ValueError):
@@ -31,6 +21,12 @@ class ConfigError(ValueError):
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is out of range: allowed {allowed}")
+
+
+def _either(choices: tuple[object, ...]) -> str:
+    """Choices in words: "native, int8 or int4"."""
+    *first, last = (str(c) for c in choices)
+    return f"{', '.join(first)} or {last}" if first else last
 
 
 @dataclass(frozen=True)
@@ -184,26 +180,19 @@ class EngineConfig:
     Warm tier and sampling on the device: the CPU only detokenizes and streams)."""
 
     def __post_init__(self) -> None:
-        _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {list(_DTYPES)}")
+        for ranged in RANGES.values():  # the file's ranges (config/ranges.py), by field name
+            value = getattr(self, ranged.field)
+            allowed = ranged.range
+            _check(value is None or allowed.allows(value), ranged.field, value, allowed.allowed)
+        for chosen in CHOICES.values():
+            value = getattr(self, chosen.field)
+            _check(value in chosen.choices, chosen.field, value, _either(chosen.choices))
         _check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "device",
             self.device,
             "auto, cpu, cuda or cuda:N",
         )
-        _check(
-            self.gpu_memory_mb is None or self.gpu_memory_mb >= 64,
-            "gpu_memory_mb",
-            self.gpu_memory_mb,
-            ">= 64",
-        )
-        _check(
-            self.block_size in (8, 16, 32, 64, 128),
-            "block_size",
-            self.block_size,
-            "8, 16, 32, 64 or 128",
-        )
-        _check(1 <= self.max_num_seqs <= 4096, "max_num_seqs", self.max_num_seqs, "1..4096")
         _check(
             self.max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens",
@@ -216,55 +205,16 @@ class EngineConfig:
             self.num_kv_blocks,
             ">= 1",
         )
-        _check(self.kv_pool_mb is None or self.kv_pool_mb > 0, "kv_pool_mb", self.kv_pool_mb, "> 0")
-        _check(
-            self.max_model_len is None or self.max_model_len >= 16,
-            "max_model_len",
-            self.max_model_len,
-            ">= 16",
-        )
-        _check(
-            self.sample_placement in ("gpu", "cpu"),
-            "sample_placement",
-            self.sample_placement,
-            "gpu or cpu",
-        )
         _check(1 <= self.num_candidates <= 1024, "num_candidates", self.num_candidates, "1..1024")
-        _check(
-            self.hot_codec in ("native", "int8", "int4"),
-            "hot_codec",
-            self.hot_codec,
-            "native, int8 or int4",
-        )
-        _check(self.warm_pool_mb >= 0, "warm_pool_mb", self.warm_pool_mb, ">= 0")
-        _check(
-            self.warm_codec in ("lossless", "lz4", "int8", "int4"),
-            "warm_codec",
-            self.warm_codec,
-            "lossless, lz4, int8 or int4",
-        )
-        _check(
-            self.attn_warm in ("auto", "cpu", "gpu", "split"),
-            "attn_warm",
-            self.attn_warm,
-            "auto, cpu, gpu or split",
-        )
-        _check(self.cold_threshold_ms > 0, "cold_threshold_ms", self.cold_threshold_ms, "> 0")
-        _check(self.hot_turn_tokens >= 0, "hot_turn_tokens", self.hot_turn_tokens, ">= 0")
-        _check(
-            self.spill_policy in ("auto", "always", "never"),
-            "spill_policy",
-            self.spill_policy,
-            "auto, always or never",
-        )
-        _check(
-            0 <= self.warm_draft_tokens <= MAX_DRAFT_TOKENS,
-            "warm_draft_tokens",
-            self.warm_draft_tokens,
-            f"0..{MAX_DRAFT_TOKENS}",
-        )
         if self.warm_split is not None:
             _check(0.0 <= self.warm_split <= 1.0, "warm_split", self.warm_split, "0..1")
+        _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
+        _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
+        self._check_combinations()
+        self._check_tensor_parallel()
+
+    def _check_combinations(self) -> None:
+        """Values allowed alone that do not go together."""
         _check(
             self.warm_pool_mb == 0 or self.hot_codec in ("native", self.warm_codec),
             "warm_codec",
@@ -272,25 +222,6 @@ class EngineConfig:
             f"{self.hot_codec} with hot_codec: {self.hot_codec} (a quantized Hot cache moves "
             "its blocks to Warm as they are)",
         )
-        _check(
-            self.moe_gate_placement in ("gpu", "cpu"),
-            "moe_gate_placement",
-            self.moe_gate_placement,
-            "gpu or cpu",
-        )
-        _check(
-            self.kv_codec_placement in ("gpu", "cpu"),
-            "kv_codec_placement",
-            self.kv_codec_placement,
-            "gpu or cpu",
-        )
-        _check(
-            self.degrade_softmax in ("gpu", "cpu", "auto"),
-            "degrade_softmax",
-            self.degrade_softmax,
-            "gpu, cpu or auto",
-        )
-        _check(self.mode in ("hybrid", "pure_gpu"), "mode", self.mode, "hybrid or pure_gpu")
         if self.mode == "pure_gpu":
             _check(
                 self.warm_pool_mb == 0, "warm_pool_mb", self.warm_pool_mb, "0 with mode=pure_gpu"
@@ -302,55 +233,15 @@ class EngineConfig:
                 "gpu with mode=pure_gpu",
             )
         _check(
-            self.expert_cache_slots in (None, "auto")
-            or (isinstance(self.expert_cache_slots, int) and self.expert_cache_slots >= 1),
-            "expert_cache_slots",
-            self.expert_cache_slots,
-            ">= 1, auto (what the budget leaves), or unset (every expert on the device)",
-        )
-        _check(
-            self.weights_format in ("native", "int8", "int4"),
-            "weights_format",
-            self.weights_format,
-            "native, int8 or int4",
-        )
-        _check(
-            self.gpu_layers in (None, "auto")
-            or (isinstance(self.gpu_layers, int) and self.gpu_layers >= 0),
-            "gpu_layers",
-            self.gpu_layers,
-            ">= 0 (up to the model's layers), auto, or unset (every layer on the device)",
-        )
-        _check(
-            self.host_layer_compute in ("auto", "cpu", "stream", "split"),
-            "host_layer_compute",
-            self.host_layer_compute,
-            "auto, cpu, stream or split",
-        )
-        _check(
-            self.expert_format == "native"
-            or (self.expert_format in ("int8", "int4") and self.expert_cache_slots is not None),
+            self.expert_format == "native" or self.expert_cache_slots is not None,
             "expert_format",
             self.expert_format,
             "native, or int8 / int4 with expert_cache_slots set",
         )
-        _check(
-            self.expert_cpu_max_tokens is None or self.expert_cpu_max_tokens >= 0,
-            "expert_cpu_max_tokens",
-            self.expert_cpu_max_tokens,
-            ">= 0 (or unset: from the latency model)",
-        )
-        _check(1 <= self.decode_steps <= 16, "decode_steps", self.decode_steps, "1..16")
-        _check(
-            0 <= self.step_latency_ms <= 10000, "step_latency_ms", self.step_latency_ms, "0..10000"
-        )
-        _check(1 <= self.max_graph_batch <= 512, "max_graph_batch", self.max_graph_batch, "1..512")
-        self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
-        """tensor_parallel's range, and what it does not combine with (yet)."""
+        """tensor_parallel's ids, and what it does not combine with (yet)."""
         tp = self.tensor_parallel
-        _check(1 <= tp <= MAX_TENSOR_PARALLEL, "tensor_parallel", tp, f"1..{MAX_TENSOR_PARALLEL}")
         ids = self.tensor_parallel_ids
         _check(
             ids is None or (len(ids) == tp and len(set(ids)) == tp and min(ids) >= 0),

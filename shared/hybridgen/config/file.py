@@ -12,12 +12,13 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import yaml
 
 from hybridgen.config.engine import ConfigError, EngineConfig
+from hybridgen.config.ranges import Mode
 from hybridgen.config.schema import (
     StrictLoader,
     build,
@@ -79,7 +80,7 @@ class HybridGenConfig:
     """The dense weights' format on the device."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """The public endpoint."""
-    mode: Literal["hybrid", "pure_gpu"] = "hybrid"
+    mode: Mode = "hybrid"
     """hybrid: CPU and GPU as partners; pure_gpu: no Warm-KV, nothing placed on the CPU (it
     only detokenizes and streams), the baseline for many short requests."""
 

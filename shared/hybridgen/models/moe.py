@@ -52,6 +52,22 @@ class Routed:
     tokens: int
 
 
+Sent = tuple[int, dict[int, torch.Tensor], float]
+"""An EXPERT_RUN handed to the CPU daemon: (request number, {expert: its rows}, when)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One step's experts and where each runs, decided before any of them is computed."""
+
+    routed: list[Routed]
+    """The step's experts in ascending order, each with its tokens."""
+    on_cpu: set[int]
+    """Those the CPU computes: the latency model's pick among the uncached (Cold-Weights)."""
+    remote: Sent | None
+    """The CPU daemon's request for them, already sent; None: they are computed here."""
+
+
 class SparseMoeBlock(nn.Module):
     """`gate` ([E, H] router weight), `experts` (E dense MLPs of spec.expert_size) and, with
     a shared expert, `shared_expert` and `shared_expert_gate` ([1, H]); names follow HF's
@@ -159,18 +175,9 @@ class SparseMoeBlock(nn.Module):
         on the host or x's device (route()'s), weights [T, k] on x's device."""
         if self.cold is not None and ops.grouped_experts_usable(x, self.cold[1].gate_up.fmt):
             return self._combine_grouped(x, ids.cpu(), weights)
-        routed = self._group(ids, x.device)
-        if self.cold is not None:
-            self.cold[1].stats.count_routed(self.cold[0], [(r.expert, r.tokens) for r in routed])
-        on_cpu = self._cpu_experts(routed)
-        # Under the daemons the CPU's experts go to the CPU daemon first; the device's are
-        # launched while it computes them, and only then is its answer awaited.
-        remote = self._send_cpu_experts(x, routed, on_cpu)
-        sent = remote[1] if remote is not None else {}
-        ys = {r.expert: self.run_expert(r.expert, x[r.rows], r.expert in on_cpu)
-              for r in routed if r.expert not in sent}  # fmt: skip
-        if remote is not None:
-            ys.update(self._collect_cpu_experts(x, *remote))
+        placed = self._place(x, ids, x.device)
+        routed = placed.routed
+        ys = self._run_placed(x, placed, routed)
         # Ascending expert order fixes each token's summation order (HF's, too); one token
         # adds its experts' outputs up directly, which is the same sum from zero.
         out = torch.zeros_like(x) if x.shape[0] > 1 else None  # [T, H]
@@ -195,24 +202,45 @@ class SparseMoeBlock(nn.Module):
         and the CPU daemon's answer is collected last."""
         assert self.cold is not None and self.store is not None
         layer, cache, _ = self.cold
-        routed = self._group(ids, ids.device)
-        cache.stats.count_routed(layer, [(r.expert, r.tokens) for r in routed])
-        on_cpu = self._cpu_experts(routed)
-        hit = [r for r in routed if r.expert not in on_cpu and (layer, r.expert) in cache]
+        placed = self._place(x, ids, ids.device)
+        hit = [
+            r for r in placed.routed if r.expert not in placed.on_cpu and (layer, r.expert) in cache
+        ]
         hit_ids = {r.expert for r in hit}
-        others = [r for r in routed if r.expert not in hit_ids]
-        remote = self._send_cpu_experts(x, others, on_cpu)
-        sent = remote[1] if remote is not None else {}
+        others = [r for r in placed.routed if r.expert not in hit_ids]
         slots = {r.expert: cache.fetch(layer, r.expert, self.store) for r in hit}
         cache.stats.gpu_experts += len(slots)
         table = step_table(ids, slots, [r.expert for r in others], x.device)
         y = launch_hits(x, table, cache, GROUP)
-        ys = {r.expert: self.run_expert(r.expert, x[r.rows], r.expert in on_cpu)
-              for r in others if r.expert not in sent}  # fmt: skip
-        if remote is not None:
-            ys.update(self._collect_cpu_experts(x, *remote))
+        ys = self._run_placed(x, placed, others)
         other_ys = [ys[r.expert] for r in others]
         return finish_step(x, table, y, other_ys, weights)
+
+    def _place(self, x: torch.Tensor, ids: torch.Tensor, device: torch.device) -> Placement:
+        """What both combine paths do before computing: the step's experts grouped (their rows
+        on `device`) and counted, the CPU's picked, and under the daemons handed to the CPU
+        daemon first, so that it computes them while the device runs the others."""
+        routed = self._group(ids, device)
+        if self.cold is not None:
+            self.cold[1].stats.count_routed(self.cold[0], [(r.expert, r.tokens) for r in routed])
+        on_cpu = self._cpu_experts(routed)
+        return Placement(routed, on_cpu, self._send_cpu_experts(x, routed, on_cpu))
+
+    def _run_placed(
+        self, x: torch.Tensor, placed: Placement, experts: list[Routed]
+    ) -> dict[int, torch.Tensor]:
+        """{expert: its output [N, H]} for `experts` of `placed`: each run here (on the CPU,
+        or from the device cache, fetched if missing), except those sent to the CPU daemon,
+        whose answer is awaited only after the others were launched."""
+        sent = placed.remote[1] if placed.remote is not None else {}
+        ys = {
+            r.expert: self.run_expert(r.expert, x[r.rows], r.expert in placed.on_cpu)
+            for r in experts
+            if r.expert not in sent
+        }
+        if placed.remote is not None:
+            ys.update(self._collect_cpu_experts(x, *placed.remote))
+        return ys
 
     @staticmethod
     def _group(ids: torch.Tensor, device: torch.device) -> list[Routed]:
@@ -244,7 +272,7 @@ class SparseMoeBlock(nn.Module):
         x: torch.Tensor,
         routed: list[Routed],
         on_cpu: set[int],
-    ) -> tuple[int, dict[int, torch.Tensor], float] | None:
+    ) -> Sent | None:
         """EXPERT_RUN for the experts in `on_cpu`, when the CPU daemon computes them:
         (request number, {expert: its rows}, when they were handed over); None to compute
         them here."""
