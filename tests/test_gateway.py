@@ -288,7 +288,9 @@ def test_tokenize_and_model_info(server: Server) -> None:
         pb.TokenizeRequest(text="Hello world", add_special_tokens=False), timeout=30
     ).token_ids
     assert len(ids) == len(plain) + 1  # the BOS
+    _generate(server, _greedy_request(plain, 4))
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.decode_step_ms[1] > 0  # the engine's own decode step of one sequence
     assert info.max_model_len == MAX_MODEL_LEN
     assert info.architecture == "LlamaForCausalLM" and not info.synthetic
     assert info.kv_blocks_total > 0 and info.max_queue == 1

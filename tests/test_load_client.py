@@ -64,6 +64,10 @@ def test_served_run_reports_what_a_client_sees(checkpoint, tmp_path: Path) -> No
     assert med["tokens_per_message"] == 1.0
     assert med["ttft_ms_p50"] > 0 and med["gap_ms_p50"] > 0 and med["steady_tok_s"] > 0
     assert result["inprocess"]["decode_tok_s"] > 0 and med["gap_over_step"] > 0
+    # The server's own decode step at 3 streams (bucket 4), through the rings' stats.
+    steps = result["server_info"]["decode_step_ms"]
+    assert med["served_step_ms"] == steps["4"] > 0
+    assert med["gap_over_served_step"] == pytest.approx(med["gap_ms_p50"] / steps["4"])
     assert result["server_info"]["max_model_len"] == 128
     assert result["server"]["serve_exit_code"] == 0 and not result["server"]["shm_left_after_stop"]
     assert result["machine"]["commit"] and result["command"].startswith("python -m hybridgen")

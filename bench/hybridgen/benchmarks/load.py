@@ -25,7 +25,9 @@ with at most C in flight either way. Each measured run (after --warmup untimed o
 With --inprocess the same requests first run through the engine in this process (all at
 once, as engine_bench times it, prefix reuse off as its warm-up repeats them): its TTFT,
 decode tok/s and decode step time go beside the served figures, with gap_over_step = the
-served gap p50 over that step time.
+served gap p50 over that step time. gap_over_served_step is the gap p50 over the server's
+own decode step at the run's concurrency (GetModelInfo decode_step_ms): whether tokens leave
+as they are made, apart from what sharing the machine with the client costs the step.
 
 The figures are the median over --runs; every run is in the JSON (--out), which also records
 the machine, the commit, the command and the server's GetModelInfo. A table is printed last.
@@ -260,9 +262,15 @@ def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
         )
     from google.protobuf.json_format import MessageToDict
 
+    median = median_of(runs)
+    bucket = 1 << max(work.concurrency - 1, 0).bit_length()  # step_budget's batch buckets
+    step = info.decode_step_ms.get(bucket)
+    median["served_step_ms"] = step
+    gap = median["gap_ms_p50"]
+    median["gap_over_served_step"] = gap / step if gap and step else None
     return {
         "workload": asdict(work),
-        "median": median_of(runs),
+        "median": median,
         "runs": runs,
         "server_info": MessageToDict(info, preserving_proto_field_name=True),
     }
@@ -301,6 +309,11 @@ def print_table(name: str, result: dict[str, Any]) -> None:
         from hybridgen.benchmarks.chat_replay import prefix_line
 
         print(prefix_line(med["counters"]))
+    if med.get("served_step_ms"):
+        print(
+            f"served: the server's decode step {med['served_step_ms']:.2f} ms"
+            f" (GetModelInfo decode_step_ms); gap_ms_p50 over it: {med['gap_over_served_step']:.2f}"
+        )
     local = result.get("inprocess")
     if local is not None:
         print(

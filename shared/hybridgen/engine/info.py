@@ -55,6 +55,12 @@ def host_layer_info(engine: Engine) -> dict[str, float | int | str]:
     return host.placement()
 
 
+def step_info(engine: Engine) -> dict[str, dict[int, float]]:
+    """The measured decode-only step (ms) by batch size bucket (engine/step_budget.py),
+    keyed by GetModelInfo field names."""
+    return {"decode_step_ms": {rows: s * 1e3 for rows, s in engine.step_times.decode.items()}}
+
+
 def memory_info(device: torch.device) -> dict[str, float]:
     """Device memory figures that change while serving, keyed by GetModelInfo field names.
     They read only the CUDA caching allocator's counters, which are thread-safe, so any

@@ -28,7 +28,14 @@ import structlog
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.info import MIB, engine_info, host_layer_info, memory_info, moe_info
+from hybridgen.engine.info import (
+    MIB,
+    engine_info,
+    host_layer_info,
+    memory_info,
+    moe_info,
+    step_info,
+)
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import (
@@ -108,6 +115,8 @@ class _PoolSnapshot:
     """Sequences running."""
     tiers: tuple[tuple[str, float | int | str], ...] = ()
     """Engine.tier_stats() and info.moe_info() items."""
+    decode_step_ms: tuple[tuple[int, float], ...] = ()
+    """info.step_info(): the measured decode-only step by batch size bucket."""
 
 
 def _post(
@@ -173,6 +182,7 @@ class EngineBackend:
             "kv_blocks_used": snap.kv_blocks_used,
             "running_requests": snap.running_requests,
             "queued_requests": self._waiting,
+            "decode_step_ms": dict(snap.decode_step_ms),
         }
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -386,7 +396,8 @@ class EngineBackend:
         tiers = tuple(
             {**engine.tier_stats(), **moe_info(engine), **host_layer_info(engine)}.items()
         )
-        snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running), tiers)
+        steps = tuple(sorted(step_info(engine)["decode_step_ms"].items()))
+        snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running), tiers, steps)
         if snap == self._snapshot:
             return
         self._snapshot = snap  # one reference assignment: readers see old or new, never half

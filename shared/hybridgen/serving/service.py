@@ -249,7 +249,10 @@ def to_pb(request_id: str, delta: Delta) -> pb.GenerateResponse:
 
 def model_info_to_pb(info: dict[str, Any]) -> pb.GetModelInfoResponse:
     known = pb.GetModelInfoResponse.DESCRIPTOR.fields_by_name
-    return pb.GetModelInfoResponse(**{k: v for k, v in info.items() if k in known})
+    fields = {k: v for k, v in info.items() if k in known}
+    if "decode_step_ms" in fields:  # batch sizes: JSON (the rings' stats) keys them as text
+        fields["decode_step_ms"] = {int(k): v for k, v in fields["decode_step_ms"].items()}
+    return pb.GetModelInfoResponse(**fields)
 
 
 # -- errors to status codes -----------------------------------------------------------------
