@@ -29,12 +29,12 @@ for what in "$@"; do
     tests)
       # every test file that runs anything on CUDA (kernel_helpers.DEVICE, cuda skips, served
       # CUDA engines), together in one process
-      timeout 540 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
+      timeout 540 python3 -m pytest -q -p no:cacheprovider --durations=30 tests/test_gpu.py tests/test_kernels.py \
         tests/test_kernels_attention.py tests/test_kernels_prefill.py tests/test_hot_codec_kernels.py \
         tests/test_warm_device.py tests/test_kvcodec.py tests/test_step_faults.py \
         tests/test_dense_quant.py tests/test_device_checker.py tests/test_grouped_experts.py \
         tests/test_grouped_moe_block.py tests/test_host_layers.py tests/test_host_split.py \
-        2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
       ;;
     b12)
       load --config bench/served/b1_b2.yaml --requests 1 --prompt-len 512 --max-new-tokens 256 \
