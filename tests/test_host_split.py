@@ -9,7 +9,7 @@ import torch
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.host_layer_setup import place, split_fraction
+from hybridgen.engine.host_layer_setup import place, rebalance, split_fraction, time_together
 from hybridgen.experts.latency import LatencyModel
 from hybridgen.models.host_layers import PARTS, HostLayers, split_rows
 from hybridgen.models.loader import load_model
@@ -38,6 +38,31 @@ def test_split_fraction_balances_cpu_and_link() -> None:
     assert f == pytest.approx(19 / (19 + 52))
     assert f * latency.cpu_s(1) == pytest.approx((1 - f) * latency.fetch_s)
     assert split_fraction(LatencyModel(0.0, 0.0, 1.0, 0)) == 0.0
+
+
+def test_rebalance_from_both_sides_timed_at_once() -> None:
+    """Timed together at f = 0.5, the CPU's half took 2 ms and the link's 1 ms: a whole layer
+    costs the CPU 4 ms and the link 2 ms, so the CPU should take a third, where both sides
+    take 1.33 ms. Outside (0, 1) or without times, the share stays."""
+    f = rebalance(0.5, 2e-3, 1e-3)
+    assert f == pytest.approx(1 / 3)
+    assert f * 4e-3 == pytest.approx((1 - f) * 2e-3)
+    assert rebalance(0.25, 1e-3, 1e-3) == pytest.approx(0.25)  # balanced already
+    assert rebalance(0.0, 1e-3, 1e-3) == 0.0 and rebalance(1.0, 1e-3, 1e-3) == 1.0
+    assert rebalance(0.5, 0.0, 1e-3) == 0.5
+
+
+def test_time_together_runs_both_sides_of_the_first_layer() -> None:
+    """The CPU's rows and the link's copy of the rest of one host layer, at once: both sides
+    timed, only the first layer re-split (the others keep their rows until place)."""
+    loaded = load_model("tiny-llama", CPU, gpu_layers=1)
+    host = loaded.model.host_layers
+    assert host is not None
+    before = [p.cpu_rows for p in host.projections[1]]
+    cpu_s, link_s = time_together(host, 0.5)
+    assert cpu_s > 0 and link_s > 0
+    assert all(0 < p.cpu_rows < p.out_features for p in host.projections[0])
+    assert [p.cpu_rows for p in host.projections[1]] == before
 
 
 def test_split_rows_keep_both_sides_in_blocks() -> None:

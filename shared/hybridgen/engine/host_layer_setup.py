@@ -1,13 +1,16 @@
 """weights.gpu_layers at start: how many decoder layers stay on the device (checked against
 the model, or auto from the memory budget), the rest in host memory (models/host_layers.py),
 and how a step computes them: the CPU's share of each projection's rows under split (auto
-on CUDA) from the timed CPU against the timed link, and for auto on CUDA the crossover above
+on CUDA) from the timed CPU against the timed link, then corrected by the two timed at once
+(they share the host's memory), and for auto on CUDA the crossover above
 which a step streams, the Cold-Weights latency model's (experts/latency.py), a host layer in
 place of an expert."""
 
 from __future__ import annotations
 
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import structlog
@@ -115,7 +118,9 @@ def place(state: HostLayers, config: EngineConfig, cuda: bool) -> None:
         state.place(0.0)
         return
     latency = calibrate_host_layer(state, config)
-    fraction = split_fraction(latency)
+    alone = split_fraction(latency)
+    cpu_s, link_s = time_together(state, alone)
+    fraction = rebalance(alone, cpu_s, link_s)
     state.place(fraction)
     if state.compute == "auto":
         split = LatencyModel(
@@ -125,7 +130,14 @@ def place(state: HostLayers, config: EngineConfig, cuda: bool) -> None:
             latency.expert_bytes,
         )
         state.cpu_max_tokens = max(split.cpu_max_tokens, 1)
-    log.info("host_layer_latency", split_fraction=fraction, **latency.figures())
+    log.info(
+        "host_layer_latency",
+        split_fraction=fraction,
+        split_fraction_alone=alone,
+        together_cpu_us=cpu_s * 1e6,
+        together_link_us=link_s * 1e6,
+        **latency.figures(),
+    )
 
 
 def split_fraction(latency: LatencyModel) -> float:
@@ -133,6 +145,51 @@ def split_fraction(latency: LatencyModel) -> float:
     the link's part take equally long: f * cpu_s(1) = (1 - f) * fetch_s."""
     cpu, link = latency.cpu_s(1), latency.fetch_s
     return link / (cpu + link) if cpu + link > 0 else 0.0
+
+
+def rebalance(fraction: float, cpu_s: float, link_s: float) -> float:
+    """The CPU's share that balances the two sides, from their times for the shares
+    `fraction` and 1 - fraction of a layer measured while both ran at once (time_together):
+    a whole layer then costs the CPU cpu_s / f and the link link_s / (1 - f), which is what
+    they cost each other (both read host memory) and the separate calibration cannot see."""
+    if not 0 < fraction < 1 or cpu_s <= 0 or link_s <= 0:
+        return fraction
+    cpu_layer, link_layer = cpu_s / fraction, link_s / (1 - fraction)
+    return link_layer / (cpu_layer + link_layer)
+
+
+def time_together(state: HostLayers, fraction: float) -> tuple[float, float]:
+    """The first host layer's projections split at `fraction` for one token, as a decode step
+    runs them: the CPU's rows in a worker thread while the link copies the rest into a
+    staging slot; (CPU seconds, link seconds), each the best of RUNS after a warm-up."""
+    state.place(fraction, layers=1)
+    parts = state.projections[0]
+    inputs = [torch.randn(1, p.in_features, dtype=state.dtype) for p in parts]
+    cuda = state.device.type == "cuda"
+
+    def cpu_side() -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for p, x in zip(parts, inputs, strict=True):
+                p.cpu_linear(x)
+        return time.perf_counter() - start
+
+    def once(pool: ThreadPoolExecutor) -> tuple[float, float]:
+        start = time.perf_counter()
+        cpu = pool.submit(cpu_side)
+        for p, staged in zip(parts, state.slots[0], strict=True):
+            k = p.cpu_rows
+            for name, t in p.rows.items():
+                staged[name][: p.out_features - k].copy_(t[k:], non_blocking=True)
+        if cuda:
+            torch.cuda.synchronize(state.device)
+        link = time.perf_counter() - start
+        return cpu.result(), link
+
+    with ThreadPoolExecutor(1, thread_name_prefix="host-calibrate") as pool:
+        once(pool)
+        runs = [once(pool) for _ in range(RUNS)]
+    return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
 def calibrate_host_layer(state: HostLayers, config: EngineConfig) -> LatencyModel:

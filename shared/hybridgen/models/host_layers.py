@@ -159,10 +159,11 @@ class HostLayers:
         """Whether a host step leaves some rows to the device (else the CPU has them all)."""
         return any(p.cpu_rows < p.out_features for p in self.projections[0])
 
-    def place(self, fraction: float) -> None:
-        """The CPU takes `fraction` of each host projection's rows (1: all, 0: none)."""
+    def place(self, fraction: float, layers: int | None = None) -> None:
+        """The CPU takes `fraction` of each host projection's rows (1: all, 0: none), in
+        every host layer or the first `layers` (a calibration's)."""
         self.fraction = fraction
-        for layer in self.projections:
+        for layer in self.projections[:layers]:
             for p in layer:
                 granule = 64 if p.fmt == "int4" else 8
                 p.set_cpu_rows(split_rows(fraction, p.out_features, granule), self.dtype)
