@@ -73,8 +73,12 @@ def replay(engine: Engine, prompts: list[str], cuda: bool) -> dict[str, object]:
     }
     if engine.warm is not None:
         st = engine.warm.stats
-        out["warm"] = {"swapped_out": st.swapped_blocks, "loaded_back": st.loaded_blocks,
-                       "spilled": st.spilled_blocks, **engine.tier_stats()}  # fmt: skip
+        out["warm"] = {
+            "swapped_out": st.swapped_blocks,
+            "loaded_back": st.loaded_blocks,
+            "spilled": st.spilled_blocks,
+            **engine.tier_stats(),
+        }
     if cuda:
         after = torch.cuda.memory_stats()
         out["alloc_retries"] = after["num_alloc_retries"] - before.get("num_alloc_retries", 0)

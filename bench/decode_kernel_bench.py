@@ -82,8 +82,13 @@ def time_codec(codec: str, keys: int) -> dict:
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3 / (3 * REPS * LAYERS)
     nbytes = _bytes(caches[0])
-    return {"codec": codec, "keys": keys, "us_per_layer": us, "mb_per_layer": nbytes / 1e6,
-            "gb_s": nbytes / us / 1e3}  # fmt: skip
+    return {
+        "codec": codec,
+        "keys": keys,
+        "us_per_layer": us,
+        "mb_per_layer": nbytes / 1e6,
+        "gb_s": nbytes / us / 1e3,
+    }
 
 
 def main() -> None:
@@ -93,8 +98,10 @@ def main() -> None:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
     print(f"{'codec':7} {'keys':>7} {'us/layer':>9} {'MB/layer':>9} {'GB/s':>7}")
     for r in rows:
-        print(f"{r['codec']:7} {r['keys']:7d} {r['us_per_layer']:9.1f} "
-              f"{r['mb_per_layer']:9.1f} {r['gb_s']:7.0f}")  # fmt: skip
+        print(
+            f"{r['codec']:7} {r['keys']:7d} {r['us_per_layer']:9.1f} "
+            f"{r['mb_per_layer']:9.1f} {r['gb_s']:7.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             progress.info("teacher_forced", codec=codec, done=j + 1, total=args.tokens)
         engine.release()
         agree = sum(a == b for a, b in zip(forced, reference, strict=True)) / args.tokens
-        first = next((i for i, (a, b) in enumerate(zip(free, reference, strict=True)) if a != b),
-                     len(free))  # fmt: skip
+        first = next(
+            (i for i, (a, b) in enumerate(zip(free, reference, strict=True)) if a != b), len(free)
+        )
         result["codecs"][codec] = {
             "teacher_forced_agreement": agree,
             "free_running_first_divergence": first,
@@ -93,8 +94,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\ndraft agreement: {args.model}, context {args.context_len}, {args.tokens} tokens")
     print(f"{'KV codec':10} {'teacher-forced':>15} {'first divergence':>17}")
     for codec, r in result["codecs"].items():
-        print(f"{codec:10} {r['teacher_forced_agreement']:15.1%} "
-              f"{r['free_running_first_divergence']:17d}")  # fmt: skip
+        print(
+            f"{codec:10} {r['teacher_forced_agreement']:15.1%} "
+            f"{r['free_running_first_divergence']:17d}"
+        )
     return result
 
 

@@ -129,8 +129,10 @@ def replay_us(fn) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     results: dict[str, dict[str, float]] = {}
-    print(f"{'case':28} {'block us: per-expert':>21} {'grouped':>8} {'x':>5} | "
-          f"{'kernels us: per-expert':>22} {'grouped':>8} | rel err")  # fmt: skip
+    print(
+        f"{'case':28} {'block us: per-expert':>21} {'grouped':>8} {'x':>5} | "
+        f"{'kernels us: per-expert':>22} {'grouped':>8} | rel err"
+    )
     for fmt, (model, t) in itertools.product(("int4", "int8"), CASES):
         block, cache = make_block(model, fmt)
         spec = preset_spec(model)
@@ -140,16 +142,22 @@ def main() -> None:
         ref = block.combine(x, *routes[0]).float()
         ops.GROUPED_EXPERTS = True
         err = float((block.combine(x, *routes[0]).float() - ref).norm() / ref.norm())
-        row = {"per_expert_block_us": block_us(block, x, routes, False),
-               "grouped_block_us": block_us(block, x, routes, True), "rel_err": err}  # fmt: skip
+        row = {
+            "per_expert_block_us": block_us(block, x, routes, False),
+            "grouped_block_us": block_us(block, x, routes, True),
+            "rel_err": err,
+        }
         kern = kernels_us(block, cache, x, routes)
         row |= {"per_expert_kernels_us": kern["per_expert"], "grouped_kernels_us": kern["grouped"]}
         label = f"{model} {fmt} T={t} top-{block.top_k}"
         results[label] = row
-        print(f"{label:28} {row['per_expert_block_us']:21.1f} {row['grouped_block_us']:8.1f} "
-              f"{row['per_expert_block_us'] / row['grouped_block_us']:5.1f} | "
-              f"{row['per_expert_kernels_us']:22.1f} {row['grouped_kernels_us']:8.1f} | "
-              f"{err:.1e}", flush=True)  # fmt: skip
+        print(
+            f"{label:28} {row['per_expert_block_us']:21.1f} {row['grouped_block_us']:8.1f} "
+            f"{row['per_expert_block_us'] / row['grouped_block_us']:5.1f} | "
+            f"{row['per_expert_kernels_us']:22.1f} {row['grouped_kernels_us']:8.1f} | "
+            f"{err:.1e}",
+            flush=True,
+        )
         del block, cache
         torch.cuda.empty_cache()
     ops.GROUPED_EXPERTS = True

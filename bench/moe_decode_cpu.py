@@ -29,8 +29,14 @@ def main() -> None:
     ap.add_argument("--format", default="native", choices=("native", "int8", "int4"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    config = EngineConfig(model="tiny-mixtral", device="cpu", expert_cache_slots=24,
-                          expert_format=args.format, max_num_seqs=1, max_model_len=512)  # fmt: skip
+    config = EngineConfig(
+        model="tiny-mixtral",
+        device="cpu",
+        expert_cache_slots=24,
+        expert_format=args.format,
+        max_num_seqs=1,
+        max_model_len=512,
+    )
     engine = Engine(config)
     greedy = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     engine.generate([[5, 6, 7, 8]], greedy)  # warm-up
@@ -47,11 +53,18 @@ def main() -> None:
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
     machine = machine_info()
     commit = machine["commit"][:10]
-    result = {"machine": machine, "format": args.format, "ms_per_token": min(runs),
-              "runs_ms_per_token": runs, "top_level_ops_per_moe_layer": ops}  # fmt: skip
+    result = {
+        "machine": machine,
+        "format": args.format,
+        "ms_per_token": min(runs),
+        "runs_ms_per_token": runs,
+        "top_level_ops_per_moe_layer": ops,
+    }
     listed = ", ".join(f"{r:.3f}" for r in runs)
-    print(f"tiny-mixtral {args.format}, commit {commit}: {min(runs):.3f} ms per token "
-          f"(runs {listed}), {ops} torch ops per MoE layer")  # fmt: skip
+    print(
+        f"tiny-mixtral {args.format}, commit {commit}: {min(runs):.3f} ms per token "
+        f"(runs {listed}), {ops} torch ops per MoE layer"
+    )
     write_out("moe_decode_cpu.json", result)
 
 

@@ -60,8 +60,9 @@ def profile(engine: Engine, args: argparse.Namespace, cuda: bool) -> dict[str, A
 
     prompt, other = moe_bench.random_prompts(2, args.prompt_len, engine.spec.vocab_size, seed=1)
     engine.generate([other], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
-                                                   ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        "p", prompt, SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    )
     engine.step()  # the prefill
     sync()
     SparseMoeBlock.combine = timed_combine  # type: ignore[method-assign]
@@ -121,9 +122,18 @@ def main() -> None:
     parser.add_argument("--cpu-max-tokens", type=int, default=None)
     args = parser.parse_args()
     bench_args = moe_bench.build_parser().parse_args(
-        ["--model", args.model, "--budget-mb", str(args.budget_mb), "--expert-format", "int4",
-         "--new-tokens", str(args.new_tokens), "--in-process"]
-    )  # fmt: skip
+        [
+            "--model",
+            args.model,
+            "--budget-mb",
+            str(args.budget_mb),
+            "--expert-format",
+            "int4",
+            "--new-tokens",
+            str(args.new_tokens),
+            "--in-process",
+        ]
+    )
     bench_args.cpu_max_tokens = args.cpu_max_tokens
     moe_bench._decode = profile  # type: ignore[assignment]
     moe_bench.ours(bench_args, skewed=False)
@@ -132,17 +142,25 @@ def main() -> None:
     name = "moe_step_profile" if args.cpu_max_tokens is None else "moe_step_profile_fetch"
     write_out(f"{name}.json", RESULT)
     r = RESULT
-    print(f"\n{args.model} int4, {args.budget_mb} MiB, uniform, batch 1: "
-          f"{r['ms_per_token']:.1f} ms/token")  # fmt: skip
+    print(
+        f"\n{args.model} int4, {args.budget_mb} MiB, uniform, batch 1: "
+        f"{r['ms_per_token']:.1f} ms/token"
+    )
     for kind, ms in sorted(r["combine_ms_per_token"].items()):
-        print(f"  experts {kind:10s} {ms:6.1f} ms/token  {r['combine_calls_per_token'][kind]:5.1f} "
-              f"layers/token  median {r['combine_median_us'][kind]:7.0f} us")  # fmt: skip
+        print(
+            f"  experts {kind:10s} {ms:6.1f} ms/token  {r['combine_calls_per_token'][kind]:5.1f} "
+            f"layers/token  median {r['combine_median_us'][kind]:7.0f} us"
+        )
     print(f"  rest (pieces, syncs, sampling) {r['rest_ms_per_token']:.1f} ms/token")
-    print(f"  worker: waited {r['worker_wait_ms_per_token']:.1f} ms/token, computed "
-          f"{r['worker_compute_ms_per_token']} ms/token")  # fmt: skip
-    print(f"  one expert, 1 token: worker round trip {r.get('worker_round_trip_us', 0):.0f} us, "
-          f"in thread {r['in_thread_cpu_us']:.0f} us, fetch {r['fetch_us']:.0f} us, "
-          f"device {r['device_expert_us']:.0f} us")  # fmt: skip
+    print(
+        f"  worker: waited {r['worker_wait_ms_per_token']:.1f} ms/token, computed "
+        f"{r['worker_compute_ms_per_token']} ms/token"
+    )
+    print(
+        f"  one expert, 1 token: worker round trip {r.get('worker_round_trip_us', 0):.0f} us, "
+        f"in thread {r['in_thread_cpu_us']:.0f} us, fetch {r['fetch_us']:.0f} us, "
+        f"device {r['device_expert_us']:.0f} us"
+    )
 
 
 if __name__ == "__main__":

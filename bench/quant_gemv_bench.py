@@ -49,8 +49,10 @@ def main() -> None:
         for fmt in ("int8", "int4"):
             packed = PackedMatrices.pack(w, fmt)  # type: ignore[arg-type]
             copies = max(2, -(-512 * 2**20 // packed.matrix_bytes))
-            stacks = [PackedMatrices(fmt, {p: v.clone() for p, v in packed.parts.items()},
-                                     torch.bfloat16) for _ in range(copies)]  # fmt: skip
+            stacks = [
+                PackedMatrices(fmt, {p: v.clone() for p, v in packed.parts.items()}, torch.bfloat16)
+                for _ in range(copies)
+            ]
             ref = x.double() @ packed.matrix(0).double().T
             row[f"{fmt} dequant+cublas"] = time_us(
                 lambda a, st: F.linear(a, st.matrix(0)), stacks, x
@@ -88,8 +90,10 @@ def main() -> None:
     for t in TOKENS:
         expert = {c: sum(us[f"{s} T={t}"][c] for s in SHAPES) for c in configs}
         best = min(expert, key=expert.__getitem__)
-        print(f"one int4 expert at T={t}: best {best} {expert[best]:.1f} us, "
-              f"default {expert[key(Int4Config())]:.1f} us")  # fmt: skip
+        print(
+            f"one int4 expert at T={t}: best {best} {expert[best]:.1f} us, "
+            f"default {expert[key(Int4Config())]:.1f} us"
+        )
     write_out("quant_gemv.json", {"us": us, "gb_per_s": gbs, "machine": machine_info()})
 
 

@@ -99,8 +99,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     cases: list[dict[str, object]] = []
     print(f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
-    print(f"{'codec':<9}{'seqs':>5}{'blocks':>7}{'MiB':>7}{'ms':>9}{'GB/s':>7}"
-          f"{'dec ms':>8}{'attn ms':>8}{'err out':>9}{'err lse':>9}")  # fmt: skip
+    print(
+        f"{'codec':<9}{'seqs':>5}{'blocks':>7}{'MiB':>7}{'ms':>9}{'GB/s':>7}"
+        f"{'dec ms':>8}{'attn ms':>8}{'err out':>9}{'err lse':>9}"
+    )
     for name in ("lossless", "int8"):
         instance = "bench" + uuid.uuid4().hex[:12]
         pool = WarmPool.create(instance, get_codec(name, S, HKV, D, DTYPE), LAYERS, args.slots)
@@ -109,9 +111,11 @@ def main() -> None:
             for seqs in (1, 4, 64):
                 r = run_case(pool, slots, seqs, g)
                 cases.append({"codec": name, **r})
-                print(f"{name:<9}{seqs:>5}{r['blocks']:>7.0f}{r['mib_read']:>7.1f}{r['ms']:>9.2f}"
-                      f"{r['gb_s']:>7.2f}{r['decode_ms']:>8.2f}{r['attn_ms']:>8.2f}"
-                      f"{r['max_err_out']:>9.1e}{r['max_err_lse']:>9.1e}")  # fmt: skip
+                print(
+                    f"{name:<9}{seqs:>5}{r['blocks']:>7.0f}{r['mib_read']:>7.1f}{r['ms']:>9.2f}"
+                    f"{r['gb_s']:>7.2f}{r['decode_ms']:>8.2f}{r['attn_ms']:>8.2f}"
+                    f"{r['max_err_out']:>9.1e}{r['max_err_lse']:>9.1e}"
+                )
         finally:
             pool.close()
             pool.unlink()

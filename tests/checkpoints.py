@@ -197,10 +197,12 @@ def _byte_level_backend(style: str, vocab_size: int, specials: list[str]) -> Tok
     backend = Tokenizer(BPE())
     if style == "qwen2":
         backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])  # fmt: skip
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -230,10 +232,14 @@ def _sentencepiece_backend(vocab_size: int) -> Tokenizer:
     )
     backend.train_from_iterator([CORPUS], trainer)
     backend.pre_tokenizer = None
-    backend.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])  # fmt: skip
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     # Only the three control tokens are added tokens; the byte tokens are plain vocabulary.
     data = json.loads(backend.to_str())
     data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] in specials]

@@ -185,8 +185,11 @@ def test_cache_hit_rate_when_a_tokens_experts_outnumber_the_slots(
             stats.cache_hits = stats.cache_misses = 0
         for layer in range(layers):
             hot = torch.rand(1, generator=gen).item() < skew
-            pick = [layer % experts, (layer + 1) % experts] if hot else (
-                torch.randperm(experts, generator=gen)[:2].tolist())  # fmt: skip
+            pick = (
+                [layer % experts, (layer + 1) % experts]
+                if hot
+                else (torch.randperm(experts, generator=gen)[:2].tolist())
+            )
             stats.count_routed(layer, [(e, 1) for e in pick])
             for e in sorted(pick):
                 cache.fetch(layer, e, store)
@@ -197,9 +200,12 @@ def test_cache_hit_rate_when_a_tokens_experts_outnumber_the_slots(
 def test_latency_model_crossover() -> None:
     """cpu_s(t) = fixed + t * per_token against fetch_s + gpu_s = bytes / bandwidth + one call."""
     model = LatencyModel(
-        cpu_fixed_s=2e-6, cpu_s_per_token=1e-6, pcie_bytes_per_s=1e9, expert_bytes=4500,
+        cpu_fixed_s=2e-6,
+        cpu_s_per_token=1e-6,
+        pcie_bytes_per_s=1e9,
+        expert_bytes=4500,
         gpu_s=0.4e-6,
-    )  # fmt: skip
+    )
     assert model.fetch_s == pytest.approx(4.5e-6)
     assert model.cpu_max_tokens == 2  # 2 + 2 = 4 us < 4.9 us; 2 + 3 = 5 us is not
     assert model.cpu_s(3) == pytest.approx(5e-6)
@@ -212,8 +218,13 @@ def test_overlapped_cpu_takes_the_experts_that_end_the_layer_sooner() -> None:
     """A CPU 0.5 ms slower than a fetch plus a call (2.5 against 2.0 ms): taken alone, every
     miss is fetched; beside the device, one of two misses goes to the CPU (the layer ends at
     2.5 ms instead of 4.0), and two of four (5.0 ms instead of 8.0)."""
-    model = LatencyModel(cpu_fixed_s=2.5e-3, cpu_s_per_token=0.0, pcie_bytes_per_s=1e9,
-                         expert_bytes=2_000_000, gpu_s=0.0)  # fmt: skip
+    model = LatencyModel(
+        cpu_fixed_s=2.5e-3,
+        cpu_s_per_token=0.0,
+        pcie_bytes_per_s=1e9,
+        expert_bytes=2_000_000,
+        gpu_s=0.0,
+    )
     assert model.cpu_experts(0, [(3, 1), (5, 1)], overlap=False) == set()
     assert len(model.cpu_experts(0, [(3, 1), (5, 1)], overlap=True)) == 1
     assert len(model.cpu_experts(0, [(e, 1) for e in range(4)], overlap=True)) == 2

@@ -257,9 +257,14 @@ def test_piecewise_decode_matches_hf(checkpoint, gate: str) -> None:  # type: ig
     place_moe_gate(engine.loaded.model, gate)
     runner = engine.runner
     graphs = MoeDecodeGraphs(
-        engine.loaded.model, runner.kv_caches, runner.rope, 4, runner.max_blocks, engine.device,
+        engine.loaded.model,
+        runner.kv_caches,
+        runner.rope,
+        4,
+        runner.max_blocks,
+        engine.device,
         graphed=False,
-    )  # fmt: skip
+    )
     assert [b is None for b in graphs.blocks] == [True, False, False]
     assert all(p is None or p.logits.dtype == torch.float32 for p in graphs.picks)
     runner.graphs = graphs

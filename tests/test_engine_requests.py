@@ -208,9 +208,15 @@ def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() 
     at 315 MiB it does not, and the room is reserved."""
 
     def plan(budget_mb: int, warm_mb: int) -> tuple[int, int]:
-        config = EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=budget_mb,
-                              max_model_len=65536, warm_pool_mb=warm_mb,
-                              max_num_batched_tokens=256, max_num_seqs=4)  # fmt: skip
+        config = EngineConfig(
+            model="tiny-llama",
+            device="cpu",
+            gpu_memory_mb=budget_mb,
+            max_model_len=65536,
+            warm_pool_mb=warm_mb,
+            max_num_batched_tokens=256,
+            max_num_seqs=4,
+        )
         engine = Engine(config)
         engine.release()
         return engine.plan.num_blocks, engine.plan.workspace
@@ -220,7 +226,10 @@ def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() 
     assert blocks * 16 < 65536 and workspace > plan(318, 0)[1]
     # A budget whose pure Hot holds max_model_len is enough with a Warm tier too, even when
     # the read room would not fit in it (a 4-layer model, where that room costs the most).
-    lean = Engine(EngineConfig(model="tiny-llama", device="cpu", gpu_memory_mb=94,
-                               max_model_len=1024, warm_pool_mb=4))  # fmt: skip
+    lean = Engine(
+        EngineConfig(
+            model="tiny-llama", device="cpu", gpu_memory_mb=94, max_model_len=1024, warm_pool_mb=4
+        )
+    )
     lean.release()
     assert lean.plan.num_blocks * 16 >= 1024

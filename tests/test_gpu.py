@@ -149,11 +149,19 @@ def test_spill_choices_on_cuda_match_hf(checkpoint, case: str) -> None:  # type:
     prompts = sample_prompts(path, 2, list(lengths))
     engine = Engine(
         EngineConfig(
-            model=str(path), device="cuda", gpu_memory_mb=2048, block_size=8, num_kv_blocks=12,
-            max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, warm_pool_mb=2,
-            warm_codec="lossless", step_latency_ms=0,
+            model=str(path),
+            device="cuda",
+            gpu_memory_mb=2048,
+            block_size=8,
+            num_kv_blocks=12,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=96,
+            warm_pool_mb=2,
+            warm_codec="lossless",
+            step_latency_ms=0,
         )
-    )  # fmt: skip
+    )
     costs = engine.spill_costs
     assert costs is not None and costs.warm_block_s and costs.move_block_s  # probed on CUDA
     fixed_costs(engine, c, per_unit=c.prefill_s / 40)
@@ -174,11 +182,18 @@ def test_next_turn_from_warm_on_cuda_matches_hf(checkpoint) -> None:  # type: ig
     system, *users = sample_prompts(path, 4, [16, 24, 60, 16])
     engine = Engine(
         EngineConfig(
-            model=str(path), device="cuda", gpu_memory_mb=2048, block_size=8, num_kv_blocks=12,
-            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96, warm_pool_mb=2,
+            model=str(path),
+            device="cuda",
+            gpu_memory_mb=2048,
+            block_size=8,
+            num_kv_blocks=12,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=96,
+            warm_pool_mb=2,
             warm_codec="lossless",
         )
-    )  # fmt: skip
+    )
     chat(engine, path, system, users)
     hits = engine.scheduler.prefix_hits
     engine.release()
@@ -195,11 +210,20 @@ def test_warm_drafts_on_cuda_match_hf(checkpoint, mode: str) -> None:  # type: i
     expected = hf_greedy(path, prompts, 24)
     engine = Engine(
         EngineConfig(
-            model=str(path), device="cuda", gpu_memory_mb=2048, block_size=8,
-            num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=256,
-            warm_pool_mb=2, warm_codec="lossless", attn_warm=mode, warm_draft_tokens=4,
+            model=str(path),
+            device="cuda",
+            gpu_memory_mb=2048,
+            block_size=8,
+            num_kv_blocks=16,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            max_model_len=256,
+            warm_pool_mb=2,
+            warm_codec="lossless",
+            attn_warm=mode,
+            warm_draft_tokens=4,
         )
-    )  # fmt: skip
+    )
     assert engine.runner.graphs is not None
     got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     stats = engine.drafts.stats

@@ -183,9 +183,22 @@ def test_daemon_binds_to_the_configured_cores(daemon, tmp_path: Path) -> None:  
     config = tmp_path / "bad.yaml"
     config.write_text('device_topology:\n  cpu:\n    cores: "4000-4001"\n')
     bad = subprocess.run(
-        [sys.executable, "-m", "hybridgen.gpu_daemon.main", "--model", "tiny-llama",
-         "--instance", f"t{uuid.uuid4().hex[:12]}", "--device", "cpu", "--config", str(config)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hybridgen.gpu_daemon.main",
+            "--model",
+            "tiny-llama",
+            "--instance",
+            f"t{uuid.uuid4().hex[:12]}",
+            "--device",
+            "cpu",
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert "device_topology.cpu.cores='4000-4001' is out of range" in bad.stderr

@@ -54,8 +54,9 @@ def test_grouped_linear(fmt: str, dtype: torch.dtype, n: int, k: int) -> None:
         if fmt == "int8":
             one = t_qgemv.int8_linear(x[r : r + 1], stack.parts["q"][s], stack.parts["s"][s])
         else:
-            one = t_qgemv.int4_linear(x[r : r + 1], stack.parts["q"][s], stack.parts["sz"][s],
-                                      GROUP)  # fmt: skip
+            one = t_qgemv.int4_linear(
+                x[r : r + 1], stack.parts["q"][s], stack.parts["sz"][s], GROUP
+            )
         assert torch.allclose(out[p].float(), one[0].float(), rtol=1e-5, atol=1e-5)
 
 

@@ -36,9 +36,15 @@ def test_a_quantized_hot_cache_spills_its_blocks_as_they_are(  # type: ignore[no
     prompts = sample_prompts(path, 2, [150, 97])
     expected = reference_tokens(path, prompts, codec, NEW_TOKENS)
     engine = small_engine(
-        path, hot_codec=codec, warm_codec=codec, num_kv_blocks=6, max_num_seqs=2,
-        warm_pool_mb=2, attn_warm=mode, warm_split=0.5,
-    )  # fmt: skip
+        path,
+        hot_codec=codec,
+        warm_codec=codec,
+        num_kv_blocks=6,
+        max_num_seqs=2,
+        warm_pool_mb=2,
+        attn_warm=mode,
+        warm_split=0.5,
+    )
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
     st = engine.warm.stats  # type: ignore[union-attr]
     assert st.spilled_blocks >= (150 + 97 + 2 * NEW_TOKENS) // 8 - 6 - 2
@@ -59,10 +65,14 @@ def test_sequences_that_fit_hot_one_at_a_time_take_turns(checkpoint, hot: str) -
     prompts = sample_prompts(path, 3, [60, 50, 61])
     expected = reference_tokens(path, prompts, hot, NEW_TOKENS)
     engine = small_engine(
-        path, num_kv_blocks=12, warm_pool_mb=2, hot_codec=hot,
-        warm_codec="lossless" if hot == "native" else hot, hot_turn_tokens=8,
+        path,
+        num_kv_blocks=12,
+        warm_pool_mb=2,
+        hot_codec=hot,
+        warm_codec="lossless" if hot == "native" else hot,
+        hot_turn_tokens=8,
         spill_policy="always",  # the mechanism: turns whenever the next one does not fit
-    )  # fmt: skip
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}

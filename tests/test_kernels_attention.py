@@ -78,9 +78,17 @@ def _decode_case(
     out = torch.full_like(q, float("nan"))
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     got = DECODE_IMPLS[impl](
-        q, k_cache, v_cache, table, sl, scale, window, out=out, return_lse=True,
+        q,
+        k_cache,
+        v_cache,
+        table,
+        sl,
+        scale,
+        window,
+        out=out,
+        return_lse=True,
         num_splits=num_splits,
-    )  # fmt: skip
+    )
     o, lse = got
     assert o.data_ptr() == out.data_ptr()
     qsl = list(range(len(seq_lens) + 1))

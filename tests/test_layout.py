@@ -89,3 +89,18 @@ def test_the_readme_walks_one_request_through_at_most_eight_real_files() -> None
     assert [int(n) for n, _, _ in walk] == list(range(1, len(walk) + 1))
     missing = [path for _, path, _ in walk if not (ROOT / path).is_file()]
     assert not missing, missing
+
+
+def test_no_line_packing_past_the_formatter() -> None:
+    """STYLE.md: code is as the formatter lays it out; no `fmt: skip` / `fmt: off` packs lines
+    (a split by concept, not a line count)."""
+    marker = re.compile(r"#\s*fmt:\s*(skip|off)")
+    packed = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in (*SOURCES, "tests")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if ".venv" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if marker.search(line)
+    ]
+    assert not packed, packed

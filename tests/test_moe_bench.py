@@ -52,12 +52,27 @@ def test_unknown_case_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 def test_each_case_process_gets_its_own_cases_and_out(tmp_path: Path) -> None:
     """Both spellings of --out and --cases are replaced, the other arguments kept."""
     out = tmp_path / "case.json"
-    argv = ["--model", "tiny-mixtral", "--out", "/x/moe.json", "--cases=uniform,skewed",
-            "--budget-mb", "64", "--out=/y.json", "--cases", "skewed"]  # fmt: skip
+    argv = [
+        "--model",
+        "tiny-mixtral",
+        "--out",
+        "/x/moe.json",
+        "--cases=uniform,skewed",
+        "--budget-mb",
+        "64",
+        "--out=/y.json",
+        "--cases",
+        "skewed",
+    ]
     assert moe_bench.child_argv(argv, "skewed", out) == [
-        "--in-process", "--model", "tiny-mixtral", "--budget-mb", "64",
-        "--cases=skewed", f"--out={out}",
-    ]  # fmt: skip
+        "--in-process",
+        "--model",
+        "tiny-mixtral",
+        "--budget-mb",
+        "64",
+        "--cases=skewed",
+        f"--out={out}",
+    ]
 
 
 @pytest.mark.slow

@@ -125,8 +125,13 @@ def test_a_loaded_models_arena_is_not_counted_twice(
     checked (mixtral-8x22b's 72.5 GB arena was refused against the 55 GB left beside it)."""
     from hybridgen.engine import host_memory
 
-    config = EngineConfig(model="tiny-mixtral", device="cpu", expert_cache_slots=4,
-                          expert_format="int4", shm_instance=instance)  # fmt: skip
+    config = EngineConfig(
+        model="tiny-mixtral",
+        device="cpu",
+        expert_cache_slots=4,
+        expert_format="int4",
+        shm_instance=instance,
+    )
     loaded = load_configured(config)
     assert loaded.expert_arena is not None
     monkeypatch.setattr(host_memory, "shm_free_bytes", lambda: 2**20)  # less than the arena
@@ -144,9 +149,14 @@ def test_an_engine_that_fails_to_start_unlinks_its_expert_arena(instance: str) -
     the engine, which must not leave the arena in /dev/shm."""
     from pathlib import Path
 
-    config = EngineConfig(model="tiny-mixtral", device="cpu", gpu_memory_mb=64,
-                          expert_cache_slots="auto", expert_format="int4",
-                          shm_instance=instance)  # fmt: skip
+    config = EngineConfig(
+        model="tiny-mixtral",
+        device="cpu",
+        gpu_memory_mb=64,
+        expert_cache_slots="auto",
+        expert_format="int4",
+        shm_instance=instance,
+    )
     with pytest.raises(BudgetTooSmall, match="not even one expert fits"):
         Engine(config)
     assert not list(Path("/dev/shm").glob(f"hybridgen-{instance}-*"))

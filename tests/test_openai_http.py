@@ -73,9 +73,12 @@ def test_completion_greedy_text_equals_generate(
 ) -> None:
     expected, _, _ = generate(server, prompt=PROMPT, max_tokens=24, ignore_eos=True)
     out = client.completions.create(  # the folder's name names the model too
-        model=model.name, prompt=PROMPT, max_tokens=24, temperature=0,
+        model=model.name,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert out.choices[0].text == expected and expected
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 24
@@ -145,9 +148,13 @@ def test_n_2_greedy_shares_the_prompt(server: DefaultServer, client: openai.Open
     prompt = "A prompt no other test sends, long enough for several blocks. " * 3
     before = server.info().prefix_cached_tokens
     out = client.completions.create(
-        model=server_model(client), prompt=prompt, n=2, max_tokens=8, temperature=0,
+        model=server_model(client),
+        prompt=prompt,
+        n=2,
+        max_tokens=8,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     full_blocks = (len(server.tokenize(prompt)) - 1) // 16 * 16
     assert server.info().prefix_cached_tokens - before == full_blocks > 0
     expected, _, _ = generate(server, prompt=prompt, max_tokens=8, ignore_eos=True)
@@ -160,14 +167,25 @@ def test_n_2_seeded_samples_are_generates_with_seed_and_seed_plus_1(
     server: DefaultServer, client: openai.OpenAI
 ) -> None:
     expected = [
-        generate(server, prompt=PROMPT, max_tokens=16, ignore_eos=True,
-                 sampling={"temperature": 1.0, "seed": seed})[0]
+        generate(
+            server,
+            prompt=PROMPT,
+            max_tokens=16,
+            ignore_eos=True,
+            sampling={"temperature": 1.0, "seed": seed},
+        )[0]
         for seed in (7, 8)
-    ]  # fmt: skip
+    ]
     stream = client.completions.create(
-        model=server_model(client), prompt=PROMPT, n=2, max_tokens=16, temperature=1.0, seed=7,
-        stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=server_model(client),
+        prompt=PROMPT,
+        n=2,
+        max_tokens=16,
+        temperature=1.0,
+        seed=7,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     texts = ["", ""]
     for chunk in stream:
         for choice in chunk.choices:
@@ -179,13 +197,20 @@ def test_completion_logprobs_equal_generates(
     server: DefaultServer, client: openai.OpenAI, model: Path
 ) -> None:
     _, expected, _ = generate(
-        server, prompt=PROMPT, max_tokens=6, ignore_eos=True,
+        server,
+        prompt=PROMPT,
+        max_tokens=6,
+        ignore_eos=True,
         sampling={"temperature": 0.0, "logprobs": 3},
-    )  # fmt: skip
+    )
     out = client.completions.create(
-        model=server_model(client), prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+        model=server_model(client),
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     lp = out.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert lp.token_logprobs == pytest.approx([t.logprob for t in expected], abs=1e-6)
@@ -201,15 +226,29 @@ def test_completion_logprobs_equal_generates(
 def test_chat_logprobs_stream(server: DefaultServer, client: openai.OpenAI, model: Path) -> None:
     prompt = chat_prompt(model)
     _, expected, _ = generate(
-        server, prompt=prompt, add_special_tokens=False, max_tokens=5, ignore_eos=True,
+        server,
+        prompt=prompt,
+        add_special_tokens=False,
+        max_tokens=5,
+        ignore_eos=True,
         sampling={"temperature": 0.0, "logprobs": 2},
-    )  # fmt: skip
+    )
     stream = client.chat.completions.create(
-        model=str(model), messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
-        top_logprobs=2, stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    entries = [e for c in stream if c.choices and c.choices[0].logprobs
-               for e in c.choices[0].logprobs.content or []]  # fmt: skip
+        model=str(model),
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    entries = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
     assert [e.logprob for e in entries] == pytest.approx([t.logprob for t in expected], abs=1e-6)
     assert all(len(e.top_logprobs) == 2 for e in entries)
 
@@ -234,10 +273,13 @@ def test_chat_logprobs_stream(server: DefaultServer, client: openai.OpenAI, mode
         (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (True, {"response_format": {"type": "json_object"}}, "response_format"),
         (True, {"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
-        (True, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "messages[0].content[0]"),
+        (
+            True,
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_parameters_get_400_naming_them(
     client: openai.OpenAI, chat: bool, extra: dict[str, Any], param: str
 ) -> None:
@@ -254,9 +296,12 @@ def test_bad_parameters_get_400_naming_them(
 
 def test_unknown_parameters_are_ignored(client: openai.OpenAI) -> None:
     out = client.completions.create(
-        model=server_model(client), prompt=PROMPT, max_tokens=2, user="me",
+        model=server_model(client),
+        prompt=PROMPT,
+        max_tokens=2,
+        user="me",
         extra_body={"frobnicate": 3, "tool_choice": "none"},
-    )  # fmt: skip
+    )
     assert out.usage is not None and out.usage.completion_tokens >= 1
 
 
@@ -315,9 +360,13 @@ def wait_idle(server: DefaultServer) -> None:
 def test_a_disconnect_mid_stream_frees_the_kv(server: DefaultServer, client: openai.OpenAI) -> None:
     before = cancelled(server)
     stream = client.completions.create(
-        model=server_model(client), prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+        model=server_model(client),
+        prompt=PROMPT,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -335,9 +384,12 @@ def test_a_disconnect_while_waiting_for_a_whole_answer_frees_the_kv(
     # (512 with the prompt's 36); 400 tokens with a 1 s timeout sometimes finished first.
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=0.25, max_retries=0).completions.create(
-            model=server_model(client), prompt=PROMPT, max_tokens=476, temperature=0,
+            model=server_model(client),
+            prompt=PROMPT,
+            max_tokens=476,
+            temperature=0,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
     wait_idle(server)
     assert cancelled(server) == before + 1
 

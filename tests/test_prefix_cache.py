@@ -43,9 +43,13 @@ def test_hits_by_tier() -> None:
     hits.add(hot=2, warm=3, cold=0, block_size=16)
     hits.add(hot=0, warm=0, cold=1, block_size=16)
     assert hits.info() == {
-        "prefix_hot_hits": 1, "prefix_warm_hits": 1, "prefix_cold_hits": 1,
-        "prefix_hot_tokens": 32, "prefix_warm_tokens": 48, "prefix_cold_tokens": 16,
-    }  # fmt: skip
+        "prefix_hot_hits": 1,
+        "prefix_warm_hits": 1,
+        "prefix_cold_hits": 1,
+        "prefix_hot_tokens": 32,
+        "prefix_warm_tokens": 48,
+        "prefix_cold_tokens": 16,
+    }
 
 
 def generate(engine: Engine, prompt: list[int]) -> list[int]:
@@ -145,8 +149,9 @@ def test_idle_blocks_age_to_cold_only_when_warm_runs_short(checkpoint) -> None: 
     """`age` leaves Warm alone while a quarter of it is free; when less is, it moves blocks
     idle past cold_threshold_ms to Cold until a quarter is free again."""
     path = checkpoint("llama3")
-    engine = small_engine(path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2,
-                          cold_threshold_ms=1)  # fmt: skip
+    engine = small_engine(
+        path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2, cold_threshold_ms=1
+    )
     warm = engine.warm
     assert warm is not None
     generate(engine, sample_prompts(path, 1, [60])[0])  # 9 blocks written back
@@ -181,8 +186,9 @@ def test_writes_back_stop_when_they_do_not_pay(checkpoint) -> None:  # type: ign
 @pytest.mark.parametrize("reuse", [True, False])
 def test_prefix_reuse_off_keeps_nothing(checkpoint, reuse: bool) -> None:  # type: ignore[no-untyped-def]
     path = checkpoint("llama3")
-    engine = small_engine(path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2,
-                          prefix_reuse=reuse)  # fmt: skip
+    engine = small_engine(
+        path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2, prefix_reuse=reuse
+    )
     generate(engine, sample_prompts(path, 1, [60])[0])
     assert engine.offload is not None and (engine.offload.kept_blocks > 0) == reuse
     engine.release()

@@ -16,10 +16,39 @@ from hybridgen.models.tokenizer import Tokenizer
 from tests.checkpoints import TOKENIZER_STYLES, build_tokenizer
 
 WORDS = (
-    "the", "cat", "sat", "on", "mat", "speaking", "into", "microphone", "don't", "it's",
-    "12345", "3.14", "2024-06-01", "é", "e\u0301", "naïve", "日本語", "中文字", "🙂", "👍🏽",
-    "...", "!!", "?", "(", ")", "\"", "'", "-", "_", "<|begin_of_text|>", "def", "x_1",
-)  # fmt: skip
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "speaking",
+    "into",
+    "microphone",
+    "don't",
+    "it's",
+    "12345",
+    "3.14",
+    "2024-06-01",
+    "é",
+    "e\u0301",
+    "naïve",
+    "日本語",
+    "中文字",
+    "🙂",
+    "👍🏽",
+    "...",
+    "!!",
+    "?",
+    "(",
+    ")",
+    '"',
+    "'",
+    "-",
+    "_",
+    "<|begin_of_text|>",
+    "def",
+    "x_1",
+)
 SEPARATORS = (" ", " ", " ", "  ", "\n", "\n\n", "\t", ", ", ". ", "")
 
 

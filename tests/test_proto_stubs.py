@@ -20,8 +20,10 @@ def test_stubs_match_the_proto(tmp_path: Path) -> None:
     from importlib.metadata import version
 
     if version("grpcio-tools") != PINNED_GRPC_TOOLS:
-        pytest.fail(f"grpcio-tools {version('grpcio-tools')} installed; stubs need the pinned "
-                    f"{PINNED_GRPC_TOOLS}")  # fmt: skip
+        pytest.fail(
+            f"grpcio-tools {version('grpcio-tools')} installed; stubs need the pinned "
+            f"{PINNED_GRPC_TOOLS}"
+        )
     env = {**os.environ, "PYTHON": sys.executable}
     subprocess.run(
         ["bash", str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)],

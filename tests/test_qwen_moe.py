@@ -95,9 +95,14 @@ def test_dense_layers_of_a_moe_model_match_hf(checkpoint) -> None:  # type: igno
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
     runner = engine.runner
     graphs = MoeDecodeGraphs(
-        engine.loaded.model, runner.kv_caches, runner.rope, 4, runner.max_blocks, engine.device,
+        engine.loaded.model,
+        runner.kv_caches,
+        runner.rope,
+        4,
+        runner.max_blocks,
+        engine.device,
         graphed=False,
-    )  # fmt: skip
+    )
     assert [b is None for b in graphs.blocks] == [True, False, True, False]
     runner.graphs = graphs
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
@@ -113,9 +118,14 @@ def test_piecewise_decode_with_a_shared_expert_matches_hf(checkpoint) -> None:  
     engine = _cold(path)
     runner = engine.runner
     runner.graphs = MoeDecodeGraphs(
-        engine.loaded.model, runner.kv_caches, runner.rope, 4, runner.max_blocks, engine.device,
+        engine.loaded.model,
+        runner.kv_caches,
+        runner.rope,
+        4,
+        runner.max_blocks,
+        engine.device,
         graphed=False,
-    )  # fmt: skip
+    )
     got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     engine.release()
     assert got == hf_greedy(path, prompts, NEW_TOKENS)
@@ -194,8 +204,11 @@ def test_transformers5_spellings_load(checkpoint, tmp_path: Path) -> None:  # ty
     path = checkpoint("qwen3_moe")
     config = json.loads((path / "config.json").read_text())
     renamed = tmp_path / "config.json"
-    renamed.write_text(json.dumps({k: v for k, v in config.items() if k != "num_experts"}
-                                  | {"num_local_experts": 8}))  # fmt: skip
+    renamed.write_text(
+        json.dumps(
+            {k: v for k, v in config.items() if k != "num_experts"} | {"num_local_experts": 8}
+        )
+    )
     assert parse_config(renamed).num_local_experts == 8
     for kind in KINDS:
         path = checkpoint(kind)
@@ -345,9 +358,13 @@ def test_qwen3moe_gguf_matches_transformers_on_the_same_weights(tmp_path: Path, 
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = ref.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-            eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         expected.append(out[0, len(prompt) :].tolist())
     cold = _cold(path)
     assert [c.token_ids for c in cold.generate(prompts, GREEDY)] == expected

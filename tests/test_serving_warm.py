@@ -74,9 +74,11 @@ def test_served_sequences_that_fit_hot_one_at_a_time_take_turns(server: Server, 
 
     def stream(i: int) -> None:
         request = pb.GenerateRequest(
-            prompt_token_ids=prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True,
+            prompt_token_ids=prompts[i],
+            max_tokens=NEW_TOKENS,
+            ignore_eos=True,
             sampling=pb.SamplingParams(temperature=0.0),
-        )  # fmt: skip
+        )
         for reply in server.stub.Generate(request, timeout=120):
             got[i] += reply.token_ids
             times[i] += [time.monotonic()] * len(reply.token_ids)

@@ -20,8 +20,13 @@ T = 0.010  # a decode step, seconds
 
 
 def costs(**kw: float) -> Costs:
-    base = {"decode_step_s": T, "prefill_s": 0.02, "warm_step_s": 0.005, "warm_block_s": 1e-3,
-            "move_block_s": 1e-3}  # fmt: skip
+    base = {
+        "decode_step_s": T,
+        "prefill_s": 0.02,
+        "warm_step_s": 0.005,
+        "warm_block_s": 1e-3,
+        "move_block_s": 1e-3,
+    }
     return Costs(**{**base, **kw})
 
 

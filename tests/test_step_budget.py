@@ -97,10 +97,13 @@ def test_engine_steps_with_decodes_stay_small(checkpoint, latency_ms: float) -> 
     off, and the same prompt goes in at max_num_batched_tokens."""
     engine = Engine(
         EngineConfig(
-            model="tiny-llama", device="cpu", max_model_len=512, max_num_batched_tokens=256,
+            model="tiny-llama",
+            device="cpu",
+            max_model_len=512,
+            max_num_batched_tokens=256,
             step_latency_ms=latency_ms,
         )
-    )  # fmt: skip
+    )
     engine.add_request("a", list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=40))
     for _ in range(4):  # a's prefill, then decodes (measured)
         engine.step()

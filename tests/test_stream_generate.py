@@ -205,9 +205,21 @@ def test_the_speech_benchmark_runs_both_ways(server: DefaultServer) -> None:
     from hybridgen.benchmarks import speech_bench
 
     args = speech_bench.build_parser().parse_args(
-        ["--system-tokens", "40", "--transcript-tokens", "120", "--speech-s", "0.6",
-         "--chunk-ms", "100", "--sessions", "2", "--max-tokens", "4"]
-    )  # fmt: skip
+        [
+            "--system-tokens",
+            "40",
+            "--transcript-tokens",
+            "120",
+            "--speech-s",
+            "0.6",
+            "--chunk-ms",
+            "100",
+            "--sessions",
+            "2",
+            "--max-tokens",
+            "4",
+        ]
+    )
     result = asyncio.run(speech_bench.bench(f"127.0.0.1:{server.port}", args))
     assert result["chunks"] == 6 and len(result["runs"]) == 2
     for run in result["runs"]:

@@ -227,14 +227,20 @@ def test_missing_files_are_named(trained_dir: Path, tmp_path: Path) -> None:
 def test_config_special_tokens(trained_dir: Path, tmp_path: Path) -> None:
     """AddedToken dicts, tokens missing from tokenizer.json, extra special tokens, add_bos/eos."""
     config = {
-        "bos_token": {"__type": "AddedToken", "content": ck.BOS, "lstrip": False,
-                      "normalized": False, "rstrip": False, "single_word": False},
+        "bos_token": {
+            "__type": "AddedToken",
+            "content": ck.BOS,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+        },
         "pad_token": "<pad>",  # not in tokenizer.json: transformers adds it as a new id
         "extra_special_tokens": ["<|eot_id|>", "<tool>"],
         # transformers 5 ignores both when tokenizer.json exists: its post-processor decides.
         "add_bos_token": False,
         "add_eos_token": True,
-    }  # fmt: skip
+    }
     directory = variant(trained_dir, tmp_path / "v", config)
     ours = assert_same_as_hf(directory, [*TEXTS, "a <pad> b <tool> c"])
     assert ours.pad_token_id == ours.vocab_size - 2
@@ -292,9 +298,17 @@ def test_generation_defaults(tmp_path: Path) -> None:
         1,
         None,
     )
-    generation = {"eos_token_id": 5, "pad_token_id": 0, "do_sample": True, "temperature": 1,
-                  "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 64,
-                  "max_length": 128}  # fmt: skip
+    generation = {
+        "eos_token_id": 5,
+        "pad_token_id": 0,
+        "do_sample": True,
+        "temperature": 1,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_new_tokens": 64,
+        "max_length": 128,
+    }
     write_json(tmp_path / "generation_config.json", generation)
     defaults = load_generation_defaults(tmp_path, 7)
     assert defaults.eos_token_ids == (5,) and defaults.bos_token_id == 1

@@ -43,9 +43,20 @@ def test_umv_bench_runs_every_case(
     )
     cases = result["cases"]
     assert set(cases) == {
-        "b3a", "b3a_warm", "b3b_cpu", "b3b_gpu", "b3b_split", "b3b_auto", "b3b_drafts3", "b3c",
-        "b3c_kivi", "b3c_pure_gpu", "pure_gpu", "unbudgeted", "hf",
-    }  # fmt: skip
+        "b3a",
+        "b3a_warm",
+        "b3b_cpu",
+        "b3b_gpu",
+        "b3b_split",
+        "b3b_auto",
+        "b3b_drafts3",
+        "b3c",
+        "b3c_kivi",
+        "b3c_pure_gpu",
+        "pure_gpu",
+        "unbudgeted",
+        "hf",
+    }
     # Pure GPU in the same budget fails cleanly, naming the key: the context does not fit.
     assert cases.pop("pure_gpu")["error"].startswith(
         "BudgetTooSmall: device_topology.gpu.memory_mb=70 is too small"

@@ -118,14 +118,20 @@ def _decoded(pool: WarmPool, slots: list[int], layer: int, dtype: torch.dtype) -
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("stored", "dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-     (torch.float32, torch.bfloat16)],
-)  # fmt: skip
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("codec", CODECS)
 def test_prefill_gather_equals_decode_blocks(
-    instance: str, codec: str, stored: torch.dtype, dtype: torch.dtype,
+    instance: str,
+    codec: str,
+    stored: torch.dtype,
+    dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """The prefix gather (Triton, interpreted over the pool's shared memory, and the torch
     reference) gives the codec's decode_blocks bit for bit, for shuffled slots, at the first
     and the last layer, and with blocks split over several tiles."""

@@ -195,12 +195,18 @@ def timed_generate(
     from transformers import GenerationConfig
 
     def run(n: int, streamer: _TokenTimes | None) -> None:
-        cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                               eos_token_id=None, pad_token_id=0,
-                               cache_implementation=cache_implementation)  # fmt: skip
+        cfg = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+            cache_implementation=cache_implementation,
+        )
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
-                           streamer=streamer)  # fmt: skip
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=cfg, streamer=streamer
+            )
 
     run(1, None)
     times = _TokenTimes()

@@ -121,9 +121,10 @@ def ours(args: argparse.Namespace, skewed: bool) -> dict[str, Any]:
             engine.experts[0].remote = client
         result = _decode(engine, args, cuda)
         result["cpu_experts_by"] = (
-            "an expert worker over the shared arena" if linked
+            "an expert worker over the shared arena"
+            if linked
             else f"the engine's thread ({SHM_DIR} has {room} bytes free, the arena needs {arena})"
-        )  # fmt: skip
+        )
         return result
     finally:
         if worker is not None and client is not None:

@@ -41,11 +41,43 @@ from hybridgen.v1 import generation_pb2 as pb
 from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
 WORDS = (
-    "the", "patient", "reports", "a", "mild", "headache", "since", "yesterday", "morning",
-    "and", "some", "dizziness", "when", "standing", "up", "quickly", "after", "lunch", "we",
-    "checked", "blood", "pressure", "which", "was", "slightly", "elevated", "please",
-    "schedule", "follow-up", "visit", "next", "week", "send", "lab", "results", "clinic",
-)  # fmt: skip
+    "the",
+    "patient",
+    "reports",
+    "a",
+    "mild",
+    "headache",
+    "since",
+    "yesterday",
+    "morning",
+    "and",
+    "some",
+    "dizziness",
+    "when",
+    "standing",
+    "up",
+    "quickly",
+    "after",
+    "lunch",
+    "we",
+    "checked",
+    "blood",
+    "pressure",
+    "which",
+    "was",
+    "slightly",
+    "elevated",
+    "please",
+    "schedule",
+    "follow-up",
+    "visit",
+    "next",
+    "week",
+    "send",
+    "lab",
+    "results",
+    "clinic",
+)
 TIMEOUT_S = 600.0
 
 
@@ -93,8 +125,9 @@ def split_words(text: str, parts: int) -> list[str]:
 
 def _request(prompt: str, max_tokens: int) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=0.0)
-    return pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
-                              sampling=sampling)  # fmt: skip
+    return pb.GenerateRequest(
+        prompt=prompt, max_tokens=max_tokens, ignore_eos=True, sampling=sampling
+    )
 
 
 async def streamed(
@@ -184,9 +217,11 @@ async def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     s, w = result["ttft_after_last_chunk_ms"], result["ttft_whole_prompt_ms"]
-    print(f"speech bench: {result['model']} on {result['device']}, "
-          f"{result['prompt_tokens']} prompt tokens, {result['chunks']} chunks of "
-          f"~{result['chunk_tokens']:.0f} tokens, {len(result['runs'])} sessions")  # fmt: skip
+    print(
+        f"speech bench: {result['model']} on {result['device']}, "
+        f"{result['prompt_tokens']} prompt tokens, {result['chunks']} chunks of "
+        f"~{result['chunk_tokens']:.0f} tokens, {len(result['runs'])} sessions"
+    )
     print(f"{'TTFT (ms)':<28}{'p50':>10}{'p99':>10}{'mean':>10}")
     for name, row in (("after the last chunk", s), ("whole prompt at the end", w)):
         print(f"{name:<28}{row['p50']:>10.1f}{row['p99']:>10.1f}{row['mean']:>10.1f}")

@@ -136,8 +136,14 @@ def run_case(
             outs = engine.step()
             sync()
             t1 = time.perf_counter()
-            steps.append((t0 - start, t1 - start, sum(len(o.new_token_ids) for o in outs),
-                          [o.request_id for o in outs if o.new_token_ids]))  # fmt: skip
+            steps.append(
+                (
+                    t0 - start,
+                    t1 - start,
+                    sum(len(o.new_token_ids) for o in outs),
+                    [o.request_id for o in outs if o.new_token_ids],
+                )
+            )
             for o in outs:
                 first.setdefault(o.request_id, t1 - start)
                 if o.finished:

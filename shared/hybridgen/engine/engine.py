@@ -476,8 +476,17 @@ class Engine:
 
     def _await_token(self, seq: Sequence, cands: Candidates) -> RequestOutput:
         seq.awaiting_token = True
-        return RequestOutput(seq.request_id, [], False, None, None, None, seq.prompt_len,
-                             seq.num_output_tokens, cands)  # fmt: skip
+        return RequestOutput(
+            seq.request_id,
+            [],
+            False,
+            None,
+            None,
+            None,
+            seq.prompt_len,
+            seq.num_output_tokens,
+            cands,
+        )
 
     def accept_token(self, request_id: str, token_id: int, logprob: float) -> RequestOutput:
         """The token the CPU picked for a sequence that was awaiting one."""

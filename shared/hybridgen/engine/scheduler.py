@@ -397,9 +397,10 @@ class Scheduler:
         if not turn or self.offload is None:
             return False
         done = [
-            s for s in self.running
+            s
+            for s in self.running
             if not s.awaiting_token and s.num_tokens - s.num_computed_tokens == 1 and over(s)
-        ]  # fmt: skip
+        ]
         if not done:
             return False
         seq = max(done, key=lambda s: s.num_output_tokens - s.turn_start)

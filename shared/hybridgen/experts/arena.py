@@ -32,8 +32,10 @@ from hybridgen.models.spec import ModelSpec
 SEGMENT = "experts"
 HEADER_BYTES = 1 << 16
 ALIGN = 64
-_DTYPES = {str(t).removeprefix("torch."): t for t in
-           (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}  # fmt: skip
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)
+}
 
 
 def arena_bytes(spec: ModelSpec, fmt: Format, layers: int) -> int:
@@ -78,8 +80,10 @@ class ExpertArena:
         base = self._buffer.data_ptr()
 
         def parts(stack: PackedMatrices) -> dict[str, list[object]]:
-            return {k: [t.data_ptr() - base, list(t.shape), str(t.dtype).removeprefix("torch.")]
-                    for k, t in stack.parts.items()}  # fmt: skip
+            return {
+                k: [t.data_ptr() - base, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                for k, t in stack.parts.items()
+            }
 
         self._layers.append({"gate_up": parts(store.gate_up), "down": parts(store.down)})
         self._fmt, self._dtype = store.fmt, str(store.gate_up.dtype).removeprefix("torch.")

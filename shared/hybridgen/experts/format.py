@@ -115,8 +115,10 @@ class PackedMatrices:
 
     def empty(self, n: int, device: torch.device) -> PackedMatrices:
         """n slots of this layout on `device`, uninitialized."""
-        parts = {k: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device)
-                 for k, t in self.parts.items()}  # fmt: skip
+        parts = {
+            k: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device)
+            for k, t in self.parts.items()
+        }
         return PackedMatrices(self.fmt, parts, self.dtype)
 
     def copy_(self, i: int, src: PackedMatrices, j: int, non_blocking: bool) -> None:

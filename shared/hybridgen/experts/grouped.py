@@ -71,8 +71,9 @@ def launch_hits(x: Tensor, table: StepTable, cache: ExpertCache, group: int) -> 
     """The cache hits of `table` in one grouped launch -> their outputs [P, H] (None: none)."""
     if table.rows.shape[0] == 0:
         return None
-    return ops.grouped_expert_swiglu(x, cache.gate_up.fmt, cache.gate_up.parts, cache.down.parts,
-                                     table.rows, table.slots, group)  # fmt: skip
+    return ops.grouped_expert_swiglu(
+        x, cache.gate_up.fmt, cache.gate_up.parts, cache.down.parts, table.rows, table.slots, group
+    )
 
 
 def finish_step(

@@ -93,8 +93,9 @@ class ExpertLinkClient:
         except ArenaFull as exc:
             raise RemoteDown(f"the EXPERT_RUN request does not fit the arena: {exc}") from exc
         self._seq += 1
-        ticket = Ticket(Op.EXPERT_RUN, self._seq, layer=layer, payload_offset=offset,
-                        payload_len=length)  # fmt: skip
+        ticket = Ticket(
+            Op.EXPERT_RUN, self._seq, layer=layer, payload_offset=offset, payload_len=length
+        )
         if not self.shm.ask.put(ticket, self.timeout_s):
             self.shm.ask_meta.release(offset, length)
             raise RemoteDown("the CPU daemon's EXPERT_RUN ring stayed full")
@@ -140,8 +141,9 @@ class ExpertLinkWorker(LinkWorker[list[ExpertStore]]):
             ys = [stores[layer].run_cpu(expert, x) for expert, x in jobs]
         reply = _TIME.pack(time.perf_counter() - start) + b"".join(_raw(y) for y in ys)
         offset, length = shm.answer_meta.write(reply)
-        answer = Ticket(Op.EXPERT_DONE, ticket.request_id, payload_offset=offset,
-                        payload_len=length)  # fmt: skip
+        answer = Ticket(
+            Op.EXPERT_DONE, ticket.request_id, payload_offset=offset, payload_len=length
+        )
         if not shm.answer.put(answer, 5.0):  # the GPU daemon stopped reading: it is going away
             log.warning("expert_answer_dropped", request=ticket.request_id)
         self.answered += 1

@@ -45,8 +45,19 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _move_tile(src_ptr, scale_ptr, zero_ptr, dst_ptr, src_off, meta_off, dst_off, shift, mask,
-               QUANT: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+def _move_tile(
+    src_ptr,
+    scale_ptr,
+    zero_ptr,
+    dst_ptr,
+    src_off,
+    meta_off,
+    dst_off,
+    shift,
+    mask,
+    QUANT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     # src_off / dst_off: [BLOCK_S, BLOCK_D] element offsets (int4: of each channel's byte, and
     # `shift` its nibble); meta_off: the same tile's offsets into the scales (and zeros), only
     # read when QUANT.
@@ -63,16 +74,40 @@ def _move_tile(src_ptr, scale_ptr, zero_ptr, dst_ptr, src_off, meta_off, dst_off
     tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-# fmt: off
 @triton.jit
 def _gather_kernel(
-    slots_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr, ko_ptr, vo_ptr,
-    block_size, head_dim,
-    sk_n, sk_s, sk_h, sv_n, sv_s, sv_h, ksm_n, ksm_s, ksm_h, vsm_n, vsm_s, vsm_h, so_t, so_h,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr,
-    QUANT: tl.constexpr, ROUND_BF16: tl.constexpr,
+    slots_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    kz_ptr,
+    vz_ptr,
+    ko_ptr,
+    vo_ptr,
+    block_size,
+    head_dim,
+    sk_n,
+    sk_s,
+    sk_h,
+    sv_n,
+    sv_s,
+    sv_h,
+    ksm_n,
+    ksm_s,
+    ksm_h,
+    vsm_n,
+    vsm_s,
+    vsm_h,
+    so_t,
+    so_h,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KGROUP: tl.constexpr,
+    VGROUP: tl.constexpr,
+    QUANT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
-    # fmt: on
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -120,13 +155,32 @@ def gather_blocks(
     round_bf16 = dtype == torch.bfloat16 and (quant != 0 or k.dtype == torch.float32)
     grid = (n, heads, triton.cdiv(size, block_s))
     _gather_kernel[grid](
-        slots, k, v, ks, vs, kz, vz, ko, vo,
-        size, dim,
-        *k.stride()[:3], *v.stride()[:3], *ks.stride()[:3], *vs.stride()[:3],
-        ko.stride(0), ko.stride(1),
-        BLOCK_S=block_s, BLOCK_D=block_d, KGROUP=k_group, VGROUP=v_group, QUANT=quant,
-        ROUND_BF16=round_bf16, num_warps=4, enable_fp_fusion=False,
-    )  # fmt: skip
+        slots,
+        k,
+        v,
+        ks,
+        vs,
+        kz,
+        vz,
+        ko,
+        vo,
+        size,
+        dim,
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *ks.stride()[:3],
+        *vs.stride()[:3],
+        ko.stride(0),
+        ko.stride(1),
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        KGROUP=k_group,
+        VGROUP=v_group,
+        QUANT=quant,
+        ROUND_BF16=round_bf16,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
     return ko, vo
 
 

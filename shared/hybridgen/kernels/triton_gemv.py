@@ -47,8 +47,16 @@ def tiles_for(n: int) -> GemvConfig:
 
 
 @triton.jit
-def row_dots(x_ptr, w_ptr, rows, stride_w, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):  # fmt: skip
+def row_dots(
+    x_ptr,
+    w_ptr,
+    rows,
+    stride_w,
+    K,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # -> [BLOCK_N] fp32: rows `rows` (int64, in range) of w [., K] (unit stride along K), each
     # dotted with x [K], streamed in [BLOCK_N, BLOCK_K] tiles; w is read once (evict first).
     # The int8 expert kernel (triton_quant_gemv) takes the same loop over its codes.

@@ -42,10 +42,23 @@ SUM_BLOCK = 1024
 
 @triton.jit
 def _int8_grouped_kernel(
-    x_ptr, in_ptr, slot_ptr, q_ptr, s_ptr, y_ptr, N, K, stride_x, stride_qs, stride_q,
-    stride_y, GATHER: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    in_ptr,
+    slot_ptr,
+    q_ptr,
+    s_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_x,
+    stride_qs,
+    stride_q,
+    stride_y,
+    GATHER: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):  # fmt: skip
+):
     # Grid (cdiv(N, BLOCK_N), P): pair p's rows of x row in[p] (row p without GATHER) @
     # slot[p]'s [N, K] -> y[p].
     p = tl.program_id(1).to(tl.int64)
@@ -54,17 +67,36 @@ def _int8_grouped_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)
-    dots = row_dots(x_ptr + row * stride_x, q_ptr + slot * stride_qs, rows_safe, stride_q, K,
-                    EVEN_K, BLOCK_N, BLOCK_K)  # fmt: skip
+    dots = row_dots(
+        x_ptr + row * stride_x,
+        q_ptr + slot * stride_qs,
+        rows_safe,
+        stride_q,
+        K,
+        EVEN_K,
+        BLOCK_N,
+        BLOCK_K,
+    )
     y = dots * tl.load(s_ptr + slot * N + rows_safe).to(tl.float32)
     tl.store(y_ptr + p * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _int4_grouped_kernel(
-    x_ptr, in_ptr, slot_ptr, q_ptr, sz_ptr, part_ptr, N, K, K_SPLIT, stride_x,
-    GATHER: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    in_ptr,
+    slot_ptr,
+    q_ptr,
+    sz_ptr,
+    part_ptr,
+    N,
+    K,
+    K_SPLIT,
+    stride_x,
+    GATHER: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # Grid (N / 64, P, SPLIT): part [SPLIT, P, N] (y itself with one split); x row in[p]
     # (row p without GATHER).
     nb = tl.program_id(0).to(tl.int64)
@@ -75,9 +107,18 @@ def _int4_grouped_kernel(
     row_lo = nb * 64 + tl.arange(0, 32)
     k_start = split * K_SPLIT
     block = q_ptr + slot * N * (K // 2) + nb * K * 32
-    lo, hi = int4_block_dots(x_ptr + row * stride_x, block, sz_ptr + slot * K * N * 2 // GROUP,
-                             row_lo, N, K, k_start, tl.minimum(k_start + K_SPLIT, K), GROUP,
-                             BLOCK_K)  # fmt: skip
+    lo, hi = int4_block_dots(
+        x_ptr + row * stride_x,
+        block,
+        sz_ptr + slot * K * N * 2 // GROUP,
+        row_lo,
+        N,
+        K,
+        k_start,
+        tl.minimum(k_start + K_SPLIT, K),
+        GROUP,
+        BLOCK_K,
+    )
     out = part_ptr + (split * tl.num_programs(1) + p) * N + row_lo
     tl.store(out, lo.to(part_ptr.dtype.element_ty))
     tl.store(out + 32, hi.to(part_ptr.dtype.element_ty))
@@ -86,7 +127,7 @@ def _int4_grouped_kernel(
 @triton.jit
 def _weighted_sum_kernel(
     y_ptr, w_ptr, widx_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr
-):  # fmt: skip
+):
     # Grid (T, cdiv(H, BLOCK)): out[t] = sum over j < TOP_K, in order, of
     # (Y[t * TOP_K + j] * w[widx[t * TOP_K + j]]) cast to the model dtype before each add.
     t = tl.program_id(0).to(tl.int64)
@@ -118,9 +159,24 @@ def grouped_linear(
         assert q.is_contiguous() and s.is_contiguous() and x.shape[1] == k
         y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
         _int8_grouped_kernel[(triton.cdiv(n, BLOCK_N), pairs)](
-            x, rows, slots, q, s, y, n, k, x.stride(0), q.stride(0), q.stride(1), y.stride(0),
-            GATHER=gather, EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-        )  # fmt: skip
+            x,
+            rows,
+            slots,
+            q,
+            s,
+            y,
+            n,
+            k,
+            x.stride(0),
+            q.stride(0),
+            q.stride(1),
+            y.stride(0),
+            GATHER=gather,
+            EVEN_K=k % BLOCK_K == 0,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            num_warps=4,
+        )
         return y
     q, sz = parts["q"], parts["sz"]
     _, n, half = q.shape
@@ -130,12 +186,26 @@ def grouped_linear(
     assert sz.shape[1:] == (k // group, n, 2) and cfg.block_k % group == 0
     splits = int4_splits(n, k, cfg.block_k)
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
-    part = torch.empty(splits, pairs, n, dtype=x.dtype if splits == 1 else torch.float32,
-                       device=x.device)  # fmt: skip
+    part = torch.empty(
+        splits, pairs, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device
+    )
     _int4_grouped_kernel[(n // 64, pairs, splits)](
-        x, rows, slots, q, sz, part, n, k, k_split, x.stride(0), GATHER=gather, GROUP=group,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        x,
+        rows,
+        slots,
+        q,
+        sz,
+        part,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        GATHER=gather,
+        GROUP=group,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return part[0] if splits == 1 else part.sum(0).to(x.dtype)
 
 

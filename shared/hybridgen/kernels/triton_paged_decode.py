@@ -81,8 +81,15 @@ def _split_tiles(seq_len, window, num_splits, split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _group_meta(ptr, meta_row, row_ok, n_groups, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                QGROUP: tl.constexpr):  # fmt: skip
+def _group_meta(
+    ptr,
+    meta_row,
+    row_ok,
+    n_groups,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QGROUP: tl.constexpr,
+):
     # -> [BLOCK_N, BLOCK_D] fp32: each key's per-group scale (or zero) repeated over its QGROUP
     # channels. Loaded once per group, [BLOCK_N, BLOCK_D / QGROUP], then broadcast in registers
     # (a per-channel gather issued QGROUP times as many loads and made the kernel load-bound).
@@ -95,9 +102,19 @@ def _group_meta(ptr, meta_row, row_ok, n_groups, BLOCK_N: tl.constexpr, BLOCK_D:
 
 @triton.jit
 def _load_kv_tile(
-    code_ptr, scale_ptr, zero_ptr, code_row, meta_row, row_ok, head_dim, OUT_TY: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QGROUP: tl.constexpr, QUANT: tl.constexpr,
-):  # fmt: skip
+    code_ptr,
+    scale_ptr,
+    zero_ptr,
+    code_row,
+    meta_row,
+    row_ok,
+    head_dim,
+    OUT_TY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QGROUP: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     # -> [BLOCK_N, BLOCK_D] keys or values; code_row / meta_row: [BLOCK_N] element offsets of
     # each key's (block, offset, kv head) row; row_ok: [BLOCK_N] visible keys. QUANT 0: the
     # native cache's values as stored; 8: int8 code * scale; 4: u4 code * scale + zero (channel
@@ -125,19 +142,56 @@ def _load_kv_tile(
     return x
 
 
-# fmt: off
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr,
-    acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
-    qk_scale, sliding_window, num_splits, n_q_heads, group, head_dim,
-    sq_b, sq_h, skc_n, skc_s, skc_h, svc_n, svc_s, svc_h, s_bt, so_b, so_h,
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, ksm_n, ksm_s, ksm_h, vsm_n, vsm_s, vsm_h,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_FP32: tl.constexpr, QUANT: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    sliding_window,
+    num_splits,
+    n_q_heads,
+    group,
+    head_dim,
+    sq_b,
+    sq_h,
+    skc_n,
+    skc_s,
+    skc_h,
+    svc_n,
+    svc_s,
+    svc_h,
+    s_bt,
+    so_b,
+    so_h,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    ksm_n,
+    ksm_s,
+    ksm_h,
+    vsm_n,
+    vsm_s,
+    vsm_h,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
+    KGROUP: tl.constexpr,
+    VGROUP: tl.constexpr,
 ):
-    # fmt: on
     # q: [B, Hq, D]; caches: [N, S, Hkv, D] (or quantized codes, see _load_kv_tile) with unit
     # stride along D; K's scales and zeros share strides ksm_* (ksm_s 0: one per block and
     # channel, KIVI keys), V's vsm_*; bt: [B, M]
@@ -152,8 +206,11 @@ def _decode_split_kernel(
     row_ok = g < group
     d_ok = d < head_dim
     heads = kvh * group + g
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     # Quantized tiles are dequantized to q's dtype, in which the dots then run.
     kv_ty = kc_ptr.dtype.element_ty if QUANT == 0 else q_ptr.dtype.element_ty
     q = q.to(tl.float32) if DOT_FP32 else q.to(kv_ty)
@@ -166,9 +223,20 @@ def _decode_split_kernel(
         valid = (j >= start) & (j < seq_len)
         phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = j % BLOCK_SIZE
-        k = _load_kv_tile(kc_ptr, ks_ptr, kz_ptr, phys * skc_n + off * skc_s + kvh * skc_h,
-                          phys * ksm_n + off * ksm_s + kvh * ksm_h, valid, head_dim, kv_ty,
-                          BLOCK_N, BLOCK_D, KGROUP, QUANT)  # fmt: skip
+        k = _load_kv_tile(
+            kc_ptr,
+            ks_ptr,
+            kz_ptr,
+            phys * skc_n + off * skc_s + kvh * skc_h,
+            phys * ksm_n + off * ksm_s + kvh * ksm_h,
+            valid,
+            head_dim,
+            kv_ty,
+            BLOCK_N,
+            BLOCK_D,
+            KGROUP,
+            QUANT,
+        )
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
@@ -178,17 +246,39 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(vc_ptr, vs_ptr, vz_ptr, phys * svc_n + off * svc_s + kvh * svc_h,
-                          phys * vsm_n + off * vsm_s + kvh * vsm_h, valid, head_dim, kv_ty,
-                          BLOCK_N, BLOCK_D, VGROUP, QUANT)  # fmt: skip
+        v = _load_kv_tile(
+            vc_ptr,
+            vs_ptr,
+            vz_ptr,
+            phys * svc_n + off * svc_s + kvh * svc_h,
+            phys * vsm_n + off * vsm_s + kvh * vsm_h,
+            valid,
+            head_dim,
+            kv_ty,
+            BLOCK_N,
+            BLOCK_D,
+            VGROUP,
+            QUANT,
+        )
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     if DIRECT:
-        _decode_epilogue(acc, m_i, l_i, heads, row_ok, d, d_ok, out_ptr + b * so_b, so_h,
-                         lse_ptr + b * n_q_heads, WRITE_LSE)  # fmt: skip
+        _decode_epilogue(
+            acc,
+            m_i,
+            l_i,
+            heads,
+            row_ok,
+            d,
+            d_ok,
+            out_ptr + b * so_b,
+            so_h,
+            lse_ptr + b * n_q_heads,
+            WRITE_LSE,
+        )
     else:
         # Scratch: acc [B, Hq, NS, BLOCK_D]; m, l [B, Hq, NS].
         part = (b * n_q_heads + heads) * num_splits + split  # [BLOCK_G]
@@ -197,14 +287,22 @@ def _decode_split_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
 
 
-# fmt: off
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
-    num_splits, n_q_heads, head_dim, so_b, so_h,
-    SPLITS_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    n_q_heads,
+    head_dim,
+    so_b,
+    so_h,
+    SPLITS_BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
-    # fmt: on
     # Grid (B, Hq): rescales each split's partial to the global max and sums them.
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -217,8 +315,11 @@ def _decode_merge_kernel(
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max > float("-inf"), m_max, 0.0)
     w = tl.exp2(m - m_safe)  # empty splits: exp2(-inf) = 0
-    acc = tl.load(acc_ptr + (row * num_splits + sp[:, None]) * BLOCK_D + d[None, :],
-                  mask=sp_ok[:, None], other=0.0)  # fmt: skip
+    acc = tl.load(
+        acc_ptr + (row * num_splits + sp[:, None]) * BLOCK_D + d[None, :],
+        mask=sp_ok[:, None],
+        other=0.0,
+    )
     l_tot = tl.sum(l_part * w, axis=0)
     has_keys = l_tot > 0
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(has_keys, l_tot, 1.0)
@@ -341,8 +442,17 @@ def paged_decode_attention_quant(
     assert q.shape[-1] == cache.head_dim, f"head_dim {q.shape[-1]} != {cache.head_dim}"
     kz = cache.k_scale if cache.k_zero is None else cache.k_zero  # int8: never read
     vz = cache.v_scale if cache.v_zero is None else cache.v_zero
-    kv = _Kv(cache.k, cache.v, cache.k_scale, kz, cache.v_scale, vz, cache.bits, cache.k_group,
-             cache.v_group)  # fmt: skip
+    kv = _Kv(
+        cache.k,
+        cache.v,
+        cache.k_scale,
+        kz,
+        cache.v_scale,
+        vz,
+        cache.bits,
+        cache.k_group,
+        cache.v_group,
+    )
     return _decode(
         q, kv, block_tables, seq_lens, scale, sliding_window, out, return_lse, num_splits
     )
@@ -381,29 +491,72 @@ def _decode(
     dot_dtype = kv.k.dtype if kv.quant == 0 else q.dtype
     dot_fp32 = not q.is_cuda and dot_dtype == torch.bfloat16
     acc, m, l_ = _split_scratch(lse, num_splits, block_d)
-    # fmt: off
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
-        q, kv.k, kv.v, block_tables, seq_lens,
-        acc, m, l_, out, lse,
-        scale * _LOG2E, window, num_splits, n_q_heads, group, head_dim,
-        q.stride(0), q.stride(1),
-        kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
-        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero,
-        kv.k_scale.stride(0), kv.k_scale.stride(1), kv.k_scale.stride(2),
-        kv.v_scale.stride(0), kv.v_scale.stride(1), kv.v_scale.stride(2),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
-        DIRECT=direct, WRITE_LSE=return_lse, DOT_FP32=dot_fp32,
-        QUANT=kv.quant, KGROUP=kv.k_group, VGROUP=kv.v_group,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        q,
+        kv.k,
+        kv.v,
+        block_tables,
+        seq_lens,
+        acc,
+        m,
+        l_,
+        out,
+        lse,
+        scale * _LOG2E,
+        window,
+        num_splits,
+        n_q_heads,
+        group,
+        head_dim,
+        q.stride(0),
+        q.stride(1),
+        kv.k.stride(0),
+        kv.k.stride(1),
+        kv.k.stride(2),
+        kv.v.stride(0),
+        kv.v.stride(1),
+        kv.v.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        kv.k_scale,
+        kv.k_zero,
+        kv.v_scale,
+        kv.v_zero,
+        kv.k_scale.stride(0),
+        kv.k_scale.stride(1),
+        kv.k_scale.stride(2),
+        kv.v_scale.stride(0),
+        kv.v_scale.stride(1),
+        kv.v_scale.stride(2),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        DIRECT=direct,
+        WRITE_LSE=return_lse,
+        DOT_FP32=dot_fp32,
+        QUANT=kv.quant,
+        KGROUP=kv.k_group,
+        VGROUP=kv.v_group,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
-            acc, m, l_, out, lse,
-            num_splits, n_q_heads, head_dim, out.stride(0), out.stride(1),
-            SPLITS_BLOCK=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            WRITE_LSE=return_lse, num_warps=4,
+            acc,
+            m,
+            l_,
+            out,
+            lse,
+            num_splits,
+            n_q_heads,
+            head_dim,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_BLOCK=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            WRITE_LSE=return_lse,
+            num_warps=4,
         )
-    # fmt: on
     return (out, lse) if return_lse else out

@@ -44,19 +44,54 @@ _NUM_WARPS = 8
 _NUM_STAGES = 2
 
 
-# fmt: off
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, tiles_ptr, meta_ptr, out_ptr, lse_ptr,
-    qk_scale, window, n_q_heads, group, head_dim,
-    sq_t, sq_h, skc_n, skc_s, skc_h, svc_n, svc_s, svc_h, s_bt, so_t, so_h,
-    ks_ptr, kz_ptr, vs_ptr, vz_ptr, ksm_n, ksm_s, ksm_h, vsm_n, vsm_s, vsm_h,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    WRITE_LSE: tl.constexpr, DOT_FP32: tl.constexpr, QUANT: tl.constexpr,
-    KGROUP: tl.constexpr, VGROUP: tl.constexpr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    tiles_ptr,
+    meta_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    window,
+    n_q_heads,
+    group,
+    head_dim,
+    sq_t,
+    sq_h,
+    skc_n,
+    skc_s,
+    skc_h,
+    svc_n,
+    svc_s,
+    svc_h,
+    s_bt,
+    so_t,
+    so_h,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    ksm_n,
+    ksm_s,
+    ksm_h,
+    vsm_n,
+    vsm_s,
+    vsm_h,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
+    KGROUP: tl.constexpr,
+    VGROUP: tl.constexpr,
 ):
-    # fmt: on
     # q: [T, Hq, D]; caches: [N, S, Hkv, D] (or codes, see _load_kv_tile); bt: [B, M];
     # tiles: [num_tiles, 2] (sequence, first query); meta: [B, 3] (q_start, n, hot keys)
     R: tl.constexpr = BLOCK_M * BLOCK_G
@@ -76,8 +111,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     tok = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * sq_t + heads[:, None] * sq_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr + tok[:, None] * sq_t + heads[:, None] * sq_h + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     kv_ty = kc_ptr.dtype.element_ty if QUANT == 0 else q_ptr.dtype.element_ty
     q = q.to(tl.float32) if DOT_FP32 else q.to(kv_ty)
 
@@ -99,9 +137,20 @@ def _prefill_kernel(
         key_ok = (j >= k_lo) & (j < k_hi)
         phys = tl.load(bt_ptr + seq * s_bt + j // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         off = j % BLOCK_SIZE
-        k = _load_kv_tile(kc_ptr, ks_ptr, kz_ptr, phys * skc_n + off * skc_s + kvh * skc_h,
-                          phys * ksm_n + off * ksm_s + kvh * ksm_h, key_ok, head_dim, kv_ty,
-                          BLOCK_N, BLOCK_D, KGROUP, QUANT)  # fmt: skip
+        k = _load_kv_tile(
+            kc_ptr,
+            ks_ptr,
+            kz_ptr,
+            phys * skc_n + off * skc_s + kvh * skc_h,
+            phys * ksm_n + off * ksm_s + kvh * ksm_h,
+            key_ok,
+            head_dim,
+            kv_ty,
+            BLOCK_N,
+            BLOCK_D,
+            KGROUP,
+            QUANT,
+        )
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [R, BLOCK_N]
@@ -116,9 +165,20 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(vc_ptr, vs_ptr, vz_ptr, phys * svc_n + off * svc_s + kvh * svc_h,
-                          phys * vsm_n + off * vsm_s + kvh * vsm_h, key_ok, head_dim, kv_ty,
-                          BLOCK_N, BLOCK_D, VGROUP, QUANT)  # fmt: skip
+        v = _load_kv_tile(
+            vc_ptr,
+            vs_ptr,
+            vz_ptr,
+            phys * svc_n + off * svc_s + kvh * svc_h,
+            phys * vsm_n + off * vsm_s + kvh * vsm_h,
+            key_ok,
+            head_dim,
+            kv_ty,
+            BLOCK_N,
+            BLOCK_D,
+            VGROUP,
+            QUANT,
+        )
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -189,23 +249,55 @@ def _launch(
     dot_dtype = kv.k.dtype if kv.quant == 0 else q.dtype
     dot_fp32 = not q.is_cuda and dot_dtype == torch.bfloat16  # the interpreter's bf16 dots
     lse_arg = lse if lse is not None else out
-    # fmt: off
     _prefill_kernel[(num_tiles, n_kv_heads)](
-        q, kv.k, kv.v, block_tables, tiles, meta, out, lse_arg,
-        scale * _LOG2E, window if window > 0 else _NO_WINDOW, n_q_heads, group, head_dim,
-        q.stride(0), q.stride(1),
-        kv.k.stride(0), kv.k.stride(1), kv.k.stride(2),
-        kv.v.stride(0), kv.v.stride(1), kv.v.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero,
-        kv.k_scale.stride(0), kv.k_scale.stride(1), kv.k_scale.stride(2),
-        kv.v_scale.stride(0), kv.v_scale.stride(1), kv.v_scale.stride(2),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n,
-        BLOCK_D=block_d, CAUSAL=causal, WRITE_LSE=lse is not None, DOT_FP32=dot_fp32,
-        QUANT=kv.quant, KGROUP=kv.k_group, VGROUP=kv.v_group,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        q,
+        kv.k,
+        kv.v,
+        block_tables,
+        tiles,
+        meta,
+        out,
+        lse_arg,
+        scale * _LOG2E,
+        window if window > 0 else _NO_WINDOW,
+        n_q_heads,
+        group,
+        head_dim,
+        q.stride(0),
+        q.stride(1),
+        kv.k.stride(0),
+        kv.k.stride(1),
+        kv.k.stride(2),
+        kv.v.stride(0),
+        kv.v.stride(1),
+        kv.v.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        kv.k_scale,
+        kv.k_zero,
+        kv.v_scale,
+        kv.v_zero,
+        kv.k_scale.stride(0),
+        kv.k_scale.stride(1),
+        kv.k_scale.stride(2),
+        kv.v_scale.stride(0),
+        kv.v_scale.stride(1),
+        kv.v_scale.stride(2),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        CAUSAL=causal,
+        WRITE_LSE=lse is not None,
+        DOT_FP32=dot_fp32,
+        QUANT=kv.quant,
+        KGROUP=kv.k_group,
+        VGROUP=kv.v_group,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
-    # fmt: on
 
 
 def native_kv(k_cache: Tensor, v_cache: Tensor) -> _Kv:
@@ -218,8 +310,17 @@ def quant_kv(cache: QuantKvCache) -> _Kv:
     """An int8 / int4 cache as the kernels' operands."""
     kz = cache.k_scale if cache.k_zero is None else cache.k_zero  # int8: never read
     vz = cache.v_scale if cache.v_zero is None else cache.v_zero
-    return _Kv(cache.k, cache.v, cache.k_scale, kz, cache.v_scale, vz, cache.bits,
-               cache.k_group, cache.v_group)  # fmt: skip
+    return _Kv(
+        cache.k,
+        cache.v,
+        cache.k_scale,
+        kz,
+        cache.v_scale,
+        vz,
+        cache.bits,
+        cache.k_group,
+        cache.v_group,
+    )
 
 
 def paged_prefill_attention(

@@ -56,24 +56,41 @@ class Int4Config:
 
 @triton.jit
 def _int8_kernel(
-    x_ptr, q_ptr, s_ptr, y_ptr, N, K, stride_x, stride_q, stride_y,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_x,
+    stride_q,
+    stride_y,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     t = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)  # out-of-range rows re-read row 0
-    dots = row_dots(x_ptr + t * stride_x, q_ptr, rows_safe, stride_q, K, EVEN_K, BLOCK_N,
-                    BLOCK_K)  # fmt: skip
+    dots = row_dots(x_ptr + t * stride_x, q_ptr, rows_safe, stride_q, K, EVEN_K, BLOCK_N, BLOCK_K)
     y = dots * tl.load(s_ptr + rows_safe).to(tl.float32)
     tl.store(y_ptr + t * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _int4_kernel(
-    x_ptr, q_ptr, sz_ptr, part_ptr, N, K, K_SPLIT, stride_x,
-    GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    sz_ptr,
+    part_ptr,
+    N,
+    K,
+    K_SPLIT,
+    stride_x,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # part: [SPLIT, T, N], fp32 partials (or, with one split, y itself). K_SPLIT (a multiple
     # of BLOCK_K) inputs per split.
     nb = tl.program_id(0).to(tl.int64)
@@ -81,16 +98,27 @@ def _int4_kernel(
     split = tl.program_id(2)  # int32 loop bounds; the pointers use int64 nb and t
     row_lo = nb * 64 + tl.arange(0, 32)
     k_start = split * K_SPLIT
-    lo, hi = int4_block_dots(x_ptr + t * stride_x, q_ptr + nb * K * 32, sz_ptr, row_lo, N, K,
-                             k_start, tl.minimum(k_start + K_SPLIT, K), GROUP, BLOCK_K)  # fmt: skip
+    lo, hi = int4_block_dots(
+        x_ptr + t * stride_x,
+        q_ptr + nb * K * 32,
+        sz_ptr,
+        row_lo,
+        N,
+        K,
+        k_start,
+        tl.minimum(k_start + K_SPLIT, K),
+        GROUP,
+        BLOCK_K,
+    )
     out = part_ptr + (split * tl.num_programs(1) + t) * N + row_lo
     tl.store(out, lo.to(part_ptr.dtype.element_ty))
     tl.store(out + 32, hi.to(part_ptr.dtype.element_ty))
 
 
 @triton.jit
-def int4_block_dots(x_ptr, block, sz_ptr, row_lo, N, K, k_start, k_end, GROUP: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+def int4_block_dots(
+    x_ptr, block, sz_ptr, row_lo, N, K, k_start, k_end, GROUP: tl.constexpr, BLOCK_K: tl.constexpr
+):
     # -> two [32] fp32: rows row_lo and row_lo + 32 (one block of 64, its [K, 32] bytes at
     # `block`; sz [K / GROUP, N, 2] at sz_ptr) dotted with x [K] over inputs k_start..k_end
     # (a multiple of BLOCK_K from 0). The grouped expert kernels take the same loop.
@@ -103,8 +131,12 @@ def int4_block_dots(x_ptr, block, sz_ptr, row_lo, N, K, k_start, k_end, GROUP: t
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + kk
         k_ok = k < K
-        packed = tl.load(block + k[:, None] * 32 + j[None, :], mask=k_ok[:, None], other=136,
-                         eviction_policy="evict_first")  # fmt: skip
+        packed = tl.load(
+            block + k[:, None] * 32 + j[None, :],
+            mask=k_ok[:, None],
+            other=136,
+            eviction_policy="evict_first",
+        )
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         g = k0 // GROUP + gg
         g_ok = g < K // GROUP
@@ -134,9 +166,20 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _int8_kernel[(triton.cdiv(n, BLOCK_N), t)](
-        x, q, s, y, n, k, x.stride(0), q.stride(0), y.stride(0),
-        EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-    )  # fmt: skip
+        x,
+        q,
+        s,
+        y,
+        n,
+        k,
+        x.stride(0),
+        q.stride(0),
+        y.stride(0),
+        EVEN_K=k % BLOCK_K == 0,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
+    )
     return y
 
 
@@ -166,10 +209,21 @@ def int4_linear(
     splits = cfg.splits or int4_splits(n, k, cfg.block_k)
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
     # One split writes y directly; more leave fp32 partials to sum (two more launches).
-    parts = torch.empty(splits, t, n, dtype=x.dtype if splits == 1 else torch.float32,
-                        device=x.device)  # fmt: skip
+    parts = torch.empty(
+        splits, t, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device
+    )
     _int4_kernel[(n // 64, t, splits)](
-        x, q, sz, parts, n, k, k_split, x.stride(0), GROUP=group, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        x,
+        q,
+        sz,
+        parts,
+        n,
+        k,
+        k_split,
+        x.stride(0),
+        GROUP=group,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return parts[0] if splits == 1 else parts.sum(0).to(x.dtype)

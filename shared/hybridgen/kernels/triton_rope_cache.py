@@ -70,20 +70,41 @@ def _cos_sin(cos_ptr, sin_ptr, pos, s_cos, s_sin, HALF: tl.constexpr, BLOCK_HALF
     return c1, c2, s1, s2
 
 
-# fmt: off
 @triton.jit
 def _rope_and_cache_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
-    n_q_heads, n_kv_heads,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
-    s_cos, s_sin,
-    skc_n, skc_s, skc_h, svc_n, svc_s, svc_h,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    n_q_heads,
+    n_kv_heads,
+    sq_t,
+    sq_h,
+    sq_d,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_t,
+    sv_h,
+    sv_d,
+    s_cos,
+    s_sin,
+    skc_n,
+    skc_s,
+    skc_h,
+    svc_n,
+    svc_s,
+    svc_h,
     BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    # fmt: on
     # One program per token. Cache rows have unit stride along D (checked by the wrapper).
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -99,12 +120,40 @@ def _rope_and_cache_kernel(
     kc_row = kc_ptr + blk * skc_n + off * skc_s
     vc_row = vc_ptr + blk * svc_n + off * svc_s
 
-    # fmt: off
-    _rotate_heads(q_ptr + t * sq_t, n_q_heads, sq_h, sq_d, c1, c2, s1, s2,
-                  kc_row, skc_h, slot_ok, HALF, BLOCK_H, BLOCK_HALF, False)
-    _rotate_heads(k_ptr + t * sk_t, n_kv_heads, sk_h, sk_d, c1, c2, s1, s2,
-                  kc_row, skc_h, slot_ok, HALF, BLOCK_H, BLOCK_HALF, True)
-    # fmt: on
+    _rotate_heads(
+        q_ptr + t * sq_t,
+        n_q_heads,
+        sq_h,
+        sq_d,
+        c1,
+        c2,
+        s1,
+        s2,
+        kc_row,
+        skc_h,
+        slot_ok,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+        False,
+    )
+    _rotate_heads(
+        k_ptr + t * sk_t,
+        n_kv_heads,
+        sk_h,
+        sk_d,
+        c1,
+        c2,
+        s1,
+        s2,
+        kc_row,
+        skc_h,
+        slot_ok,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+        True,
+    )
 
     dv = tl.arange(0, 2 * BLOCK_HALF)[None, :]
     for h0 in range(0, n_kv_heads, BLOCK_H):
@@ -142,23 +191,41 @@ def rope_and_cache(
     block_half = triton.next_power_of_2(half)
     # Tile heads so a tile holds ~2K elements per half: few loop trips, bounded registers.
     block_h = max(1, min(triton.next_power_of_2(max(n_q_heads, n_kv_heads)), 2048 // block_half))
-    # fmt: off
     _rope_and_cache_kernel[(n_tokens,)](
-        q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
-        n_q_heads, n_kv_heads,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        n_q_heads,
+        n_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        cos.stride(0),
+        sin.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1],
         HALF=half,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         num_warps=4,
     )
-    # fmt: on
 
 
 # --- quantize on write ------------------------------------------------------------------------
@@ -200,14 +267,25 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo), hi)
 
 
-# fmt: off
 @triton.jit
 def _quantize_heads(
-    src_ptr, n_heads, s_h, s_d, code_ptr, scale_ptr, zero_ptr, sc_h, ss_h, slot,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_P: tl.constexpr,
+    src_ptr,
+    n_heads,
+    s_h,
+    s_d,
+    code_ptr,
+    scale_ptr,
+    zero_ptr,
+    sc_h,
+    ss_h,
+    slot,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    # fmt: on
     # Quantizes heads [0, n_heads) of one token into the cache row at code_ptr / scale_ptr /
     # zero_ptr unless slot < 0. Tiles are [BLOCK_H, BLOCK_NG groups, BLOCK_P channel pairs]:
     # x0 holds channels 2p, x1 channels 2p + 1 of each group, the two nibbles of a u4 byte.
@@ -251,31 +329,90 @@ def _quantize_heads(
         tl.store(scale_ptr + meta, scale, mask=g_ok & slot_ok)
 
 
-# fmt: off
 @triton.jit
 def _rope_and_cache_quant_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
-    kc_ptr, vc_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
-    n_q_heads, n_kv_heads,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
-    s_cos, s_sin,
-    sc_n, sc_s, sc_h, ss_n, ss_s, ss_h,
-    BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_P: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    kz_ptr,
+    vz_ptr,
+    n_q_heads,
+    n_kv_heads,
+    sq_t,
+    sq_h,
+    sq_d,
+    sk_t,
+    sk_h,
+    sk_d,
+    sv_t,
+    sv_h,
+    sv_d,
+    s_cos,
+    s_sin,
+    sc_n,
+    sc_s,
+    sc_h,
+    ss_n,
+    ss_s,
+    ss_h,
+    BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    # fmt: on
     # One program per token: rotate q and k in place, then quantize k (re-read after a barrier,
     # so the cache holds exactly the rotated k the caller sees) and v into the token's slot.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, s_cos, s_sin, HALF, BLOCK_HALF)
     no_cache = (tl.zeros([BLOCK_H, 1], dtype=tl.int64) - 1) >= 0
-    # fmt: off
-    _rotate_heads(q_ptr + t * sq_t, n_q_heads, sq_h, sq_d, c1, c2, s1, s2,
-                  q_ptr, 0, no_cache, HALF, BLOCK_H, BLOCK_HALF, False)
-    _rotate_heads(k_ptr + t * sk_t, n_kv_heads, sk_h, sk_d, c1, c2, s1, s2,
-                  k_ptr, 0, no_cache, HALF, BLOCK_H, BLOCK_HALF, False)
+    _rotate_heads(
+        q_ptr + t * sq_t,
+        n_q_heads,
+        sq_h,
+        sq_d,
+        c1,
+        c2,
+        s1,
+        s2,
+        q_ptr,
+        0,
+        no_cache,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+        False,
+    )
+    _rotate_heads(
+        k_ptr + t * sk_t,
+        n_kv_heads,
+        sk_h,
+        sk_d,
+        c1,
+        c2,
+        s1,
+        s2,
+        k_ptr,
+        0,
+        no_cache,
+        HALF,
+        BLOCK_H,
+        BLOCK_HALF,
+        False,
+    )
     tl.debug_barrier()
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -283,13 +420,42 @@ def _rope_and_cache_quant_kernel(
     safe = tl.maximum(slot, 0)
     code_row = (safe // BLOCK_SIZE) * sc_n + (safe % BLOCK_SIZE) * sc_s
     meta_row = (safe // BLOCK_SIZE) * ss_n + (safe % BLOCK_SIZE) * ss_s
-    _quantize_heads(k_ptr + t * sk_t, n_kv_heads, sk_h, sk_d,
-                    kc_ptr + code_row, ks_ptr + meta_row, kz_ptr + meta_row, sc_h, ss_h, slot,
-                    2 * HALF, GROUP, BITS, BLOCK_HQ, BLOCK_NG, BLOCK_P)
-    _quantize_heads(v_ptr + t * sv_t, n_kv_heads, sv_h, sv_d,
-                    vc_ptr + code_row, vs_ptr + meta_row, vz_ptr + meta_row, sc_h, ss_h, slot,
-                    2 * HALF, GROUP, BITS, BLOCK_HQ, BLOCK_NG, BLOCK_P)
-    # fmt: on
+    _quantize_heads(
+        k_ptr + t * sk_t,
+        n_kv_heads,
+        sk_h,
+        sk_d,
+        kc_ptr + code_row,
+        ks_ptr + meta_row,
+        kz_ptr + meta_row,
+        sc_h,
+        ss_h,
+        slot,
+        2 * HALF,
+        GROUP,
+        BITS,
+        BLOCK_HQ,
+        BLOCK_NG,
+        BLOCK_P,
+    )
+    _quantize_heads(
+        v_ptr + t * sv_t,
+        n_kv_heads,
+        sv_h,
+        sv_d,
+        vc_ptr + code_row,
+        vs_ptr + meta_row,
+        vz_ptr + meta_row,
+        sc_h,
+        ss_h,
+        slot,
+        2 * HALF,
+        GROUP,
+        BITS,
+        BLOCK_HQ,
+        BLOCK_NG,
+        BLOCK_P,
+    )
 
 
 def rope_and_cache_quant(
@@ -323,19 +489,47 @@ def rope_and_cache_quant(
     block_hq = max(1, min(triton.next_power_of_2(n_kv_heads), 1024 // (block_ng * block_p)))
     kz = cache.k_scale if cache.k_zero is None else cache.k_zero  # int8: never read
     vz = cache.v_scale if cache.v_zero is None else cache.v_zero
-    # fmt: off
     _rope_and_cache_quant_kernel[(n_tokens,)](
-        q, k, v, positions, cos, sin, slot_mapping,
-        cache.k, cache.v, cache.k_scale, cache.v_scale, kz, vz,
-        n_q_heads, n_kv_heads,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        cos.stride(0), sin.stride(0),
-        cache.k.stride(0), cache.k.stride(1), cache.k.stride(2),
-        cache.k_scale.stride(0), cache.k_scale.stride(1), cache.k_scale.stride(2),
-        BLOCK_SIZE=cache.block_size, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        GROUP=group, BITS=cache.bits, BLOCK_HQ=block_hq, BLOCK_NG=block_ng, BLOCK_P=block_p,
+        q,
+        k,
+        v,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        cache.k,
+        cache.v,
+        cache.k_scale,
+        cache.v_scale,
+        kz,
+        vz,
+        n_q_heads,
+        n_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        cos.stride(0),
+        sin.stride(0),
+        cache.k.stride(0),
+        cache.k.stride(1),
+        cache.k.stride(2),
+        cache.k_scale.stride(0),
+        cache.k_scale.stride(1),
+        cache.k_scale.stride(2),
+        BLOCK_SIZE=cache.block_size,
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        GROUP=group,
+        BITS=cache.bits,
+        BLOCK_HQ=block_hq,
+        BLOCK_NG=block_ng,
+        BLOCK_P=block_p,
         num_warps=4,
     )
-    # fmt: on

@@ -169,5 +169,6 @@ def _layer_cache(pool: WarmPool, records: Tensor, names: tuple[str, ...]) -> ops
     if k_scale.dim() == 4:  # keys grouped per token: an int4 Hot cache's blocks as they were
         return QuantKvCache(k, v, k_scale, v_scale, k_zero, v_zero)
     block = (-1, k.shape[1], -1, -1)  # one key scale per block and channel, for every token
-    return QuantKvCache(k, v, k_scale.unsqueeze(1).expand(block), v_scale,
-                        k_zero.unsqueeze(1).expand(block), v_zero)  # fmt: skip
+    return QuantKvCache(
+        k, v, k_scale.unsqueeze(1).expand(block), v_scale, k_zero.unsqueeze(1).expand(block), v_zero
+    )

@@ -333,8 +333,9 @@ class WarmPool:
         index = self._held("store_records", slots)
         shape = (len(index), self.num_layers, self.record_bytes)
         if tuple(records.shape) != shape or records.dtype != torch.uint8:
-            raise ValueError(f"records are {list(records.shape)} {records.dtype}, expected "
-                             f"{list(shape)} uint8")  # fmt: skip
+            raise ValueError(
+                f"records are {list(records.shape)} {records.dtype}, expected {list(shape)} uint8"
+            )
         # Each run of consecutive slots is one copy straight into shm: from a device, one
         # DMA where the pool is registered as pinned memory (gpu_daemon.warm_device).
         area = torch.from_numpy(self._view())

@@ -283,8 +283,9 @@ class WarmTier:
                 assert view is not None and slot_index is not None
                 records = view.records(layer, slot_index)  # in place, over PCIe on CUDA
                 self.stats.h2d_bytes += records.numel()
-                for field, part in zip(_hot_fields(kv, self._layout), self._layout.unpack(records),
-                                       strict=True):  # fmt: skip
+                for field, part in zip(
+                    _hot_fields(kv, self._layout), self._layout.unpack(records), strict=True
+                ):
                     field[index] = part
                 continue
             k_cache, v_cache = _native(kv)
@@ -384,8 +385,14 @@ def _hot_fields(kv: ops.KvCache, layout: RecordLayout) -> list[Tensor]:
     """A quantized Hot cache's tensors in the order of the Warm records' fields."""
     if not isinstance(kv, QuantKvCache):
         raise ValueError("a native Hot cache has no record fields")
-    by_name = {"k_codes": kv.k, "v_codes": kv.v, "k_scale": kv.k_scale, "v_scale": kv.v_scale,
-               "k_zero": kv.k_zero, "v_zero": kv.v_zero}  # fmt: skip
+    by_name = {
+        "k_codes": kv.k,
+        "v_codes": kv.v,
+        "k_scale": kv.k_scale,
+        "v_scale": kv.v_scale,
+        "k_zero": kv.k_zero,
+        "v_zero": kv.v_zero,
+    }
     return [t for t in (by_name[f.name] for f in layout.fields) if t is not None]
 
 

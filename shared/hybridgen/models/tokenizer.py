@@ -24,7 +24,15 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # Named special tokens, in the order transformers lists them in `all_special_ids`.
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # fmt: skip  # noqa: E501
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 # transformers saves an unset model_max_length as int(1e30); anything this large means no limit.
 _UNSET_MAX_LENGTH = 1 << 60
 # Model types for which transformers overrides a declared LlamaTokenizer with tokenizer.json as is.
@@ -401,9 +409,17 @@ class Tokenizer:
 
 # transformers' clean_up_tokenization, in its order.
 _CLEAN_UP = (
-    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-    (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
-)  # fmt: skip
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 def bytes_to_unicode() -> dict[int, str]:

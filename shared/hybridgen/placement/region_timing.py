@@ -74,8 +74,15 @@ def profile_attn_warm(
     if held == 0:
         raise NoWarmRoom("the Warm pool has no free slot to time attn_warm with")
     slots = warm.index.alloc(held)
-    kv = _randn(spec.num_layers, bs, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype,
-                device=device, seed=1)  # fmt: skip
+    kv = _randn(
+        spec.num_layers,
+        bs,
+        spec.num_kv_heads,
+        spec.head_dim,
+        dtype=spec.dtype,
+        device=device,
+        seed=1,
+    )
     for slot in slots:
         warm.pool.store(slot, kv, kv)
     table = [[slots[(r * blocks + j) % held] for j in range(blocks)] for r in range(rows)]

@@ -194,9 +194,12 @@ def _mapping(value: object, key: str, where: str) -> Mapping[str, Any]:
 
 
 def _keys(
-    data: Mapping[str, Any], prefix: str, required: tuple[str, ...], optional: tuple[str, ...],
+    data: Mapping[str, Any],
+    prefix: str,
+    required: tuple[str, ...],
+    optional: tuple[str, ...],
     where: str,
-) -> None:  # fmt: skip
+) -> None:
     known = (*required, *optional)
     for key in data:
         if key not in known:

@@ -319,9 +319,12 @@ class OpenAIApi:
                     request.headers.get("authorization")
                 ):
                     raise ApiError(
-                        401, "missing or wrong API key", "invalid_request_error", None,
+                        401,
+                        "missing or wrong API key",
+                        "invalid_request_error",
+                        None,
                         "invalid_api_key",
-                    )  # fmt: skip
+                    )
                 return await handler(request)
             except Exception as exc:
                 error = _api_error(exc)
@@ -358,9 +361,12 @@ class OpenAIApi:
         # from the path they name the model with).
         if named is not None and named != model[0] and Path(named).name != Path(model[0]).name:
             raise ApiError(
-                404, f"the model {named!r} does not exist; this server serves {model[0]!r}",
-                "invalid_request_error", "model", "model_not_found",
-            )  # fmt: skip
+                404,
+                f"the model {named!r} does not exist; this server serves {model[0]!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return model
 
 
