@@ -56,7 +56,7 @@ FULL: dict[str, Any] = {
         "max_model_len": 8192,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 512,
-        "step_latency_ms": 25.0,
+        "step_latency_ms": 40.0,
         "seed": 7,
     },
     "server": {
@@ -397,7 +397,7 @@ def test_engine_config_mapping() -> None:
         block_size=32,
         max_num_seqs=8,
         max_num_batched_tokens=512,
-        step_latency_ms=25.0,
+        step_latency_ms=40.0,
         max_model_len=8192,
         kv_pool_mb=4096,
         hot_codec="native",

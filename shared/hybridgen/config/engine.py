@@ -57,7 +57,7 @@ class EngineConfig:
     """Sequences running at once."""
     max_num_batched_tokens: int = 2048
     """Tokens per step; longer prompts are prefilled in chunks."""
-    step_latency_ms: float = 30.0
+    step_latency_ms: float = 25.0
     """Longest a step with decodes should take (model.step_latency_ms): the prefill beside
     them is sized from measured step times (engine/step_budget.py). 0: no limit."""
     num_kv_blocks: int | None = None
