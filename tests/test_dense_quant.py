@@ -222,14 +222,16 @@ def test_quantize_in_row_chunks_is_exact(fmt: str) -> None:
     assert whole.zero is None or torch.equal(whole.zero, chunked.zero)  # type: ignore[arg-type]
 
 
-def _check_words(qw: QuantWeight, t: int, bias: bool, split: int | None) -> torch.Tensor:
+def _check_words(
+    qw: QuantWeight, t: int, bias: bool, split: int | None, block_n: int = 8
+) -> torch.Tensor:
     """The int4 word GEMV against float64, element by element within one bf16 step of the
     result (a mapping of a nibble to the wrong input is off by ~|w x|, many steps)."""
     n, k = qw.shape
     x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
     x[x.abs() > 2] *= 8  # outliers
     b = torch.randn(n, device=DEVICE) if bias else None
-    tiles = replace(triton_dense_quant.WORD_GEMV_TILES, split=split)
+    tiles = replace(triton_dense_quant.WORD_GEMV_TILES, split=split, block_n=block_n)
     got = triton_dense_quant.quant_linear(
         x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, b, tiles
     )
@@ -247,6 +249,12 @@ def _check_words(qw: QuantWeight, t: int, bias: bool, split: int | None) -> torc
 @pytest.mark.parametrize(("t", "n", "k"), [(1, 40, 4096), (1, 13, 1184), (2, 13, 2080)])
 def test_word_gemv_matches_float64(t: int, n: int, k: int, split: int | None, bias: bool) -> None:
     _check_words(_weight("int4", n, k), t, bias, split)
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_word_gemv_16_rows(split: int | None) -> None:
+    """16 rows a thread (the benchmark's `new16`), N = 40 ending in a part program."""
+    _check_words(_weight("int4", 40, 2080), 1, True, split, block_n=16)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 2048])

@@ -18,23 +18,22 @@ int4 word GEMV (`_int4_gemv_words`, the default at T = 1 for bf16 activations; `
 the byte GEMV above runs ~8.3 instructions a weight (its loop compiled for sm_90: 533 for a
 thread's 64 weights; a byte to int32, nibble and/shift, or with 2^23, subtract, scale FMA,
 zero add, x FMA, plus x moved through shared memory with 16 barriers an iteration), so its
-llama3-8b step took bf16 cuBLAS's 3.89 ms (1.0 TB/s). The word kernel runs ~4.5 (1,148 for
+llama3-8b step took bf16 cuBLAS's 3.89 ms (1.0 TB/s). The word kernel runs ~4.3 (1,090 for
 256 weights; `ptxas` of this Triton for sm_90, counted offline):
 1. Scale and zero once per run, not per weight: a group is a whole number of 32-input runs,
    and sum_j (c_j s + z) x_j = s * sum_j c_j x_j + z * sum_j x_j. A run's sum c x is one
    FMA a weight; s and z apply once per row and run; sum x once per run, for all the rows.
 2. Codes as 32-bit words: a run is 4 words (one 16-byte load a row), word w's byte j holding
    inputs 4w + j (low nibble) and 16 + 4w + j (high), i.e. nibble i = 2j + p is input
-   16p + 4w + j. Each 16-bit half, or'ed under 2^23's exponent bits once per word (the
-   high half by a shift), gives nibble Q (of 4) as a float with one AND: (u & (2^23 bits |
-   15 << 4Q)) = 2^23 + c * 16^Q, exactly; minus 2^23 is c * 16^Q, and x comes scaled by
-   16^-Q (a power of two: exact), so the product is c * x as fp32 rounds it. A weight is
-   AND, FADD, FFMA: 3 instructions; per word 2 more (the halves); per row and run ~9
-   (3 adds of the words' sums, s and z loads, conversions and 2 FMAs); per run of x ~90
-   (4 loads, 32 bf16 conversions, 24 scalings, 31 adds), shared by the BLOCK_N rows. The
-   2^23 bits come as an argument (`MAGIC`), not an immediate: as an immediate, ptxas put it
-   back into a register before most ANDs (~100 MOVs a 256 weights, 4.8 instructions a
-   weight).
+   16p + 4w + j. Each 16-bit half, put under 2^23's exponent bits once per word, gives
+   nibble Q (of 4) as a float with one AND: (u & (2^23 bits | 15 << 4Q)) = 2^23 + c * 16^Q
+   exactly, and c = that * 16^-Q - 2^23 * 16^-Q is one FMA rounding an exact value. A
+   weight is AND, FMA (FADD for Q = 0), FMA with x: 3 instructions; a word 2 more (its
+   halves: an AND-OR and a LEA.HI); a row and run ~9 (3 adds of the words' sums, s and z
+   loads and conversions, 2 FMAs); a run of x ~70 (4 loads, 32 bf16 conversions, 31
+   adds), shared by the BLOCK_N rows. 2^23's bits and 2^23 come as arguments (`MAGIC`,
+   `two23`) where an AND or FMA needs a second constant: as immediates, ptxas moved them
+   back into registers before most of those instructions (~100 MOVs a 256 weights).
 3. Bytes in flight: the tile is [BLOCK_N = 8, runs, 4] words, one run a thread (its x in the
    same layout: x read as int32 pairs in four 16-byte chunks, rearranged in registers by
    split / join / permute, no shared memory), 2 warps along K (BLOCK_K = 2048). At 128
@@ -43,8 +42,9 @@ llama3-8b step took bf16 cuBLAS's 3.89 ms (1.0 TB/s). The word kernel runs ~4.5 
    narrowest projections (N = 4096) have 512, ~4 an SM, so they do not split K; narrower
    ones split as below.
 Expected (not yet measured): at the byte kernel's issue efficiency (3.89 ms for 8.3 a weight),
-4.5 a weight is ~2.1 ms a step; with no barriers and 4x the bytes in flight, nearer the
-~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s.
+4.3 a weight is ~2.0 ms a step; with no barriers and 4x the bytes in flight, nearer the
+~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s. 16 rows a thread is 4.05 a weight but
+takes 255 registers (8 warps an SM); bench/dense_quant_bench.py times it as `new16`.
 
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
@@ -294,21 +294,21 @@ def _x_by_word(c_lo, c_hi, B: tl.constexpr):
 
 
 @triton.jit
-def _bf16_half(u, H: tl.constexpr, Q: tl.constexpr):
-    # bf16 half H of the int32 pairs u as fp32, times 16^-Q (exact: a power of two).
+def _bf16_half(u, H: tl.constexpr):
+    # bf16 half H of the int32 pairs u, as fp32.
     if H == 0:
-        v = (u << 16).to(tl.float32, bitcast=True)
+        return (u << 16).to(tl.float32, bitcast=True)
     else:
-        v = (u & -65536).to(tl.float32, bitcast=True)
-    return v * (1.0 / (1 << (4 * Q)))
+        return (u & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _nibble_fma(magic, u, x, p, Q: tl.constexpr):
-    # p + code * x for nibble Q of u's low 16 bits (u has 2^23's exponent bits above them)
-    # and x scaled by 16^-Q: (u & (2^23 bits | nibble Q)) is the float 2^23 + code * 16^Q.
-    f = (u & (magic | (15 << (4 * Q)))).to(tl.float32, bitcast=True)
-    return p + (f - 8388608.0) * x
+def _nibble_fma(mask, u, x, p, two23, Q: tl.constexpr):
+    # p + code * x for nibble Q of u's low 16 bits (u has 2^23's exponent bits above them):
+    # u & mask (2^23's bits | nibble Q) is the float 2^23 + code * 16^Q, so code is
+    # f * 16^-Q - 2^23 * 16^-Q, one FMA rounding an exact value.
+    f = (u & mask).to(tl.float32, bitcast=True)
+    return p + (f * (1.0 / (1 << (4 * Q))) - two23 * (1.0 / (1 << (4 * Q)))) * x
 
 
 @triton.jit
@@ -327,6 +327,7 @@ def _int4_gemv_words(
     stride_s,
     RUNS_PER_GROUP,
     magic,
+    two23,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -343,6 +344,7 @@ def _int4_gemv_words(
     words_at = rows[:, None, None] * (4 * runs_per_row) + (4 * r)[None, :, None] + w[None, None, :]
     x_row = x_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (K // 2)
     acc = tl.zeros((BLOCK_N, RUNS), dtype=tl.float32)
+    m0, m1, m2, m3 = magic | 15, magic | 240, magic | 3840, magic | 61440  # nibbles 0..3
     for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         run = k0 // 32 + r
         run_ok = (32 * run < K)[None, :]
@@ -356,20 +358,20 @@ def _int4_gemv_words(
         c3 = _load(x_at + 12, ok, EVEN_K, 0)
         u2 = _x_by_word(c2, c3, 0)  # nibbles 1 and 3 (p = 1)
         u3 = _x_by_word(c2, c3, 1)  # nibbles 5 and 7
-        x_sum = _bf16_half(u0, 0, 0) + _bf16_half(u0, 1, 0) + _bf16_half(u1, 0, 0)
-        x_sum += _bf16_half(u1, 1, 0) + _bf16_half(u2, 0, 0) + _bf16_half(u2, 1, 0)
-        x_sum += _bf16_half(u3, 0, 0) + _bf16_half(u3, 1, 0)
+        x_sum = _bf16_half(u0, 0) + _bf16_half(u0, 1) + _bf16_half(u1, 0) + _bf16_half(u1, 1)
+        x_sum += _bf16_half(u2, 0) + _bf16_half(u2, 1) + _bf16_half(u3, 0) + _bf16_half(u3, 1)
         words = _load(q_ptr + words_at + 4 * (k0 // 32), ok, EVEN_K, 0)
         lo = (words & 0xFFFF) | magic
-        hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | magic
-        p = ((lo & (magic | 15)).to(tl.float32, bitcast=True) - 8388608.0) * _bf16_half(u0, 0, 0)
-        p = _nibble_fma(magic, lo, _bf16_half(u2, 0, 1), p, 1)
-        p = _nibble_fma(magic, lo, _bf16_half(u0, 1, 2), p, 2)
-        p = _nibble_fma(magic, lo, _bf16_half(u2, 1, 3), p, 3)
-        p = _nibble_fma(magic, hi, _bf16_half(u1, 0, 0), p, 0)
-        p = _nibble_fma(magic, hi, _bf16_half(u3, 0, 1), p, 1)
-        p = _nibble_fma(magic, hi, _bf16_half(u1, 1, 2), p, 2)
-        p = _nibble_fma(magic, hi, _bf16_half(u3, 1, 3), p, 3)
+        # An immediate here: ptxas makes the shift and the or one LEA.HI.
+        hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | 0x4B000000
+        p = ((lo & m0).to(tl.float32, bitcast=True) - two23) * _bf16_half(u0, 0)
+        p = _nibble_fma(m1, lo, _bf16_half(u2, 0), p, two23, 1)
+        p = _nibble_fma(m2, lo, _bf16_half(u0, 1), p, two23, 2)
+        p = _nibble_fma(m3, lo, _bf16_half(u2, 1), p, two23, 3)
+        p = _nibble_fma(m0, hi, _bf16_half(u1, 0), p, two23, 0)
+        p = _nibble_fma(m1, hi, _bf16_half(u3, 0), p, two23, 1)
+        p = _nibble_fma(m2, hi, _bf16_half(u1, 1), p, two23, 2)
+        p = _nibble_fma(m3, hi, _bf16_half(u3, 1), p, two23, 3)
         g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
         s = _load(s_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
         z = _load(z_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
@@ -545,7 +547,8 @@ def quant_linear(
         args[:2] = [x, codes.view(torch.int32)]
         args[-3] = k // 32  # a row's runs (the words' row stride / 4: 16-byte aligned)
         launch.update(EVEN_K=k % cfg.block_k == 0)
-        _int4_gemv_words[(triton.cdiv(n, cfg.block_n), t, split)](*args, MAGIC, **launch)
+        grid = (triton.cdiv(n, cfg.block_n), t, split)
+        _int4_gemv_words[grid](*args, MAGIC, float(2**23), **launch)
     elif cfg.block_m == 1:
         kernel = _int8_gemv if fmt == "int8" else _int4_gemv
         kernel[(triton.cdiv(n, cfg.block_n), t, split)](*args, **launch)
