@@ -15,11 +15,12 @@ over all of K (112 iterations for down_proj), and gathered a scale and a zero pe
 52 ms a decode step for ~4.5 GB of int4 weights (~90 GB/s).
 
 int4 word GEMV (`_int4_gemv_words`, the default at T = 1 for bf16 activations; `Tiles.words`):
-the byte GEMV above runs ~8.3 instructions a weight (its loop compiled for sm_90: 533 for a
-thread's 64 weights; a byte to int32, nibble and/shift, or with 2^23, subtract, scale FMA,
-zero add, x FMA, plus x moved through shared memory with 16 barriers an iteration), so its
-llama3-8b step took bf16 cuBLAS's 3.89 ms (1.0 TB/s). The word kernel runs ~4.3 (1,090 for
-256 weights; `ptxas` of this Triton for sm_90, counted offline):
+the byte GEMV above is ~10 instructions a weight, compiled for sm_90 by the H200's Triton
+3.6 (636 in the loop for a thread's 64 weights; 8.3 with Triton 3.9: a byte to int32, the
+nibble's and/shift, or with 2^23, subtract, scale FMA, zero add, x FMA, and x through shared
+memory with 16 barriers an iteration), so its llama3-8b step took bf16 cuBLAS's 3.89 ms
+(1.0 TB/s). The word kernel is ~4.8 (1,222 for 256 weights; 4.3 with Triton 3.9; `ptxas`
+for sm_90 run offline, no GPU):
 1. Scale and zero once per run, not per weight: a group is a whole number of 32-input runs,
    and sum_j (c_j s + z) x_j = s * sum_j c_j x_j + z * sum_j x_j. A run's sum c x is one
    FMA a weight; s and z apply once per row and run; sum x once per run, for all the rows.
@@ -36,15 +37,17 @@ llama3-8b step took bf16 cuBLAS's 3.89 ms (1.0 TB/s). The word kernel runs ~4.3 
    back into registers before most of those instructions (~100 MOVs a 256 weights).
 3. Bytes in flight: the tile is [BLOCK_N = 8, runs, 4] words, one run a thread (its x in the
    same layout: x read as int32 pairs in four 16-byte chunks, rearranged in registers by
-   split / join / permute, no shared memory), 2 warps along K (BLOCK_K = 2048). At 128
-   registers 16 warps fit an SM: 8 programs, each thread 128 bytes of codes in flight per
-   iteration: 64 KB an SM against the byte kernel's ~16 KB. N / 8 programs: llama3-8b's
-   narrowest projections (N = 4096) have 512, ~4 an SM, so they do not split K; narrower
-   ones split as below.
-Expected (not yet measured): at the byte kernel's issue efficiency (3.89 ms for 8.3 a weight),
-4.3 a weight is ~2.0 ms a step; with no barriers and 4x the bytes in flight, nearer the
-~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s. 16 rows a thread is 4.05 a weight but
-takes 255 registers (8 warps an SM); bench/dense_quant_bench.py times it as `new16`.
+   split / join / permute, no shared memory), 2 warps along K (BLOCK_K = 2048). The words
+   load as a flat [BLOCK_N, 4 runs] tile: as [BLOCK_N, runs, 4], Triton 3.6 spread the rows
+   over threads instead and moved x through shared memory. Each thread has 128 bytes of
+   codes in flight an iteration (the byte kernel 32), a program 8 KB: at 128 registers 8
+   programs fit an SM (64 KB; the byte kernel ~20 KB). N / 8 programs: llama3-8b's
+   narrowest projections (N = 4096) have 512, ~4 an SM (32 KB in flight, 2x the byte
+   kernel's), so they do not split K; narrower ones split as below.
+Expected (not yet measured): at the byte kernel's issue efficiency (3.89 ms for 10 a weight),
+4.8 a weight is ~1.9 ms a step; with no barriers and 2-3x the bytes in flight, nearer the
+~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s. 16 rows a thread is ~0.2 fewer a weight
+but takes 168-255 registers (Triton 3.6-3.9); bench/dense_quant_bench.py times it as `new16`.
 
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
@@ -341,7 +344,9 @@ def _int4_gemv_words(
     k_begin = tl.program_id(2) * K_SPLIT
     r = tl.arange(0, RUNS)
     w = tl.arange(0, 4)
-    words_at = rows[:, None, None] * (4 * runs_per_row) + (4 * r)[None, :, None] + w[None, None, :]
+    # Words as a flat [BLOCK_N, 4 runs] tile (contiguous along its rows, so every Triton version
+    # lays it out 4 words a thread, the threads along K, as x), viewed as [BLOCK_N, runs, 4].
+    words_at = rows[:, None] * (4 * runs_per_row) + tl.arange(0, 4 * RUNS)[None, :]
     x_row = x_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (K // 2)
     acc = tl.zeros((BLOCK_N, RUNS), dtype=tl.float32)
     m0, m1, m2, m3 = magic | 15, magic | 240, magic | 3840, magic | 61440  # nibbles 0..3
@@ -360,7 +365,9 @@ def _int4_gemv_words(
         u3 = _x_by_word(c2, c3, 1)  # nibbles 5 and 7
         x_sum = _bf16_half(u0, 0) + _bf16_half(u0, 1) + _bf16_half(u1, 0) + _bf16_half(u1, 1)
         x_sum += _bf16_half(u2, 0) + _bf16_half(u2, 1) + _bf16_half(u3, 0) + _bf16_half(u3, 1)
-        words = _load(q_ptr + words_at + 4 * (k0 // 32), ok, EVEN_K, 0)
+        at = q_ptr + words_at + 4 * (k0 // 32)
+        at_ok = (32 * (k0 // 32 + tl.arange(0, 4 * RUNS) // 4) < K)[None, :]
+        words = tl.reshape(_load(at, at_ok, EVEN_K, 0), (BLOCK_N, RUNS, 4))
         lo = (words & 0xFFFF) | magic
         # An immediate here: ptxas makes the shift and the or one LEA.HI.
         hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | 0x4B000000
