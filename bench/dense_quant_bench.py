@@ -11,8 +11,15 @@ the LM head); writes $OUT/dense_quant.json.
 splits per format and prints, per shape and for the whole model step, the best of them
 against the defaults (tiles_for, split_k): what to set as the defaults.
 
+`--kernel` adds int4 rows at T = 1 side by side: `old` the byte GEMV (`_int4_gemv`), `new`
+the word GEMV (`_int4_gemv_words`, the bf16 default), `new16` it with 16 rows a thread
+(fewer instructions a weight, twice the registers), `tinygemm` torch's own int4 kernel
+(`_weight_int4pack_mm`, CUDA only, skipped where this torch lacks it) on the same codes,
+scales and zeros (group 64; its zero is the group's value at code 8).
+
     python3 bench/dense_quant_bench.py                  # defaults, T = 1 and 512
     python3 bench/dense_quant_bench.py --sweep decode   # + tiles and splits at T = 1
+    python3 bench/dense_quant_bench.py --tokens 1 --kernel old,new,new16,tinygemm
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,8 +35,8 @@ import torch.nn.functional as F
 from gemv_bench import time_us  # bench/, beside this script
 
 from hybridgen.benchmarks.report import machine_info, write_out
-from hybridgen.kernels.triton_dense_quant import Tiles, quant_linear, tiles_for
-from hybridgen.models.dense_quant import QuantWeight, quantize
+from hybridgen.kernels.triton_dense_quant import WORD_GEMV_TILES, Tiles, quant_linear, tiles_for
+from hybridgen.models.dense_quant import QuantWeight, quantize, unpack_int4
 
 SHAPES = {
     "qkv": (6144, 4096),
@@ -80,7 +88,63 @@ def _fused(tiles: Tiles | None) -> Callable[[torch.Tensor, QuantWeight], torch.T
     return run
 
 
-def bench_shape(n: int, k: int, t: int, sweep: list[Tiles]) -> tuple[dict, dict]:
+KERNELS = {
+    "old": tiles_for(1, "int4"),
+    "new": WORD_GEMV_TILES,
+    "new16": replace(WORD_GEMV_TILES, block_n=16),
+}
+"""`--kernel` names of the int4 GEMVs at T = 1 (and `tinygemm`, torch's)."""
+TINYGEMM_INNER_K_TILES = 8
+
+
+def tinygemm(w: QuantWeight, copies: int) -> tuple[Callable, list] | None:
+    """torch's int4 GEMM (tinygemm) on w's codes, scales and zeros, `copies` times (as the
+    fused kernels' copies, so that L2 cannot hold them): (fn(x, copy), the copies), or None
+    where this torch has no `_weight_int4pack_mm`. Its weights are (code - 8) * s + z', so
+    z' = z + 8 s."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_convert_weight_to_int4pack") and hasattr(aten, "_weight_int4pack_mm")):
+        return None
+    codes = unpack_int4(w.codes).to(torch.int32)
+    packed = aten._convert_weight_to_int4pack(
+        (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), TINYGEMM_INNER_K_TILES
+    )
+    assert w.zero is not None
+    s, z = w.scale.float(), w.zero.float() + 8 * w.scale.float()
+    params = torch.stack([s, z], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def run(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return aten._weight_int4pack_mm(x, weight[0], w.group, weight[1])
+
+    return run, [(packed.clone(), params.clone()) for _ in range(copies)]
+
+
+def bench_kernels(
+    qw: QuantWeight, x: torch.Tensor, ref: torch.Tensor, kernels: tuple[str, ...], copies: list
+) -> tuple[dict[str, float], dict[str, float]]:
+    """-> (microseconds, relative error) of each `--kernel` int4 GEMV at T = 1."""
+    us: dict[str, float] = {}
+    err: dict[str, float] = {}
+    for name in kernels:
+        try:
+            made = (
+                tinygemm(qw, len(copies)) if name == "tinygemm" else (_fused(KERNELS[name]), copies)
+            )
+            out = None if made is None else made[0](x, made[1][0])
+        except (RuntimeError, NotImplementedError) as e:  # tinygemm: no kernel for this device
+            made, out = None, repr(e)
+        if made is None or not isinstance(out, torch.Tensor):
+            print(f"int4 {name}: not available in this torch ({out}), skipped", flush=True)
+            continue
+        err[f"int4 {name}"] = float((out.double() - ref).norm() / ref.norm())
+        us[f"int4 {name}"] = time_us(made[0], made[1], x)
+        del made
+    return us, err
+
+
+def bench_shape(
+    n: int, k: int, t: int, sweep: list[Tiles], kernels: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """-> (microseconds, GB/s) by method for one [n, k] projection at t rows of x."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
@@ -99,6 +163,11 @@ def bench_shape(n: int, k: int, t: int, sweep: list[Tiles]) -> tuple[dict, dict]
             err = float((fn(x, copies[0]).double() - ref).norm() / ref.norm())
             assert err < 1e-2, (n, k, t, name, err)
             us[name], stored[name] = time_us(fn, copies, x), qw.nbytes
+        if fmt == "int4" and t == 1 and kernels:
+            extra, errors = bench_kernels(qw, x, ref, kernels, copies)
+            for name, value in extra.items():
+                us[name], stored[name] = value, qw.nbytes
+                print(f"  {n}x{k} {name}: {value:.1f} us, error {errors[name]:.1e}", flush=True)
         del copies
         torch.cuda.empty_cache()
     return us, {m: stored[m] / v / 1e3 for m, v in us.items()}
@@ -139,6 +208,9 @@ def report(t: int, us: dict[str, dict[str, float]], gbs: dict[str, dict[str, flo
             f"{steps[default] / 1e3:.3f} ms; best single tiles {best} {steps[best] / 1e3:.3f} ms",
             flush=True,
         )
+    for m in (m for m in us["qkv"] if m.split()[-1] in (*KERNELS, "tinygemm")):
+        summary[m] = step_us(us, m) / 1e3
+        print(f"T={t} model step ({LAYERS} layers + LM head), {m}: {summary[m]:.3f} ms", flush=True)
     return summary
 
 
@@ -146,8 +218,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--tokens", default="1,512", help="rows of x, comma-separated")
     ap.add_argument("--sweep", choices=("decode", "prefill"), default=None)
+    ap.add_argument(
+        "--kernel",
+        default="",
+        help="int4 GEMVs at T = 1, comma-separated: old, new, new16, tinygemm",
+    )
     args = ap.parse_args()
     result: dict[str, Any] = {"machine": machine_info(), "defaults": {}, "by_tokens": {}}
+    kernels = tuple(v for v in args.kernel.split(",") if v)
+    assert all(v in KERNELS or v == "tinygemm" for v in kernels), kernels
     for t in (int(v) for v in args.tokens.split(",")):
         sweep = []
         if args.sweep == "decode" and t == 1:
@@ -157,7 +236,7 @@ def main() -> None:
         us: dict[str, dict[str, float]] = {}
         gbs: dict[str, dict[str, float]] = {}
         for name, (n, k) in SHAPES.items():
-            us[name], gbs[name] = bench_shape(n, k, t, sweep)
+            us[name], gbs[name] = bench_shape(n, k, t, sweep, kernels)
         result["defaults"][t] = {f: key(tiles_for(t, f)) for f in ("int8", "int4")}
         result["by_tokens"][t] = {"us": us, "gb_per_s": gbs, "step": report(t, us, gbs)}
     write_out("dense_quant.json", result)

@@ -12,7 +12,7 @@ import torch
 
 from hybridgen.kernels import triton_dense_quant
 from hybridgen.kernels.triton_dense_quant import Tiles
-from hybridgen.models.dense_quant import QuantWeight, from_gguf_blocks, quantize
+from hybridgen.models.dense_quant import QuantWeight, from_gguf_blocks, pack_int4, quantize
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,12 +112,15 @@ def test_default_tiles_fit_shared_memory(fmt: str, x_bytes: int, t: int) -> None
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("split", [None, 4])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4 words"])
 def test_decode_kernel_in_a_cuda_graph(fmt: str, split: int | None) -> None:
     """The decode path (and a split-K one, its partials summed by torch) captured in a CUDA
-    graph replays with new inputs as it runs eagerly. CPU twin: test_kernel_tiles_and_splits."""
+    graph replays with new inputs as it runs eagerly; `int4 words` the word GEMV. CPU twins:
+    test_kernel_tiles_and_splits, test_word_gemv_matches_float64."""
+    words = fmt == "int4 words"
+    fmt = fmt.split()[0]
     qw = _weight(fmt, 4096, 4096)
-    tiles = replace(triton_dense_quant.tiles_for(1, fmt), split=split)
+    tiles = replace(triton_dense_quant.tiles_for(1, fmt, 2, bf16=words), split=split)
     x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
 
     def run() -> torch.Tensor:
@@ -217,3 +220,72 @@ def test_quantize_in_row_chunks_is_exact(fmt: str) -> None:
     for a, b in [(whole.codes, chunked.codes), (whole.scale, chunked.scale)]:
         assert torch.equal(a, b)
     assert whole.zero is None or torch.equal(whole.zero, chunked.zero)  # type: ignore[arg-type]
+
+
+def _check_words(
+    qw: QuantWeight, t: int, bias: bool, split: int | None, block_n: int = 8
+) -> torch.Tensor:
+    """The int4 word GEMV against float64, element by element within one bf16 step of the
+    result (a mapping of a nibble to the wrong input is off by ~|w x|, many steps)."""
+    n, k = qw.shape
+    x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
+    x[x.abs() > 2] *= 8  # outliers
+    b = torch.randn(n, device=DEVICE) if bias else None
+    tiles = replace(triton_dense_quant.WORD_GEMV_TILES, split=split, block_n=block_n)
+    got = triton_dense_quant.quant_linear(
+        x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, b, tiles
+    )
+    want = _reference(x, qw.dequantize(torch.float32), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, n)
+    bound = want.abs() / 128 + 1e-4 * want.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
+    return got
+
+
+# N = 13 and 40 are no multiple of BLOCK_N (8: 13 leaves 3 rows of the last program); K =
+# 4096 and 2048 fill whole 2048-input tiles, 1184 (37 runs) and 2080 end in a part tile.
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize(("t", "n", "k"), [(1, 40, 4096), (1, 13, 1184), (2, 13, 2080)])
+def test_word_gemv_matches_float64(t: int, n: int, k: int, split: int | None, bias: bool) -> None:
+    _check_words(_weight("int4", n, k), t, bias, split)
+
+
+@pytest.mark.parametrize("split", [None, 2])
+def test_word_gemv_16_rows(split: int | None) -> None:
+    """16 rows a thread (the benchmark's `new16`), N = 40 ending in a part program."""
+    _check_words(_weight("int4", 40, 2080), 1, True, split, block_n=16)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 2048])
+def test_word_gemv_groups(group: int) -> None:
+    """Any group of whole runs: a scale and zero a run (32, GGUF's), a group of several runs
+    (64, the quantizer's; 128), and one as long as a whole tile (2048); zeros near -8 scale
+    (Q4_0's) make s * sum(c x) and z * sum(x) nearly cancel."""
+    n, k = 24, 4096
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // group) * 0.01 + 1e-3).half()
+    zero = (-8 * scale.float() + torch.randn(n, k // group) * 1e-3).half()
+    qw = QuantWeight("int4", pack_int4(codes), scale, zero, group).to(DEVICE)
+    _check_words(qw, 1, False, None)
+
+
+def test_word_gemv_split_is_deterministic() -> None:
+    """Split-K partials are summed in a fixed order: the same output on every call."""
+    qw = _weight("int4", 16, 4096)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device=DEVICE)
+    tiles = replace(triton_dense_quant.WORD_GEMV_TILES, split=2)
+    runs = [
+        triton_dense_quant.quant_linear(x, "int4", qw.codes, qw.scale, qw.zero, 64, None, tiles)
+        for _ in range(3)
+    ]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
+
+
+def test_word_gemv_is_the_bf16_decode_default() -> None:
+    """int4 at T = 1 with bf16 activations takes the word GEMV; fp32 activations, int8 and
+    several rows keep their kernels."""
+    assert triton_dense_quant.tiles_for(1, "int4", 2, bf16=True).words
+    assert not triton_dense_quant.tiles_for(1, "int4", 4).words
+    assert not triton_dense_quant.tiles_for(1, "int8", 2, bf16=True).words
+    assert not triton_dense_quant.tiles_for(3, "int4", 2, bf16=True).words

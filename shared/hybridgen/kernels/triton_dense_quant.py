@@ -1,8 +1,8 @@
 """y = x @ dequant(W).T (+ bias) for a dense layer's int8 / int4 weight (Triton), decode and
 prefill alike: models/dense_quant.py's formats.
 
-Two kernels per format, both reading the codes once per program and dequantizing in
-registers with the formats' own arithmetic in fp32 (int8 `q * s`, int4 `code * s + z`):
+Two kernels per format (int4 has a second GEMV, below), all reading the codes once per
+program and dequantizing in registers in fp32 (int8 `q * s`, int4 `code * s + z`):
 
 GEMV (decode, one row of x: `Tiles.block_m == 1`): grid (cdiv(N, BLOCK_N), T, SPLIT). At
 batch 1 a projection's time is its weight's bytes over the memory bandwidth, so the work is
@@ -13,6 +13,41 @@ add into a [BLOCK_N, runs, 16] fp32 accumulator, summed once at the end. The old
 (BLOCK_M = 16 tl.dot, BLOCK_N = 64) gave N = 4096 only 64 programs, each looping serially
 over all of K (112 iterations for down_proj), and gathered a scale and a zero per weight:
 52 ms a decode step for ~4.5 GB of int4 weights (~90 GB/s).
+
+int4 word GEMV (`_int4_gemv_words`, the default at T = 1 for bf16 activations; `Tiles.words`):
+the byte GEMV above is ~10 instructions a weight, compiled for sm_90 by the H200's Triton
+3.6 (636 in the loop for a thread's 64 weights; 8.3 with Triton 3.9: a byte to int32, the
+nibble's and/shift, or with 2^23, subtract, scale FMA, zero add, x FMA, and x through shared
+memory with 16 barriers an iteration), so its llama3-8b step took bf16 cuBLAS's 3.89 ms
+(1.0 TB/s). The word kernel is ~4.8 (1,222 for 256 weights; 4.3 with Triton 3.9; `ptxas`
+for sm_90 run offline, no GPU):
+1. Scale and zero once per run, not per weight: a group is a whole number of 32-input runs,
+   and sum_j (c_j s + z) x_j = s * sum_j c_j x_j + z * sum_j x_j. A run's sum c x is one
+   FMA a weight; s and z apply once per row and run; sum x once per run, for all the rows.
+2. Codes as 32-bit words: a run is 4 words (one 16-byte load a row), word w's byte j holding
+   inputs 4w + j (low nibble) and 16 + 4w + j (high), i.e. nibble i = 2j + p is input
+   16p + 4w + j. Each 16-bit half, put under 2^23's exponent bits once per word, gives
+   nibble Q (of 4) as a float with one AND: (u & (2^23 bits | 15 << 4Q)) = 2^23 + c * 16^Q
+   exactly, and c = that * 16^-Q - 2^23 * 16^-Q is one FMA rounding an exact value. A
+   weight is AND, FMA (FADD for Q = 0), FMA with x: 3 instructions; a word 2 more (its
+   halves: an AND-OR and a LEA.HI); a row and run ~9 (3 adds of the words' sums, s and z
+   loads and conversions, 2 FMAs); a run of x ~70 (4 loads, 32 bf16 conversions, 31
+   adds), shared by the BLOCK_N rows. 2^23's bits and 2^23 come as arguments (`MAGIC`,
+   `two23`) where an AND or FMA needs a second constant: as immediates, ptxas moved them
+   back into registers before most of those instructions (~100 MOVs a 256 weights).
+3. Bytes in flight: the tile is [BLOCK_N = 8, runs, 4] words, one run a thread (its x in the
+   same layout: x read as int32 pairs in four 16-byte chunks, rearranged in registers by
+   split / join / permute, no shared memory), 2 warps along K (BLOCK_K = 2048). The words
+   load as a flat [BLOCK_N, 4 runs] tile: as [BLOCK_N, runs, 4], Triton 3.6 spread the rows
+   over threads instead and moved x through shared memory. Each thread has 128 bytes of
+   codes in flight an iteration (the byte kernel 32), a program 8 KB: at 128 registers 8
+   programs fit an SM (64 KB; the byte kernel ~20 KB). N / 8 programs: llama3-8b's
+   narrowest projections (N = 4096) have 512, ~4 an SM (32 KB in flight, 2x the byte
+   kernel's), so they do not split K; narrower ones split as below.
+Expected (not yet measured): at the byte kernel's issue efficiency (3.89 ms for 10 a weight),
+4.8 a weight is ~1.9 ms a step; with no barriers and 2-3x the bytes in flight, nearer the
+~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s. 16 rows a thread is ~0.2 fewer a weight
+but takes 168-255 registers (Triton 3.6-3.9); bench/dense_quant_bench.py times it as `new16`.
 
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
@@ -64,6 +99,10 @@ TWO_23 = 8388608.0
 """2^23: the float whose low mantissa bits an int in 0..255 fills exactly."""
 
 
+MAGIC = 0x4B000000
+"""The bits of 2^23: or'ed over code bits 0..22 it makes the float 2^23 + those bits."""
+
+
 @dataclass(frozen=True)
 class Tiles:
     """One launch's tile sizes and shape."""
@@ -78,12 +117,17 @@ class Tiles:
     num_stages: int
     split: int | None = None
     """K slices; None: `split_k` picks by the grid and the device's SMs."""
+    words: bool = False
+    """int4 GEMV only: the word kernel (`_int4_gemv_words`, bf16 activations) instead of the
+    byte kernel (`_int4_gemv`)."""
 
 
-def tiles_for(t: int, fmt: str, x_bytes: int = 2) -> Tiles:
-    """The default tiles for `t` rows of x of `x_bytes` bytes a value (see the module
-    docstring), with as many pipeline stages (at most 3) as shared memory holds: fp32
-    activations in 128-row tiles take two."""
+def tiles_for(t: int, fmt: str, x_bytes: int = 2, bf16: bool = False) -> Tiles:
+    """The default tiles for `t` rows of x of `x_bytes` bytes a value (`bf16`: x is
+    bfloat16, which int4's word GEMV takes; see the module docstring), with as many pipeline
+    stages (at most 3) as shared memory holds: fp32 activations in 128-row tiles take two."""
+    if t == 1 and fmt == "int4" and bf16:
+        return WORD_GEMV_TILES
     if t == 1:
         return Tiles(1, 8, 1024 if fmt == "int4" else 512, 4, 3)
     if t <= 16:
@@ -97,6 +141,10 @@ def tiles_for(t: int, fmt: str, x_bytes: int = 2) -> Tiles:
     ):
         tiles = replace(tiles, num_stages=tiles.num_stages - 1)
     return tiles
+
+
+WORD_GEMV_TILES = Tiles(1, 8, 2048, 2, 1, words=True)
+"""The word GEMV's tiles: 8 rows a thread, 2 warps along K (64 runs, one a thread)."""
 
 
 def stage_bytes(tiles: Tiles, fmt: str, x_bytes: int) -> int:
@@ -224,6 +272,118 @@ def _int4_gemv(
         x_hi = tl.load(x_row + k + 16, mask=k < K, other=0.0).to(tl.float32)
         acc += lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+
+
+@triton.jit
+def _load(ptr, ok, EVEN_K: tl.constexpr, other):
+    # A tile every element of which is in range when EVEN_K (no mask: no zero fill).
+    if EVEN_K:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=ok, other=other)
+
+
+@triton.jit
+def _x_by_word(c_lo, c_hi, B: tl.constexpr):
+    # Two chunks of x [1, runs, 4] as int32 (bf16 pairs: chunk c, element e holds inputs
+    # 8c + 2e and 8c + 2e + 1 of a run), chunks 2p and 2p + 1 -> [1, runs, 4] by word w:
+    # the pair of inputs 16p + 4w + 2B, + 1 (word w's bytes' nibbles 4B + 2h + p, h = 0, 1).
+    # In registers only: e = 2 (w % 2) + B, c = 2p + w // 2.
+    e0 = tl.split(tl.reshape(c_lo, (1, c_lo.shape[1], 2, 2)))[B]
+    e1 = tl.split(tl.reshape(c_hi, (1, c_hi.shape[1], 2, 2)))[B]
+    pairs = tl.permute(tl.join(e0, e1), (0, 1, 3, 2))
+    return tl.reshape(pairs, (1, c_lo.shape[1], 4))
+
+
+@triton.jit
+def _bf16_half(u, H: tl.constexpr):
+    # bf16 half H of the int32 pairs u, as fp32.
+    if H == 0:
+        return (u << 16).to(tl.float32, bitcast=True)
+    else:
+        return (u & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_fma(mask, u, x, p, two23, Q: tl.constexpr):
+    # p + code * x for nibble Q of u's low 16 bits (u has 2^23's exponent bits above them):
+    # u & mask (2^23's bits | nibble Q) is the float 2^23 + code * 16^Q, so code is
+    # f * 16^-Q - 2^23 * 16^-Q, one FMA rounding an exact value.
+    f = (u & mask).to(tl.float32, bitcast=True)
+    return p + (f * (1.0 / (1 << (4 * Q))) - two23 * (1.0 / (1 << (4 * Q)))) * x
+
+
+@triton.jit
+def _int4_gemv_words(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    K_SPLIT,
+    runs_per_row,
+    stride_s,
+    RUNS_PER_GROUP,
+    magic,
+    two23,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x bf16 [T, K]; q_ptr the codes as int32 words [N, K / 8]; see the module docstring.
+    RUNS: tl.constexpr = BLOCK_K // 32
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range rows re-read row 0
+    t = tl.program_id(1)
+    k_begin = tl.program_id(2) * K_SPLIT
+    r = tl.arange(0, RUNS)
+    w = tl.arange(0, 4)
+    # Words as a flat [BLOCK_N, 4 runs] tile (contiguous along its rows, so every Triton version
+    # lays it out 4 words a thread, the threads along K, as x), viewed as [BLOCK_N, runs, 4].
+    words_at = rows[:, None] * (4 * runs_per_row) + tl.arange(0, 4 * RUNS)[None, :]
+    x_row = x_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (K // 2)
+    acc = tl.zeros((BLOCK_N, RUNS), dtype=tl.float32)
+    m0, m1, m2, m3 = magic | 15, magic | 240, magic | 3840, magic | 61440  # nibbles 0..3
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        run = k0 // 32 + r
+        run_ok = (32 * run < K)[None, :]
+        ok = run_ok[:, :, None]
+        x_at = x_row + (16 * run)[None, :, None] + w[None, None, :]
+        c0 = _load(x_at, ok, EVEN_K, 0)
+        c1 = _load(x_at + 4, ok, EVEN_K, 0)
+        u0 = _x_by_word(c0, c1, 0)  # bytes' nibbles 0 (h = 0) and 2 (h = 1), p = 0
+        u1 = _x_by_word(c0, c1, 1)  # nibbles 4 and 6
+        c2 = _load(x_at + 8, ok, EVEN_K, 0)
+        c3 = _load(x_at + 12, ok, EVEN_K, 0)
+        u2 = _x_by_word(c2, c3, 0)  # nibbles 1 and 3 (p = 1)
+        u3 = _x_by_word(c2, c3, 1)  # nibbles 5 and 7
+        x_sum = _bf16_half(u0, 0) + _bf16_half(u0, 1) + _bf16_half(u1, 0) + _bf16_half(u1, 1)
+        x_sum += _bf16_half(u2, 0) + _bf16_half(u2, 1) + _bf16_half(u3, 0) + _bf16_half(u3, 1)
+        at = q_ptr + words_at + 4 * (k0 // 32)
+        at_ok = (32 * (k0 // 32 + tl.arange(0, 4 * RUNS) // 4) < K)[None, :]
+        words = tl.reshape(_load(at, at_ok, EVEN_K, 0), (BLOCK_N, RUNS, 4))
+        lo = (words & 0xFFFF) | magic
+        # An immediate here: ptxas makes the shift and the or one LEA.HI.
+        hi = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True) | 0x4B000000
+        p = ((lo & m0).to(tl.float32, bitcast=True) - two23) * _bf16_half(u0, 0)
+        p = _nibble_fma(m1, lo, _bf16_half(u2, 0), p, two23, 1)
+        p = _nibble_fma(m2, lo, _bf16_half(u0, 1), p, two23, 2)
+        p = _nibble_fma(m3, lo, _bf16_half(u2, 1), p, two23, 3)
+        p = _nibble_fma(m0, hi, _bf16_half(u1, 0), p, two23, 0)
+        p = _nibble_fma(m1, hi, _bf16_half(u3, 0), p, two23, 1)
+        p = _nibble_fma(m2, hi, _bf16_half(u1, 1), p, two23, 2)
+        p = _nibble_fma(m3, hi, _bf16_half(u3, 1), p, two23, 3)
+        g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
+        s = _load(s_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
+        z = _load(z_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
+        acc += s * tl.sum(p, axis=2) + z * tl.sum(x_sum, axis=2)
+    y = tl.sum(acc, axis=1)
     _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
 
 
@@ -366,8 +526,9 @@ def quant_linear(
     n, groups = scale.shape
     assert groups * group == k and k % 32 == 0 and group % 32 == 0
     assert codes.is_contiguous() and scale.is_contiguous()
-    cfg = tiles or tiles_for(t, fmt, x.element_size())
+    cfg = tiles or tiles_for(t, fmt, x.element_size(), x.dtype == torch.bfloat16)
     assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
+    assert not cfg.words or (fmt == "int4" and cfg.block_m == 1 and x.dtype == torch.bfloat16)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m)
     split = cfg.split or split_k(programs, k, cfg.block_k, sm_count(x.device))
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -387,7 +548,15 @@ def quant_linear(
         num_stages=cfg.num_stages,
     )
     assert fmt == "int8" or zero is not None
-    if cfg.block_m == 1:
+    if cfg.words:
+        if x.data_ptr() % 4:  # read as int32 pairs
+            x = x.clone()
+        args[:2] = [x, codes.view(torch.int32)]
+        args[-3] = k // 32  # a row's runs (the words' row stride / 4: 16-byte aligned)
+        launch.update(EVEN_K=k % cfg.block_k == 0)
+        grid = (triton.cdiv(n, cfg.block_n), t, split)
+        _int4_gemv_words[grid](*args, MAGIC, float(2**23), **launch)
+    elif cfg.block_m == 1:
         kernel = _int8_gemv if fmt == "int8" else _int4_gemv
         kernel[(triton.cdiv(n, cfg.block_n), t, split)](*args, **launch)
     else:
