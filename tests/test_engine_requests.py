@@ -200,6 +200,35 @@ def test_decode_steps_do_not_change_outputs() -> None:
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def test_decode_steps_on_the_cpu_hand_each_step_over_as_it_is_computed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU a decode step is computed when it is called, so several steps per sync
+    hand each one's tokens over before the next is computed: the caller sees step 1's
+    token after one forward pass, not two (which also made the measured step time two)."""
+    engine = Engine(
+        EngineConfig(
+            model="tiny-llama", device="cpu", max_model_len=256, num_kv_blocks=64, decode_steps=4
+        )
+    )
+    engine.add_request(
+        "a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    )
+    engine.step()  # the prefill and its token
+    forwards = 0
+    decode = engine.runner._decode_logits_any
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal forwards
+        forwards += 1
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "_decode_logits_any", counted)
+    seen = []
+    for outputs in engine.steps():
+        seen.append(forwards)
+        assert len(outputs) == 1 and len(outputs[0].new_token_ids) == 1
+    assert seen == [1, 2, 3, 4]
+
+
 @pytest.mark.slow
 def test_warm_tier_reserves_in_place_reads_only_if_a_sequence_can_outgrow_hot() -> None:
     """A Warm tier reserves device room for a prefill that reads a Warm prefix in place, which

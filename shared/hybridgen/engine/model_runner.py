@@ -208,7 +208,9 @@ class ModelRunner:
         Each step's sampled ids feed the next step on the device, and positions, seq_lens and
         cache slots advance there too, so the host only launches work: step j + 1 is queued
         before the host waits for step j's tokens (copied to pinned memory behind an event),
-        so the device keeps busy while the caller streams them. Precondition: every
+        so the device keeps busy while the caller streams them. On the CPU, where a step is
+        computed as it is called, each step's tokens go at once (else the caller's first
+        step would wait for two, and a step's measured time would be two). Precondition: every
         sequence decodes, samples without penalties, and already holds the blocks for
         `steps` more tokens, and none has Warm keys unless `hot_only` (drafts that attend
         Hot alone). Yields each step's tokens, one per sequence, in order.
@@ -220,6 +222,7 @@ class ModelRunner:
         ids, batch = inputs.input_ids, inputs.batch
         base = [s.num_output_tokens for s in seqs]  # the caller records tokens meanwhile
         pending: list[_Pending] = []
+        queued = self.device.type == "cuda"  # a CPU computes each step as it is called
         for j in range(steps):
             with torch.inference_mode():
                 logits = self._decode_logits_any(ids, batch)
@@ -227,9 +230,12 @@ class ModelRunner:
                 pending.append(_Pending.start(out))
                 if j + 1 < steps:
                     ids, batch = out.token_ids, self._advance(batch)
-            if j:  # step j is queued: hand over step j - 1 meanwhile
+            if not queued:  # nothing runs behind the host: hand the step over at once
+                yield self._to_host(pending[j].wait(), seqs)
+            elif j:  # step j is queued: hand over step j - 1 meanwhile
                 yield self._to_host(pending[j - 1].wait(), seqs)
-        yield self._to_host(pending[-1].wait(), seqs)
+        if queued:
+            yield self._to_host(pending[-1].wait(), seqs)
 
     @torch.inference_mode()
     def execute_check(self, sched: ScheduledBatch, drafts: list[list[int]]) -> list[list[Sampled]]:
