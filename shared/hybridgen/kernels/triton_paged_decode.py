@@ -400,6 +400,15 @@ class _Kv(NamedTuple):
     v_group: int
     """Channels per value scale; 1 for native."""
 
+    def cache_strides(self) -> tuple[int, ...]:
+        """K's then V's strides of their first three dims, as the kernels take them."""
+        return (*self.k.stride()[:3], *self.v.stride()[:3])
+
+    def scale_operands(self) -> tuple[Tensor | int, ...]:
+        """The scales and zeros, then K's and V's scale strides (first three dims each)."""
+        k, v = self.k_scale, self.v_scale
+        return (k, self.k_zero, v, self.v_zero, *k.stride()[:3], *v.stride()[:3])
+
 
 def paged_decode_attention(
     q: Tensor,
@@ -510,25 +519,11 @@ def _decode(
         head_dim,
         q.stride(0),
         q.stride(1),
-        kv.k.stride(0),
-        kv.k.stride(1),
-        kv.k.stride(2),
-        kv.v.stride(0),
-        kv.v.stride(1),
-        kv.v.stride(2),
+        *kv.cache_strides(),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        kv.k_scale,
-        kv.k_zero,
-        kv.v_scale,
-        kv.v_zero,
-        kv.k_scale.stride(0),
-        kv.k_scale.stride(1),
-        kv.k_scale.stride(2),
-        kv.v_scale.stride(0),
-        kv.v_scale.stride(1),
-        kv.v_scale.stride(2),
+        *kv.scale_operands(),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         BLOCK_G=block_g,
