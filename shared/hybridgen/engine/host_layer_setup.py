@@ -178,9 +178,7 @@ def time_together(state: HostLayers, fraction: float) -> tuple[float, float]:
         start = time.perf_counter()
         cpu = pool.submit(cpu_side)
         for p, staged in zip(parts, state.slots[0], strict=True):
-            k = p.cpu_rows
-            for name, t in p.rows.items():
-                staged[name][: p.out_features - k].copy_(t[k:], non_blocking=True)
+            p.stage(staged, p.cpu_rows)
         if cuda:
             torch.cuda.synchronize(state.device)
         link = time.perf_counter() - start
@@ -210,8 +208,7 @@ def calibrate_host_layer(state: HostLayers, config: EngineConfig) -> LatencyMode
 
     def copy() -> None:
         for p, staged in zip(parts, state.slots[0], strict=True):
-            for name, t in p.rows.items():
-                staged[name].copy_(t, non_blocking=True)
+            p.stage(staged, 0)
 
     with torch.inference_mode():
         t_lo, t_hi = (best_of(RUNS, partial(on_cpu, n), cpu) for n in (lo, hi))

@@ -253,10 +253,9 @@ class HostLayers:
             for part, (proj, staged) in enumerate(
                 zip(self.projections[i], self.slots[slot], strict=True)
             ):
-                k, n = self._cpu_rows(proj), proj.out_features
-                for name, t in proj.rows.items():
-                    staged[name][: n - k].copy_(t[k:], non_blocking=True)
-                self.stats.weight_bytes_h2d += proj.nbytes(slice(k, n))
+                k = self._cpu_rows(proj)
+                proj.stage(staged, k)
+                self.stats.weight_bytes_h2d += proj.nbytes(slice(k, None))
                 if stream is not None:
                     self._ready[slot][part].record(stream)
 

@@ -83,6 +83,12 @@ class HostProjection:
         """Bytes of rows `rows` as stored (what a fetch of them copies)."""
         return sum(t[rows].numel() * t.element_size() for t in self.rows.values())
 
+    def stage(self, staged: dict[str, Tensor], first: int) -> None:
+        """Copy rows [first, out_features) into the first rows of a staging slot's part
+        (non-blocking: on CUDA the copy is queued on the current stream)."""
+        for name, t in self.rows.items():
+            staged[name][: t.shape[0] - first].copy_(t[first:], non_blocking=True)
+
     def module(self, device: torch.device) -> nn.Module:
         """The projection as a resident module on `device` (weights.gpu_layers: auto)."""
         rows = {k: v.to(device) for k, v in self.rows.items()}
