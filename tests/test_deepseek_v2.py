@@ -121,6 +121,16 @@ def test_write_latent_writes_what_the_reference_writes(slots: list[int]) -> None
     assert torch.equal(cache, expected)
 
 
+def test_write_latent_reads_no_value_back_to_the_host() -> None:
+    """CUDA graphs capture the write only if it never reads a value back to the host (a
+    0-d tensor index calls .item(): the H200's capture failed at 2082a57). Meta tensors have
+    no values, so any such read raises here on the CPU."""
+    meta = torch.device("meta")
+    cache = torch.empty(4, 16, 1, 12, device=meta)
+    key = torch.empty(5, 1, 12, device=meta)
+    write_latent(key, cache, torch.empty(5, dtype=torch.int64, device=meta))
+
+
 def test_moe_block_matches_hf(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Grouped top-k, the scaling factor and the shared experts: HF's block on random hidden
     states, 1 and 96 tokens. Without the group limit (or the scaling) it misses HF."""

@@ -113,9 +113,10 @@ def write_latent(key: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) ->
     write, slot 0 with what it holds), so duplicate indices always carry equal values."""
     flat = cache.view(-1, *cache.shape[2:])  # [N * S, 1, D]
     valid = slots >= 0
-    top = torch.argmax(slots)
-    fallback = slots[top].clamp(min=0)
-    fill = torch.where(slots[top] >= 0, key[top], flat[fallback])  # [1, D]
+    top = slots.argmax().view(1)  # a tensor index: slots[0-d tensor] would call .item()
+    highest = slots.index_select(0, top)
+    fallback = highest.clamp(min=0)
+    fill = torch.where(highest >= 0, key.index_select(0, top), flat.index_select(0, fallback))
     rows = torch.where(valid[:, None, None], key.to(cache.dtype), fill)
     flat.index_copy_(0, torch.where(valid, slots, fallback), rows)
 
