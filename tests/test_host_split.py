@@ -11,7 +11,7 @@ from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.host_layer_setup import place, rebalance, split_fraction, time_together
 from hybridgen.experts.latency import LatencyModel
-from hybridgen.models.host_layers import PARTS, HostLayers, split_rows
+from hybridgen.models.host_layers import PARTS, HostLayers, ResultRooms, split_rows
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 
@@ -164,6 +164,29 @@ def test_split_prefetches_the_next_layer_while_one_computes(monkeypatch) -> None
     assert events[: len(step) + 4] == [*step, *[("run", 2)] * 4]
     assert host._worker is not None  # the CPU's rows ran beside the device's
     host.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_rows_reach_the_device_through_a_kernel_reading_their_room(dtype) -> None:  # type: ignore[no-untyped-def]
+    """ResultRooms (CPU twin, Triton's interpreter reading host memory as the H200 reads
+    page-locked memory): the rows come back exact, each (slot, part) keeps its room across
+    steps and grows it for a longer step, and rows not of whole 4-byte words are copied."""
+    rooms = ResultRooms(CPU)
+    g = torch.Generator().manual_seed(7)
+    first = torch.randn(1, 192, generator=g).to(dtype)
+    staged = rooms.stage((0, 2), first)
+    assert torch.equal(rooms.upload((0, 2), staged), first)
+    room = rooms._rooms[(0, 2)][0]
+    again = torch.randn(1, 192, generator=g).to(dtype)
+    assert torch.equal(rooms.upload((0, 2), rooms.stage((0, 2), again)), again)
+    assert rooms._rooms[(0, 2)][0] is room  # the same room, rewritten
+    longer = torch.randn(5, 192, generator=g).to(dtype)
+    assert torch.equal(rooms.upload((0, 2), rooms.stage((0, 2), longer)), longer)
+    assert rooms._rooms[(0, 2)][0].numel() == longer.numel()
+    other = torch.randn(3, 64, generator=g).to(dtype)
+    assert torch.equal(rooms.upload((1, 0), rooms.stage((1, 0), other)), other)
+    odd = torch.randn(2, 3, generator=g).to(torch.bfloat16)  # 6 bytes a row
+    assert torch.equal(rooms.upload((1, 1), rooms.stage((1, 1), odd)), odd)
 
 
 def test_auto_on_cuda_splits_decode_and_streams_prefill() -> None:

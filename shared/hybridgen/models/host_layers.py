@@ -30,8 +30,12 @@ layer's: the CPU's share of a projection needs the previous projection's output,
 for the layer's copy serialized the CPU behind the link, ~F + 0.9 C a layer instead of
 max(F, C): 299 ms a B7 token on the H200 at 1fbe6ef). On CUDA the CPU's rows
 run in a worker thread (torch's kernels release the GIL) while the device computes its
-rows. On a CPU-only engine the same code runs with synchronous copies between two host
-buffers and no events.
+rows, and reach the device by a kernel reading them from page-locked memory (ResultRooms):
+a copy-engine copy would queue behind the staging copies already issued (up to the next
+layer's, ~4 ms at B7's split), and each projection's CPU share waits for the previous
+projection's output, so that queue put the link back in series with the CPU (B7's step
+stayed at ~F + 0.9 C with per-projection events: 347 ms at 2082a57). On a CPU-only engine
+the same code runs with synchronous copies between two host buffers and no events.
 
 All of it computes the function a resident layer computes, with the same ops in the same
 dtype (split concatenates disjoint output rows), so in fp32 native weights the tokens are
@@ -50,7 +54,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from hybridgen.kernels import ops
 from hybridgen.models.host_weights import HostProjection
+
+if ops.HAS_TRITON:
+    from hybridgen.kernels.triton_block_gather import gather_rows
 
 HostCompute = Literal["auto", "cpu", "stream", "split"]
 """weights.host_layer_compute: how a step computes the host layers."""
@@ -137,6 +145,8 @@ class HostLayers:
         """Per slot, per part: its rows are on the device (a part's device rows wait for their
         own copy only, so the CPU's share of part j + 1 starts while part j + 1 still copies)."""
         self._free = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._rooms = ResultRooms(device) if cuda and ops.HAS_TRITON else None
+        """CUDA: where the CPU's rows wait for the device to read them (`ResultRooms`)."""
         self._filled: list[tuple[int, int] | None] = [None, None]
         self._step = 0
         self._worker: ThreadPoolExecutor | None = None
@@ -211,7 +221,12 @@ class HostLayers:
         if k:
             xh = x.to(CPU)
             self.stats.activation_bytes += (xh.shape[1] + k) * xh.shape[0] * xh.element_size()
-            cpu = self._cpu(proj, xh) if k == n else self._pool().submit(self._cpu, proj, xh)
+            key = (i % 2, part)
+            cpu = (
+                self._cpu(proj, xh, key)
+                if k == n
+                else self._pool().submit(self._cpu, proj, xh, key)
+            )
         dev = None
         if k < n:
             staged = self.slots[i % 2][part]
@@ -223,14 +238,18 @@ class HostLayers:
         if cpu is None:
             assert dev is not None
             return dev
-        y = (cpu.result() if isinstance(cpu, Future) else cpu).to(x.device)
+        y = cpu.result() if isinstance(cpu, Future) else cpu
+        y = self._rooms.upload(key, y) if self._rooms is not None else y.to(x.device)
         return y if dev is None else torch.cat([y, dev], dim=-1)
 
-    def _cpu(self, proj: HostProjection, x: torch.Tensor) -> torch.Tensor:
-        """The CPU's rows of `proj` (in the worker thread when the device has the rest)."""
+    def _cpu(self, proj: HostProjection, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+        """The CPU's rows of `proj` (in the worker thread when the device has the rest); on
+        CUDA written into the page-locked room the device reads them from."""
         start = time.perf_counter()
         with torch.inference_mode():
             y = proj.cpu_linear(x)
+            if self._rooms is not None:
+                y = self._rooms.stage(key, y)
         self.stats.cpu_seconds += time.perf_counter() - start
         return y
 
@@ -280,6 +299,45 @@ class HostLayers:
             "host_bytes_per_token": s.bytes_per_token(),
             "host_cpu_ms_per_token": s.cpu_ms_per_token(),
         }
+
+
+class ResultRooms:
+    """The CPU's rows of each (slot, part) in page-locked memory, read onto the device by a
+    kernel (triton_block_gather.gather_rows: the device's loads over the link) instead of a
+    copy-engine copy, which would queue behind the staging copies (module docstring). On a
+    CPU device (the tests, under Triton's interpreter) the same code runs with plain memory
+    and no events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._rooms: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+
+    def stage(self, key: tuple[int, int], y: torch.Tensor) -> torch.Tensor:
+        """y [T, k] copied into `key`'s room (grown as needed) once the device has finished
+        reading what it held -> the copy there."""
+        held = self._rooms.get(key)
+        if held is None or held[0].numel() < y.numel():
+            room = torch.empty(y.numel(), dtype=y.dtype, pin_memory=self._cuda)
+            held = (room, torch.cuda.Event() if self._cuda else None)
+            self._rooms[key] = held
+        room, read = held
+        if read is not None:
+            read.synchronize()  # the read of two layers ago: done, since every part syncs
+        out = room[: y.numel()].view(y.shape)
+        out.copy_(y)
+        return out
+
+    def upload(self, key: tuple[int, int], y: torch.Tensor) -> torch.Tensor:
+        """`stage`'s y [T, k] on the device (rows of whole 4-byte words; else copied)."""
+        if y.shape[1] * y.element_size() % 4:
+            return y.to(self.device)
+        index = torch.arange(y.shape[0], device=self.device)
+        rows = gather_rows(y.view(torch.uint8), index)
+        read = self._rooms[key][1]
+        if read is not None:
+            read.record(torch.cuda.current_stream(self.device))
+        return rows.view(y.dtype)
 
 
 class HostLinear(nn.Module):
