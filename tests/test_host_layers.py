@@ -181,6 +181,30 @@ def test_auto_streams_prefill_and_computes_decode_on_the_cpu(checkpoint) -> None
     assert host.stats.cpu_layers == 2 * (NEW_TOKENS - 1) * host.host_layers
 
 
+@pytest.mark.parametrize(
+    ("compute", "grouped"), [("cpu", False), ("split", False), ("stream", True)]
+)
+def test_steps_that_wait_on_the_cpu_decode_one_at_a_time(checkpoint, compute, grouped) -> None:  # type: ignore[no-untyped-def]
+    """A decode step whose host layers have a CPU share waits for the host at every
+    projection, so decode_steps does not group it (a group would hand its first token over
+    only after its second step: B7's gaps and measured step doubled on the H200); a streamed
+    step has no such wait and keeps the group. Tokens stay HF's either way."""
+    path = checkpoint("llama3", num_hidden_layers=3)
+    prompts = sample_prompts(path, 1, [9])
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    engine = make_engine(path, gpu_layers=1, host_layer_compute=compute, decode_steps=4)
+    groups: list[int] = []
+    run = engine.runner.decode_steps
+
+    def counted(sched, steps, hot_only=False):  # type: ignore[no-untyped-def]
+        groups.append(steps)
+        return run(sched, steps, hot_only)
+
+    engine.runner.decode_steps = counted  # type: ignore[method-assign]
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+    assert bool(groups) == grouped and all(g == 4 for g in groups[:-1])
+
+
 def test_untied_embedding_table_moves_to_host_memory(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Beside host layers an untied embedding table lives in host memory too (its bytes go
     to resident layers): the plan's weights drop by it, and the tokens stay HF's."""

@@ -502,9 +502,13 @@ class Engine:
         return outputs[request_id]
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
-        """How many decode steps this batch can run before the host must look again."""
+        """How many decode steps this batch can run before the host must look again: one
+        where a step waits on the host anyway (host layers with a CPU share), since queuing
+        the next step would only hold this step's tokens back until it has run."""
         k = self.config.decode_steps
         if k == 1 or batch.num_decode != len(batch) or any(s.warm_slots for s in batch.seqs):
+            return 1
+        if self.host_layers is not None and self.host_layers.waits_on_host(len(batch)):
             return 1
         for seq in batch.seqs:
             room = seq.decode_room(self.max_model_len)

@@ -186,6 +186,11 @@ class HostLayers:
             return "host"
         return "host" if tokens <= self.cpu_max_tokens else "stream"
 
+    def waits_on_host(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens waits for the CPU at every host projection (its
+        rows computed there), so that no later step can be queued on the device behind it."""
+        return self.choose(tokens) == "host" and any(p.cpu_rows for p in self.projections[0])
+
     def begin_step(self, tokens: int) -> None:
         """A forward pass of `tokens` packed tokens starts: place its host layers and fetch
         the first one's device rows behind the resident layers."""
