@@ -53,7 +53,7 @@ def _check(qw: QuantWeight, t: int, dtype: torch.dtype, bias: bool, tiles=None) 
 # K = 1184 (37 runs) into a short last tile and slices of unequal length. Under one program
 # per SM (the interpreter assumes the H200's 132) the default tiles split K.
 SHAPES = [(1, 72, 4096), (1, 40, 1184), (3, 72, 4096), (3, 40, 1184), (16, 72, 1184)]
-SHAPES += [(17, 72, 4096), (100, 130, 1184)]
+SHAPES += [(17, 72, 4096), (100, 130, 1184), (130, 72, 1184)]  # 130 rows: dequantized
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -81,6 +81,33 @@ def test_kernel_tiles_and_splits(fmt: str, tiles: Tiles) -> None:
     """Every path and explicit splits (also past the K tiles: no empty slice is launched)
     against the reference; T = 5 runs the GEMV once per row."""
     _check(_weight(fmt, 24, 1184), 5, torch.bfloat16, True, tiles)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_prefill_dequantizes_slab_by_slab(fmt: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """From DEQUANT_MIN_ROWS rows the weight is dequantized to x's dtype, a slab of rows at a
+    time (here 64 rows: N = 200 takes four, the last short), exactly as the GEMM's tiles
+    compute it, and multiplied by torch: against the reference; and the dequantized rows
+    are the format's own dequantization (to fp32 rounding: the device may fuse the scale's
+    multiply and the zero's add)."""
+    qw = _weight(fmt, 200, 1184)
+    monkeypatch.setattr(triton_dense_quant, "DEQUANT_SLAB_BYTES", 64 * 1184 * 2)
+    calls: list[int] = []
+    dequantize = triton_dense_quant.dequantize
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        out = dequantize(*args)
+        calls.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(triton_dense_quant, "dequantize", counted)
+    _check(qw, triton_dense_quant.DEQUANT_MIN_ROWS, torch.bfloat16, True)
+    assert calls == [64, 64, 64, 8]
+    out = torch.empty(201, 1184, device=DEVICE)  # a row more than the weight's: left alone
+    out[200] = 7.0
+    w = dequantize(qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, out)
+    assert w.shape == (200, 1184) and bool((out[200] == 7.0).all())
+    torch.testing.assert_close(w, qw.dequantize(torch.float32), rtol=1e-6, atol=1e-9)
 
 
 def test_split_k_fills_the_device() -> None:

@@ -58,6 +58,14 @@ cuBLAS would read 0.56, write 2 and re-read 2 bytes a weight (~36 GB, ~8 ms at 4
 and need a scratch of the largest projection's bf16 size (the LM head's 1 GB), so the fused
 kernel serves prefill too.
 
+Prefill (`DEQUANT_MIN_ROWS` rows of x or more, default tiles): the fused GEMM measured
+~150 TFLOP/s on the H200 (a 512-token llama3-8b forward 55.8 ms int4, 28.7 int8, against
+10.3 ms bf16: `bench/results/served/dense_quant_table_2082a57.txt`), so there the weight is
+dequantized to x's dtype, `DEQUANT_SLAB_BYTES` of it at a time (`_dequant_int4/8`: the
+GEMM's own tiles, so the same rounded values), and multiplied by torch (cuBLAS). The
+extra traffic is 2 bytes written and read a weight, ~5 ms a forward at that size.
+Expected (not yet measured): ~15 ms against 55.8.
+
 Split-K: a grid under one program per SM (`sm_count`, the device's, cached) splits K into
 SPLIT slices of whole tiles (never shorter than MIN_SPLIT_TILES tiles) so that about
 2 x SMs programs run; the slices write fp32 partials [SPLIT, T, N], summed after in a fixed
@@ -98,6 +106,14 @@ pipeline stages must fit it."""
 TWO_23 = 8388608.0
 """2^23: the float whose low mantissa bits an int in 0..255 fills exactly."""
 
+
+DEQUANT_MIN_ROWS = 128
+"""Rows of x from which quant_linear dequantizes and calls torch's GEMM (module docstring)."""
+DEQUANT_SLAB_BYTES = 64 << 20
+"""Most bytes of dequantized weight a prefill holds at once (rows of the weight in x's
+dtype; the engine's start-up measures the step's peak with it)."""
+DEQUANT_TILES = (32, 256)
+"""(rows, inputs) of the weight one dequantizing program writes."""
 
 MAGIC = 0x4B000000
 """The bits of 2^23: or'ed over code bits 0..22 it makes the float 2^23 + those bits."""
@@ -509,6 +525,101 @@ def _dot(x, w, UPCAST: tl.constexpr):
     return tl.dot(x, tl.trans(w), input_precision="ieee")
 
 
+@triton.jit
+def _dequant_int4(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    w_ptr,
+    N,
+    K,
+    stride_q,
+    stride_s,
+    RUNS_PER_GROUP,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # w [N, K] (x's dtype) = the int4 weight's rows, as _int4_tile computes them for the GEMM.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    lo, hi = _int4_tile(
+        q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K
+    )
+    k = k0 + 32 * tl.arange(0, BLOCK_K // 32)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    ok = (rn < N)[:, None, None] & (k < K)
+    at = w_ptr + rows[:, None, None] * K + k
+    tl.store(at, lo.to(w_ptr.dtype.element_ty), mask=ok)
+    tl.store(at + 16, hi.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequant_int8(
+    q_ptr,
+    s_ptr,
+    w_ptr,
+    N,
+    K,
+    stride_q,
+    stride_s,
+    RUNS_PER_GROUP,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # w [N, K] (x's dtype) = the int8 weight's rows, as _int8_tile computes them for the GEMM.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _int8_tile(q_ptr, s_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K)
+    k = k0 + 32 * tl.arange(0, BLOCK_K // 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
+    ok = (rn < N)[:, None, None] & (k < K)
+    tl.store(w_ptr + rows[:, None, None] * K + k, w.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize(
+    fmt: str, codes: Tensor, scale: Tensor, zero: Tensor | None, group: int, out: Tensor
+) -> Tensor:
+    """The weight's rows [n, K] into `out` [>= n, K] (its first n rows; x's dtype), as the
+    GEMM's tiles compute them -> out[:n]."""
+    n, groups = scale.shape
+    k = groups * group
+    block_n, block_k = DEQUANT_TILES
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    head = [codes, scale] + ([] if fmt == "int8" else [zero])
+    args = [*head, out, n, k, codes.stride(0), scale.stride(0), group // 32]
+    kernel = _dequant_int8 if fmt == "int8" else _dequant_int4
+    kernel[grid](*args, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out[:n]
+
+
+def _dequant_linear(
+    x: Tensor,
+    fmt: str,
+    codes: Tensor,
+    scale: Tensor,
+    zero: Tensor | None,
+    group: int,
+    bias: Tensor | None,
+) -> Tensor:
+    """x [T, K] @ W.T by slabs of W dequantized to x's dtype and torch's GEMM (prefill)."""
+    t, k = x.shape
+    n = scale.shape[0]
+    bias = None if bias is None else bias.to(x.dtype)
+    block_n = DEQUANT_TILES[0]
+    rows = max(block_n, DEQUANT_SLAB_BYTES // (k * x.element_size()) // block_n * block_n)
+    slab = torch.empty(min(rows, n), k, dtype=x.dtype, device=x.device)
+    if rows >= n:
+        w = dequantize(fmt, codes, scale, zero, group, slab)
+        return torch.nn.functional.linear(x, w, bias)
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        part = None if zero is None else zero[n0:n1]
+        w = dequantize(fmt, codes[n0:n1], scale[n0:n1], part, group, slab)
+        y[:, n0:n1] = torch.nn.functional.linear(x, w, None if bias is None else bias[n0:n1])
+    return y
+
+
 def quant_linear(
     x: Tensor,
     fmt: str,
@@ -520,12 +631,16 @@ def quant_linear(
     tiles: Tiles | None = None,
 ) -> Tensor:
     """x [T, K] -> [T, N] in x.dtype for an int8 / int4 weight (dense_quant.QuantWeight's
-    tensors, contiguous); `tiles` overrides `tiles_for` (benchmarks)."""
+    tensors, contiguous): the GEMV or fused GEMM by `tiles_for`, or from DEQUANT_MIN_ROWS
+    rows the dequantized weight through torch's GEMM; `tiles` forces the fused kernels'
+    tiles (benchmarks)."""
     x = x.contiguous()
     t, k = x.shape
     n, groups = scale.shape
     assert groups * group == k and k % 32 == 0 and group % 32 == 0
     assert codes.is_contiguous() and scale.is_contiguous()
+    if tiles is None and t >= DEQUANT_MIN_ROWS:
+        return _dequant_linear(x, fmt, codes, scale, zero, group, bias)
     cfg = tiles or tiles_for(t, fmt, x.element_size(), x.dtype == torch.bfloat16)
     assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
     assert not cfg.words or (fmt == "int4" and cfg.block_m == 1 and x.dtype == torch.bfloat16)
