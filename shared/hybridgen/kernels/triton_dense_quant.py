@@ -53,10 +53,9 @@ GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), 
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
 cores (tl.dot, fp32 accumulation). A 512-token prefill in BLOCK_M = 128 re-reads the weights
 4 times (2.3 GB of int4 reads per 8B-model forward, under a ms), against 32 with the old
-BLOCK_M = 16; its time is the 8.2 TFLOP of the GEMMs. Dequantizing to bf16 first and calling
-cuBLAS would read 0.56, write 2 and re-read 2 bytes a weight (~36 GB, ~8 ms at 4.8 TB/s)
-and need a scratch of the largest projection's bf16 size (the LM head's 1 GB), so the fused
-kernel serves prefill too.
+BLOCK_M = 16. It was expected to run at the tensor cores' pace; it ran at ~150 TFLOP/s, so it
+now serves from 16 to DEQUANT_MIN_ROWS - 1 rows (decode batches, short chunks) and prefill
+takes the path below.
 
 Prefill (`DEQUANT_MIN_ROWS` rows of x or more, default tiles): the fused GEMM measured
 ~150 TFLOP/s on the H200 (a 512-token llama3-8b forward 55.8 ms int4, 28.7 int8, against
