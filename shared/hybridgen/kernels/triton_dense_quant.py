@@ -60,7 +60,7 @@ takes the path below.
 Prefill (`DEQUANT_MIN_ROWS` rows of x or more, default tiles): the fused GEMM measured
 ~150 TFLOP/s on the H200 (a 512-token llama3-8b forward 55.8 ms int4, 28.7 int8, against
 10.3 ms bf16: `bench/results/served/dense_quant_table_2082a57.txt`), so there the weight is
-dequantized to x's dtype, `DEQUANT_SLAB_BYTES` of it at a time (`_dequant_int4/8`: the
+dequantized to x's dtype, `DEQUANT_SLAB_BYTES` of it at a time (`_dequant`: the
 GEMM's own tiles, so the same rounded values), and multiplied by torch (cuBLAS). The
 extra traffic is 2 bytes written and read a weight, ~5 ms a forward at that size.
 Expected (not yet measured): ~15 ms against 55.8.
@@ -525,7 +525,7 @@ def _dot(x, w, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _dequant_int4(
+def _dequant(
     q_ptr,
     s_ptr,
     z_ptr,
@@ -535,44 +535,29 @@ def _dequant_int4(
     stride_q,
     stride_s,
     RUNS_PER_GROUP,
+    INT4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # w [N, K] (x's dtype) = the int4 weight's rows, as _int4_tile computes them for the GEMM.
+    # w [N, K] (x's dtype) = the weight's rows, as _int4_tile / _int8_tile compute them for the
+    # GEMM (z_ptr is read for int4 only).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
-    lo, hi = _int4_tile(
-        q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K
-    )
-    k = k0 + 32 * tl.arange(0, BLOCK_K // 32)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    RUN: tl.constexpr = 16 if INT4 else 32  # inputs a tile holds of each run
+    k = k0 + 32 * tl.arange(0, BLOCK_K // 32)[None, :, None] + tl.arange(0, RUN)[None, None, :]
     ok = (rn < N)[:, None, None] & (k < K)
     at = w_ptr + rows[:, None, None] * K + k
-    tl.store(at, lo.to(w_ptr.dtype.element_ty), mask=ok)
-    tl.store(at + 16, hi.to(w_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _dequant_int8(
-    q_ptr,
-    s_ptr,
-    w_ptr,
-    N,
-    K,
-    stride_q,
-    stride_s,
-    RUNS_PER_GROUP,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # w [N, K] (x's dtype) = the int8 weight's rows, as _int8_tile computes them for the GEMM.
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(rn < N, rn, 0).to(tl.int64)
-    k0 = tl.program_id(1) * BLOCK_K
-    w = _int8_tile(q_ptr, s_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K)
-    k = k0 + 32 * tl.arange(0, BLOCK_K // 32)[None, :, None] + tl.arange(0, 32)[None, None, :]
-    ok = (rn < N)[:, None, None] & (k < K)
-    tl.store(w_ptr + rows[:, None, None] * K + k, w.to(w_ptr.dtype.element_ty), mask=ok)
+    dtype = w_ptr.dtype.element_ty
+    if INT4:
+        lo, hi = _int4_tile(
+            q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K
+        )
+        tl.store(at, lo.to(dtype), mask=ok)
+        tl.store(at + 16, hi.to(dtype), mask=ok)
+    else:
+        w = _int8_tile(q_ptr, s_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K)
+        tl.store(at, w.to(dtype), mask=ok)
 
 
 def dequantize(
@@ -584,10 +569,9 @@ def dequantize(
     k = groups * group
     block_n, block_k = DEQUANT_TILES
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    head = [codes, scale] + ([] if fmt == "int8" else [zero])
-    args = [*head, out, n, k, codes.stride(0), scale.stride(0), group // 32]
-    kernel = _dequant_int8 if fmt == "int8" else _dequant_int4
-    kernel[grid](*args, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    z = scale if zero is None else zero  # never read for int8
+    args = [codes, scale, z, out, n, k, codes.stride(0), scale.stride(0), group // 32]
+    _dequant[grid](*args, INT4=fmt == "int4", BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out[:n]
 
 
