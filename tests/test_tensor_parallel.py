@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -18,7 +21,7 @@ from hybridgen.config.file import parse_config
 from hybridgen.engine.engine import Engine
 from hybridgen.models.spec import parse_config as parse_model_config
 from hybridgen.parallel.launch import Workers, worker_device
-from hybridgen.parallel.model import RankLost, ShardedCausalLM
+from hybridgen.parallel.model import EXIT_WAIT_S, RankLost, ShardedCausalLM
 from hybridgen.parallel.sharding import local_spec, shard_tensor, vocab_shard
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.v1 import generation_pb2 as pb
@@ -109,6 +112,38 @@ def test_lost_rank_fails_the_step_not_hangs(checkpoint) -> None:  # type: ignore
             engine.generate(prompt, GREEDY)
     finally:
         engine.release()
+
+
+def test_workers_check_waits_for_an_exit() -> None:
+    """A worker that exits a moment after a collective failed (its sockets close before it
+    can be reaped): check() alone misses it, check(wait_s) names it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        workers = Workers([proc])
+        workers.check()  # still running
+        with pytest.raises(RankLost, match=r"rank 1 \(pid \d+\) exited with code 0"):
+            workers.check(wait_s=10.0)
+    finally:
+        proc.wait()
+
+
+def test_failure_inside_a_tp_step_is_rank_lost() -> None:
+    """Any exception inside rank 0's guarded block is RankLost (the workers wait in the
+    step's collectives for good), after the driver had a moment to name a dead worker."""
+    waits: list[float] = []
+
+    class Alive:
+        def check(self, wait_s: float = 0.0) -> None:
+            waits.append(wait_s)
+
+    rank0 = SimpleNamespace(driver=Alive())
+    guarded = ShardedCausalLM._guard(rank0)  # type: ignore[arg-type]
+    with pytest.raises(RankLost, match="out of step") as err, guarded:
+        raise RuntimeError("Connection closed by peer")
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert waits == [0.0, EXIT_WAIT_S] and EXIT_WAIT_S > 0
+    with ShardedCausalLM._guard(SimpleNamespace(driver=None)):  # type: ignore[arg-type]
+        pass  # a worker rank: no driver, nothing checked
 
 
 @pytest.mark.slow

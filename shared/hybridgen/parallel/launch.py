@@ -43,6 +43,8 @@ GROUP_TIMEOUT = timedelta(days=30)
 rank is found by its closed connections and by Workers.check, not by this."""
 STOP_WAIT_S = 10.0
 """How long a stopped worker may take to exit before it is killed."""
+EXIT_POLL_S = 0.01
+"""How often Workers.check looks again while it waits for an exit."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,16 @@ class Workers:
     def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
         self.procs = procs
 
-    def check(self) -> None:
-        """RankLost when a worker has exited."""
+    def check(self, wait_s: float = 0.0) -> None:
+        """RankLost when a worker has exited, or exits within `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._check_now()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(EXIT_POLL_S)
+
+    def _check_now(self) -> None:
         for rank, proc in enumerate(self.procs, 1):
             code = proc.poll()
             if code is not None:

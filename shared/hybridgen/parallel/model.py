@@ -28,11 +28,16 @@ class RankLost(RuntimeError):
     """A tensor-parallel rank died or its collective failed: the engine cannot go on."""
 
 
+EXIT_WAIT_S = 2.0
+"""After a failed step, how long rank 0 waits for a worker's exit to show: a killed worker's
+sockets close (and the collective fails) a moment before the process can be reaped."""
+
+
 class Driver(Protocol):
     """Rank 0's view of the worker ranks."""
 
-    def check(self) -> None:
-        """Raise RankLost when a worker has exited."""
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise RankLost when a worker has exited, or exits within `wait_s`."""
 
 
 class VocabShardEmbedding(nn.Embedding):
@@ -120,14 +125,18 @@ class ShardedCausalLM(CausalLM):
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        """Rank 0: fail with RankLost when a worker has died, before or during the block
-        (whose collectives then fail); the workers: nothing."""
+        """Rank 0: fail with RankLost when a worker has died, before or during the block.
+        Any failure inside the block is RankLost: the workers were sent the step and wait in
+        its collectives, so the ranks are out of step for good. The workers: nothing."""
         if self.driver is None:
             yield
             return
         self.driver.check()
         try:
             yield
-        except Exception:
-            self.driver.check()  # a dead worker explains the failure
-            raise
+        except Exception as exc:
+            self.driver.check(wait_s=EXIT_WAIT_S)  # a dead worker explains the failure
+            raise RankLost(
+                f"a tensor-parallel step failed on rank 0 ({exc}); the ranks are out of step, "
+                "the engine stops (its supervisor restarts the daemon)"
+            ) from exc
