@@ -12,6 +12,7 @@ from hybridgen.config.engine import EngineConfig
 from hybridgen.config.file import ConfigError, parse_config
 from hybridgen.engine.engine import Engine
 from hybridgen.experts.format import GROUP, PackedMatrices, swiglu_packed
+from hybridgen.kernels import int4_layout
 from hybridgen.sampling.params import SamplingParams
 from tests.hf_reference import sample_prompts
 
@@ -59,6 +60,44 @@ def test_int4_bytes_are_torchs_cpu_layout() -> None:
     x = torch.randn(5, 256, generator=gen)
     dense = x.double() @ packed.matrix(0).double().T
     assert torch.allclose(packed.linear(x, 0).double(), dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("row_block", int4_layout.ROW_BLOCKS)
+def test_int4_layout_round_trips(row_block: int) -> None:
+    """Each CPU layout's packing: unpack gives the codes back, and row R b + R/2 + j's code
+    is the high nibble of the byte whose low nibble is row R b + j's."""
+    codes = torch.randint(0, 16, (2, 128, 96), dtype=torch.uint8)
+    q = int4_layout.pack(codes, row_block)
+    assert q.shape == (2, 128, 48)
+    for e in range(2):
+        assert torch.equal(int4_layout.unpack(q[e], row_block), codes[e])
+    half = row_block // 2
+    block = q[0, :row_block].reshape(96, half)  # block 0: [K, R / 2] bytes
+    assert torch.equal(block[:, 3] & 15, codes[0, 3]) and torch.equal(
+        block[:, 3] >> 4, codes[0, half + 3]
+    )
+
+
+def test_int4_cpu_without_torchs_layout_dequantizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU whose torch packs int4 otherwise (no AVX2): the experts are stored in blocks of
+    64 and the CPU multiplies the dequantized matrix, not torch's kernel on foreign bytes."""
+    monkeypatch.setattr(int4_layout, "_native", lambda: None)
+    assert int4_layout.row_block() == 64 and not int4_layout.cpu_reads()
+    gen = torch.Generator().manual_seed(4)
+    w = heavy(gen, 1, 128, 256)
+    packed = PackedMatrices.pack(w, "int4")
+    assert torch.equal(packed.parts["q"][0], int4_layout.pack(_codes(packed), 64)[0])
+    x = torch.randn(3, 256, generator=gen)
+    dense = x.double() @ packed.matrix(0).double().T
+    assert torch.allclose(packed.linear(x, 0).double(), dense, rtol=1e-4, atol=1e-4)
+
+
+def _codes(packed: PackedMatrices) -> torch.Tensor:
+    """Matrix 0's codes in 0..15, [1, out, in], from its dequantized values."""
+    steps = packed.parts["sz"][0, :, :, 0].T.repeat_interleave(GROUP, -1).float()
+    zeros = packed.parts["sz"][0, :, :, 1].T.repeat_interleave(GROUP, -1).float()
+    codes = torch.round((packed.matrix(0).float() - zeros) / steps) + 8
+    return codes.to(torch.uint8)[None]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

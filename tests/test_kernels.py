@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from hybridgen.experts.format import GROUP, PackedMatrices
-from hybridgen.kernels import ops, reference
+from hybridgen.kernels import int4_layout, ops, reference
 from hybridgen.kernels import triton_activation as t_act
 from hybridgen.kernels import triton_gemv as t_gemv
+from hybridgen.kernels import triton_grouped_experts as t_grouped
 from hybridgen.kernels import triton_norm as t_norm
 from hybridgen.kernels import triton_quant_gemv as t_qgemv
 from hybridgen.kernels import triton_rope_cache as t_rope
@@ -236,6 +237,43 @@ def test_quant_gemv(fmt: str, dtype: torch.dtype, rows: int, n: int, k: int) -> 
     assert out.shape == (rows, n) and out.dtype == dtype
     assert rel_err(out, ref) < tol(dtype)
     assert rel_err(out, packed.linear(x, 0).double()) < tol(dtype)  # the CPU's kernels
+
+
+@pytest.mark.parametrize("row_block", int4_layout.ROW_BLOCKS)
+def test_int4_kernels_read_each_cpu_layout(row_block: int) -> None:
+    """The fused and grouped int4 kernels on codes in either CPU layout's row blocks (AVX-512's
+    64, AVX2's 32), whichever this machine stores: the float64 product of the codes."""
+    gen = torch.Generator().manual_seed(row_block)
+    n, k = 64, 256
+    codes = torch.randint(0, 16, (2, n, k), generator=gen, dtype=torch.uint8)
+    sz = torch.rand(2, k // GROUP, n, 2, generator=gen) * 0.02
+    w = [
+        (codes[e].double() - 8).unflatten(-1, (-1, GROUP)) * sz[e, ..., 0].T[..., None].double()
+        + sz[e, ..., 1].T[..., None].double()
+        for e in range(2)
+    ]
+    q = int4_layout.pack(codes, row_block).to(DEVICE)
+    sz = sz.to(DEVICE)
+    x = randn(gen, 2, k)
+    for e in range(2):
+        ref = x.double().cpu() @ w[e].flatten(-2).T
+        out = t_qgemv.int4_linear(x, q[e], sz[e], GROUP, row_block=row_block)
+        assert rel_err(out.cpu(), ref) < FP32_TOL
+    rows, slots = (
+        torch.tensor([1, 0, 1], dtype=torch.int32),
+        torch.tensor([0, 1, 1], dtype=torch.int32),
+    )
+    parts = {"q": q, "sz": sz}
+    out = t_grouped.grouped_linear(
+        x, "int4", parts, rows.to(DEVICE), slots.to(DEVICE), GROUP, row_block=row_block
+    )
+    ref = torch.stack(
+        [
+            x[r].double().cpu() @ w[s].flatten(-2).T
+            for r, s in zip([1, 0, 1], [0, 1, 1], strict=True)
+        ]
+    )
+    assert rel_err(out.cpu(), ref) < FP32_TOL
 
 
 @pytest.mark.usefixtures("poison_empty")

@@ -10,10 +10,9 @@ memory and in the device expert cache:
             models); 4.5 bits a weight, about 3.6:1 against bf16; the CPU multiplies with
             that kernel
 
-The int4 layout (torch._convert_weight_to_int4pack_for_cpu's, so the CPU reads the stored
-bytes as they are): output rows in blocks of 64; block b is [in, 32] bytes, byte (k, j)
-holding row 64b + j's code for input k in its low nibble and row 64b + 32 + j's in its high
-nibble; stored as [out, in / 2] uint8.
+The int4 layout is torch._convert_weight_to_int4pack_for_cpu's on this CPU
+(kernels/int4_layout.py: rows in blocks of 64 on AVX-512, 32 on AVX2), so the CPU reads the
+stored bytes as they are; stored as [out, in / 2] uint8.
 
 A PackedMatrices holds one stack [E, out, in] (every expert's gate_up, or every down) in one
 format; the cache holds N slots of the same layout and copies experts in as stored, so a
@@ -31,15 +30,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from hybridgen.kernels import ops
+from hybridgen.kernels import int4_layout, ops
 
 Format = Literal["native", "int8", "int4"]
 Alloc = Callable[[tuple[int, ...], torch.dtype], Tensor]
 """Where stored tensors come from: (shape, dtype) -> an uninitialized host tensor."""
 GROUP = 64
 """Input values per int4 scale and zero."""
-ROW_BLOCK = 64
-"""Output rows per block of the int4 layout."""
+ROW_BLOCK = max(int4_layout.ROW_BLOCKS)
+"""int4 matrices' rows are a multiple of this (every CPU layout's row block divides it)."""
 INT4_SHAPES = (
     f"int4 needs each expert matrix's inputs in groups of {GROUP} and outputs in blocks of "
     f"{ROW_BLOCK}"
@@ -75,7 +74,8 @@ class PackedMatrices:
         codes = torch.round((g - zero[..., None]) / scale[..., None]) + 8
         codes = codes.clamp(0, 15).to(torch.uint8).flatten(-2)  # [E, out, in]
         sz = torch.stack([scale, zero], dim=-1).transpose(1, 2).to(sz_dtype)  # [E, in/G, out, 2]
-        return cls(fmt, {"q": _int4_pack(codes), "sz": sz.contiguous()}, w.dtype)
+        q = int4_layout.pack(codes, int4_layout.row_block())
+        return cls(fmt, {"q": q, "sz": sz.contiguous()}, w.dtype)
 
     @staticmethod
     def layout(
@@ -133,7 +133,7 @@ class PackedMatrices:
         if self.fmt == "int8":
             q, s = self.parts["q"][i], self.parts["s"][i]
             return (q.float() * s[:, None]).to(self.dtype)
-        codes = _int4_unpack(self.parts["q"][i]).float() - 8  # [out, in]
+        codes = int4_layout.unpack(self.parts["q"][i], int4_layout.row_block()).float() - 8
         scale, zero = self.parts["sz"][i].float().transpose(0, 1).unbind(-1)  # [out, in / G]
         groups = codes.unflatten(-1, (-1, GROUP)) * scale[..., None] + zero[..., None]
         return groups.flatten(-2).to(self.dtype)
@@ -149,7 +149,7 @@ class PackedMatrices:
             fused = ops.quant_int8_linear(x, q, s)
         else:
             q, sz = self.parts["q"][i], self.parts["sz"][i]
-            if x.device.type == "cpu":
+            if x.device.type == "cpu" and int4_layout.cpu_reads():
                 x = x.contiguous()
                 return torch._weight_int4pack_mm_for_cpu(x, q, GROUP, sz.to(x.dtype))
             fused = ops.quant_int4_linear(x, q, sz, GROUP)
@@ -174,21 +174,6 @@ def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
     """int4 scales and zeros: the model dtype when it is 16-bit (what torch's CPU kernel
     takes beside activations of that dtype), fp16 for fp32 models (converted per call)."""
     return dtype if dtype.itemsize == 2 else torch.float16
-
-
-def _int4_pack(codes: Tensor) -> Tensor:
-    """codes uint8 [E, out, in] in 0..15 -> [E, out, in / 2] bytes in the int4 layout."""
-    e, out, in_ = codes.shape
-    rows = codes.view(e, out // ROW_BLOCK, 2, ROW_BLOCK // 2, in_)  # row 64b + 32h + j
-    packed = rows[:, :, 0] | (rows[:, :, 1] << 4)  # [E, out / 64, 32, in]
-    return packed.transpose(-1, -2).reshape(e, out, in_ // 2)
-
-
-def _int4_unpack(q: Tensor) -> Tensor:
-    """One matrix's bytes [out, in / 2] in the int4 layout -> codes uint8 [out, in]."""
-    out, half = q.shape
-    blocks = q.reshape(out // ROW_BLOCK, 2 * half, ROW_BLOCK // 2).transpose(-1, -2)
-    return torch.stack([blocks & 15, blocks >> 4], dim=1).reshape(out, 2 * half)
 
 
 def host_alloc(pin: bool) -> Alloc:

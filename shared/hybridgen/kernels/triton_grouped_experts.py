@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybridgen.kernels import triton_activation
+from hybridgen.kernels import int4_layout, triton_activation
 from hybridgen.kernels.triton_gemv import row_dots
 from hybridgen.kernels.triton_quant_gemv import (
     BLOCK_K,
@@ -95,18 +95,19 @@ def _int4_grouped_kernel(
     stride_x,
     GATHER: tl.constexpr,
     GROUP: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # Grid (N / 64, P, SPLIT): part [SPLIT, P, N] (y itself with one split); x row in[p]
-    # (row p without GATHER).
+    # Grid (N / R, P, SPLIT), R = 2 HALF rows a block: part [SPLIT, P, N] (y itself with one
+    # split); x row in[p] (row p without GATHER).
     nb = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     row = tl.load(in_ptr + p).to(tl.int64) if GATHER else p
     slot = tl.load(slot_ptr + p).to(tl.int64)
-    row_lo = nb * 64 + tl.arange(0, 32)
+    row_lo = nb * 2 * HALF + tl.arange(0, HALF)
     k_start = split * K_SPLIT
-    block = q_ptr + slot * N * (K // 2) + nb * K * 32
+    block = q_ptr + slot * N * (K // 2) + nb * K * HALF
     lo, hi = int4_block_dots(
         x_ptr + row * stride_x,
         block,
@@ -117,11 +118,12 @@ def _int4_grouped_kernel(
         k_start,
         tl.minimum(k_start + K_SPLIT, K),
         GROUP,
+        HALF,
         BLOCK_K,
     )
     out = part_ptr + (split * tl.num_programs(1) + p) * N + row_lo
     tl.store(out, lo.to(part_ptr.dtype.element_ty))
-    tl.store(out + 32, hi.to(part_ptr.dtype.element_ty))
+    tl.store(out + HALF, hi.to(part_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -144,11 +146,18 @@ def _weighted_sum_kernel(
 
 
 def grouped_linear(
-    x: Tensor, fmt: str, parts: dict[str, Tensor], rows: Tensor | None, slots: Tensor, group: int
+    x: Tensor,
+    fmt: str,
+    parts: dict[str, Tensor],
+    rows: Tensor | None,
+    slots: Tensor,
+    group: int,
+    row_block: int | None = None,
 ) -> Tensor:
     """For each pair p: x[rows[p]] [K] (x[p] when rows is None) @ slot slots[p]'s matrix^T ->
     [P, N] in x.dtype, fp32 sums; `parts` are an ExpertCache stack's tensors (int8 q, s or
-    int4 q, sz), rows and slots int32 [P] on x's device."""
+    int4 q, sz, its rows in blocks of `row_block`, None: this machine's), rows and slots
+    int32 [P] on x's device."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     pairs = slots.shape[0]
     gather = rows is not None
@@ -181,15 +190,15 @@ def grouped_linear(
     q, sz = parts["q"], parts["sz"]
     _, n, half = q.shape
     k = 2 * half
-    cfg = Int4Config()
-    assert q.is_contiguous() and sz.is_contiguous() and x.shape[1] == k and n % 64 == 0
+    cfg, block = Int4Config(), row_block or int4_layout.row_block()
+    assert q.is_contiguous() and sz.is_contiguous() and x.shape[1] == k and n % block == 0
     assert sz.shape[1:] == (k // group, n, 2) and cfg.block_k % group == 0
-    splits = int4_splits(n, k, cfg.block_k)
+    splits = int4_splits(n, k, cfg.block_k, block)
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
     part = torch.empty(
         splits, pairs, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device
     )
-    _int4_grouped_kernel[(n // 64, pairs, splits)](
+    _int4_grouped_kernel[(n // block, pairs, splits)](
         x,
         rows,
         slots,
@@ -202,6 +211,7 @@ def grouped_linear(
         x.stride(0),
         GATHER=gather,
         GROUP=group,
+        HALF=block // 2,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

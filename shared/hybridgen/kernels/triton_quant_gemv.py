@@ -8,13 +8,14 @@ the codes, scales and zeros once and dequantize in registers.
 
 Layouts (expert_format.PackedMatrices):
     int8  q int8 [N, K], s fp32 [N]: w[n, k] = q[n, k] * s[n]
-    int4  q uint8 [N, K / 2] in torch's CPU int4 layout: rows in blocks of 64, block b a
-          contiguous [K, 32] bytes, byte (k, j) = row 64b + j's code (low nibble) and row
-          64b + 32 + j's (high nibble); sz [K / GROUP, N, 2] (scale, zero) in the model
-          dtype: w[n, k] = (code - 8) * scale + zero
+    int4  q uint8 [N, K / 2] in torch's CPU int4 layout (int4_layout.py): rows in blocks
+          of R (64 on AVX-512 hosts, 32 on AVX2), block b a contiguous [K, R / 2] bytes,
+          byte (k, j) = row R b + j's code (low nibble) and row R b + R / 2 + j's (high
+          nibble); sz [K / GROUP, N, 2] (scale, zero) in the model dtype:
+          w[n, k] = (code - 8) * scale + zero
 
 int8: grid (cdiv(N, BLOCK_N), T), each program BLOCK_N rows of one row of x, streamed along K.
-int4: grid (N / 64, T, SPLIT), each program one block of 64 rows over a 1 / SPLIT share of K,
+int4: grid (N / R, T, SPLIT), each program one block of R rows over a 1 / SPLIT share of K,
 a contiguous run of bytes; narrow outputs (down_proj: 64 blocks for N = 4096) split K so that
 every SM has work, and the SPLIT fp32 partials are summed after. Scales and zeros are loaded
 once per group and broadcast in registers (a per-weight gather would issue GROUP times the
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hybridgen.kernels import int4_layout
 from hybridgen.kernels.triton_gemv import row_dots
 
 MAX_ROWS = 16
@@ -89,18 +91,19 @@ def _int4_kernel(
     K_SPLIT,
     stride_x,
     GROUP: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # part: [SPLIT, T, N], fp32 partials (or, with one split, y itself). K_SPLIT (a multiple
-    # of BLOCK_K) inputs per split.
+    # of BLOCK_K) inputs per split; HALF = R / 2.
     nb = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)  # int32 loop bounds; the pointers use int64 nb and t
-    row_lo = nb * 64 + tl.arange(0, 32)
+    row_lo = nb * 2 * HALF + tl.arange(0, HALF)
     k_start = split * K_SPLIT
     lo, hi = int4_block_dots(
         x_ptr + t * stride_x,
-        q_ptr + nb * K * 32,
+        q_ptr + nb * K * HALF,
         sz_ptr,
         row_lo,
         N,
@@ -108,31 +111,43 @@ def _int4_kernel(
         k_start,
         tl.minimum(k_start + K_SPLIT, K),
         GROUP,
+        HALF,
         BLOCK_K,
     )
     out = part_ptr + (split * tl.num_programs(1) + t) * N + row_lo
     tl.store(out, lo.to(part_ptr.dtype.element_ty))
-    tl.store(out + 32, hi.to(part_ptr.dtype.element_ty))
+    tl.store(out + HALF, hi.to(part_ptr.dtype.element_ty))
 
 
 @triton.jit
 def int4_block_dots(
-    x_ptr, block, sz_ptr, row_lo, N, K, k_start, k_end, GROUP: tl.constexpr, BLOCK_K: tl.constexpr
+    x_ptr,
+    block,
+    sz_ptr,
+    row_lo,
+    N,
+    K,
+    k_start,
+    k_end,
+    GROUP: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    # -> two [32] fp32: rows row_lo and row_lo + 32 (one block of 64, its [K, 32] bytes at
-    # `block`; sz [K / GROUP, N, 2] at sz_ptr) dotted with x [K] over inputs k_start..k_end
-    # (a multiple of BLOCK_K from 0). The grouped expert kernels take the same loop.
+    # -> two [HALF] fp32: rows row_lo and row_lo + HALF (one block of 2 HALF rows, its
+    # [K, HALF] bytes at `block`; sz [K / GROUP, N, 2] at sz_ptr) dotted with x [K] over
+    # inputs k_start..k_end (a multiple of BLOCK_K from 0). The grouped expert kernels take
+    # the same loop.
     NG: tl.constexpr = BLOCK_K // GROUP
-    j = tl.arange(0, 32)
+    j = tl.arange(0, HALF)
     kk = tl.arange(0, BLOCK_K)
     gg = tl.arange(0, NG)
-    acc_lo = tl.zeros((BLOCK_K, 32), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_K, 32), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_K, HALF), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_K, HALF), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + kk
         k_ok = k < K
         packed = tl.load(
-            block + k[:, None] * 32 + j[None, :],
+            block + k[:, None] * HALF + j[None, :],
             mask=k_ok[:, None],
             other=136,
             eviction_policy="evict_first",
@@ -140,22 +155,22 @@ def int4_block_dots(
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         g = k0 // GROUP + gg
         g_ok = g < K // GROUP
-        sz = sz_ptr + (g[:, None] * N + row_lo[None, :]) * 2  # [NG, 32], the low rows
+        sz = sz_ptr + (g[:, None] * N + row_lo[None, :]) * 2  # [NG, HALF], the low rows
         s_lo = tl.load(sz, mask=g_ok[:, None], other=0.0).to(tl.float32)
         z_lo = tl.load(sz + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        s_hi = tl.load(sz + 64, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        z_hi = tl.load(sz + 65, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        w_lo = ((packed & 15).to(tl.float32) - 8.0) * _per_group(s_lo, NG, GROUP)
-        w_hi = ((packed >> 4).to(tl.float32) - 8.0) * _per_group(s_hi, NG, GROUP)
-        acc_lo += (w_lo + _per_group(z_lo, NG, GROUP)) * x[:, None]
-        acc_hi += (w_hi + _per_group(z_hi, NG, GROUP)) * x[:, None]
+        s_hi = tl.load(sz + 2 * HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        z_hi = tl.load(sz + 2 * HALF + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        w_lo = ((packed & 15).to(tl.float32) - 8.0) * _per_group(s_lo, NG, GROUP, HALF)
+        w_hi = ((packed >> 4).to(tl.float32) - 8.0) * _per_group(s_hi, NG, GROUP, HALF)
+        acc_lo += (w_lo + _per_group(z_lo, NG, GROUP, HALF)) * x[:, None]
+        acc_hi += (w_hi + _per_group(z_hi, NG, GROUP, HALF)) * x[:, None]
     return tl.sum(acc_lo, axis=0), tl.sum(acc_hi, axis=0)
 
 
 @triton.jit
-def _per_group(m, NG: tl.constexpr, GROUP: tl.constexpr):
-    # [NG, 32] -> [NG * GROUP, 32]: each group's row repeated over its GROUP inputs.
-    return tl.reshape(tl.broadcast_to(m[:, None, :], (NG, GROUP, 32)), (NG * GROUP, 32))
+def _per_group(m, NG: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr):
+    # [NG, HALF] -> [NG * GROUP, HALF]: each group's row repeated over its GROUP inputs.
+    return tl.reshape(tl.broadcast_to(m[:, None, :], (NG, GROUP, HALF)), (NG * GROUP, HALF))
 
 
 def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
@@ -183,36 +198,44 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return y
 
 
-def int4_splits(n: int, k: int, block_k: int = Int4Config.block_k) -> int:
-    """K splits for an [n, k] int4 matrix. One with fewer blocks of 64 rows than two per SM of
-    the H200's 132 is split so that some 512 programs run: down_proj (n = 4096, 64 blocks)
-    in 8, 44 us against 54 in 5 and 119 unsplit at one token (bench/quant_gemv_bench.py);
-    gate_up's 448 blocks stay whole (81 us, 86 in 2). Never a split shorter than 4 tiles."""
-    blocks = n // 64
+def int4_splits(n: int, k: int, block_k: int = Int4Config.block_k, rows: int = 64) -> int:
+    """K splits for an [n, k] int4 matrix in blocks of `rows`. One with fewer blocks than two
+    per SM of the H200's 132 is split so that some 512 programs run: down_proj (n = 4096, 64
+    blocks of 64) in 8, 44 us against 54 in 5 and 119 unsplit at one token
+    (bench/quant_gemv_bench.py); gate_up's 448 blocks stay whole (81 us, 86 in 2). Never a
+    split shorter than 4 tiles."""
+    blocks = n // rows
     if blocks >= 264:
         return 1
     return max(1, min(-(-512 // blocks), k // (4 * block_k)))
 
 
 def int4_linear(
-    x: Tensor, q: Tensor, sz: Tensor, group: int, config: Int4Config | None = None
+    x: Tensor,
+    q: Tensor,
+    sz: Tensor,
+    group: int,
+    config: Int4Config | None = None,
+    row_block: int | None = None,
 ) -> Tensor:
     """x [T, K] (T <= MAX_ROWS), q uint8 [N, K / 2] and sz [K / group, N, 2] in the int4 layout
-    -> [T, N] in x.dtype, fp32 sums. `config` overrides the default tiles."""
+    with rows in blocks of `row_block` (None: this machine's, int4_layout.row_block) -> [T, N]
+    in x.dtype, fp32 sums. `config` overrides the default tiles."""
     cfg = config or Int4Config()
+    rows = row_block or int4_layout.row_block()
     n, half = q.shape
     t, k = x.shape
-    assert k == 2 * half and k % group == 0 and n % 64 == 0 and cfg.block_k % group == 0
+    assert k == 2 * half and k % group == 0 and n % rows == 0 and cfg.block_k % group == 0
     assert sz.shape == (k // group, n, 2) and t <= MAX_ROWS and q.is_contiguous()
     assert sz.is_contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    splits = cfg.splits or int4_splits(n, k, cfg.block_k)
+    splits = cfg.splits or int4_splits(n, k, cfg.block_k, rows)
     k_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
     # One split writes y directly; more leave fp32 partials to sum (two more launches).
     parts = torch.empty(
         splits, t, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device
     )
-    _int4_kernel[(n // 64, t, splits)](
+    _int4_kernel[(n // rows, t, splits)](
         x,
         q,
         sz,
@@ -222,6 +245,7 @@ def int4_linear(
         k_split,
         x.stride(0),
         GROUP=group,
+        HALF=rows // 2,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

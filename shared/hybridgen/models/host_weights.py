@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridgen.experts.format import ROW_BLOCK, _int4_pack
-from hybridgen.kernels import ops
+from hybridgen.kernels import int4_layout, ops
 from hybridgen.models.dense_quant import QuantLinear, QuantWeight, WeightFormat, unpack_int4
 
 CPU = torch.device("cpu")
 INT4_CPU_GROUPS = (32, 64, 128, 256)
 """Input group sizes torch's CPU int4 kernel takes."""
+INT4_CPU_ROWS = max(int4_layout.ROW_BLOCKS)
+"""Rows torch's CPU int4 kernel takes in whole blocks on every CPU (its layouts' blocks)."""
 
 
 def _host(t: Tensor, pin: bool) -> Tensor:
@@ -119,9 +120,10 @@ class HostProjection:
         w = self.weight(self.rows, sel)
         if self.fmt == "int8" and w.scale.shape[1] == 1:
             self.cpu_form = (w.codes, w.scale[:, 0].to(dtype).contiguous())
-        elif self.fmt == "int4" and n % ROW_BLOCK == 0 and w.group in INT4_CPU_GROUPS:
+        elif self.fmt == "int4" and n % INT4_CPU_ROWS == 0 and w.group in INT4_CPU_GROUPS:
             assert w.zero is not None
-            packed = _int4_pack(unpack_int4(w.codes)[None])[0]
+            codes = unpack_int4(w.codes).to(torch.int32)
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # this CPU's layout
             scale, zero = w.scale.float(), w.zero.float() + 8 * w.scale.float()
             sz = torch.stack([scale, zero], -1).transpose(0, 1).to(dtype).contiguous()
             self.cpu_form = (packed, sz)
