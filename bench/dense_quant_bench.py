@@ -13,13 +13,15 @@ against the defaults (tiles_for, split_k): what to set as the defaults.
 
 `--kernel` adds int4 rows at T = 1 side by side: `old` the byte GEMV (`_int4_gemv`), `new`
 the word GEMV (`_int4_gemv_words`, the bf16 default), `new16` it with 16 rows a thread
-(fewer instructions a weight, twice the registers), `tinygemm` torch's own int4 kernel
+(fewer instructions a weight, twice the registers), `mma` the tensor-core GEMV
+(`_int4_gemv_mma`, ~3 instructions a weight offline against the word GEMV's 4.8), `mma1` it
+with one pipeline stage, `mma_whole` it without split-K, `tinygemm` torch's own int4 kernel
 (`_weight_int4pack_mm`, CUDA only, skipped where this torch lacks it) on the same codes,
 scales and zeros (group 64; its zero is the group's value at code 8).
 
     python3 bench/dense_quant_bench.py                  # defaults, T = 1 and 512
     python3 bench/dense_quant_bench.py --sweep decode   # + tiles and splits at T = 1
-    python3 bench/dense_quant_bench.py --tokens 1 --kernel old,new,new16,tinygemm
+    python3 bench/dense_quant_bench.py --tokens 1 --kernel old,new,new16,mma,tinygemm
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ import torch.nn.functional as F
 from gemv_bench import time_us  # bench/, beside this script
 
 from hybridgen.benchmarks.report import machine_info, write_out
-from hybridgen.kernels.triton_dense_quant import WORD_GEMV_TILES, Tiles, quant_linear, tiles_for
+from hybridgen.kernels.triton_dense_quant import (
+    MMA_GEMV_TILES,
+    WORD_GEMV_TILES,
+    Tiles,
+    quant_linear,
+    tiles_for,
+)
 from hybridgen.models.dense_quant import QuantWeight, quantize, unpack_int4
 
 SHAPES = {
@@ -92,6 +100,9 @@ KERNELS = {
     "old": tiles_for(1, "int4"),
     "new": WORD_GEMV_TILES,
     "new16": replace(WORD_GEMV_TILES, block_n=16),
+    "mma": MMA_GEMV_TILES,
+    "mma1": replace(MMA_GEMV_TILES, num_stages=1),
+    "mma_whole": replace(MMA_GEMV_TILES, split=1),
 }
 """`--kernel` names of the int4 GEMVs at T = 1 (and `tinygemm`, torch's)."""
 TINYGEMM_INNER_K_TILES = 8

@@ -250,15 +250,21 @@ def test_quantize_in_row_chunks_is_exact(fmt: str) -> None:
 
 
 def _check_words(
-    qw: QuantWeight, t: int, bias: bool, split: int | None, block_n: int = 8
+    qw: QuantWeight,
+    t: int,
+    bias: bool,
+    split: int | None,
+    block_n: int = 8,
+    base: triton_dense_quant.Tiles = triton_dense_quant.WORD_GEMV_TILES,
 ) -> torch.Tensor:
-    """The int4 word GEMV against float64, element by element within one bf16 step of the
-    result (a mapping of a nibble to the wrong input is off by ~|w x|, many steps)."""
+    """The int4 word GEMV (or another bf16 GEMV on the words, `base`) against float64, element
+    by element within one bf16 step of the result (a mapping of a nibble to the wrong input
+    is off by ~|w x|, many steps)."""
     n, k = qw.shape
     x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
     x[x.abs() > 2] *= 8  # outliers
     b = torch.randn(n, device=DEVICE) if bias else None
-    tiles = replace(triton_dense_quant.WORD_GEMV_TILES, split=split, block_n=block_n)
+    tiles = replace(base, split=split, block_n=block_n)
     got = triton_dense_quant.quant_linear(
         x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, b, tiles
     )
@@ -295,6 +301,32 @@ def test_word_gemv_groups(group: int) -> None:
     zero = (-8 * scale.float() + torch.randn(n, k // group) * 1e-3).half()
     qw = QuantWeight("int4", pack_int4(codes), scale, zero, group).to(DEVICE)
     _check_words(qw, 1, False, None)
+
+
+MMA = triton_dense_quant.MMA_GEMV_TILES
+
+
+# N = 70 ends in a part program of 64 rows; K = 1184 (37 runs) and 2080 end in a part tile of
+# 512 inputs, 4096 fills whole ones.
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize(("t", "n", "k"), [(1, 64, 4096), (1, 70, 1184), (2, 13, 2080)])
+def test_mma_gemv_matches_float64(t: int, n: int, k: int, split: int | None, bias: bool) -> None:
+    """The tensor-core GEMV (`_int4_gemv_mma`): each group's sum of (128 + code) x by one dot
+    against x's block diagonal, scale and zero after."""
+    _check_words(_weight("int4", n, k), t, bias, split, block_n=64, base=MMA)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 2048])
+def test_mma_gemv_groups(group: int) -> None:
+    """16 groups of 32 a tile (GGUF's), 8 of 64, 4 of 128, and one group over four tiles;
+    zeros near -8 scale (Q4_0's) make the terms nearly cancel."""
+    n, k = 24, 4096
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // group) * 0.01 + 1e-3).half()
+    zero = (-8 * scale.float() + torch.randn(n, k // group) * 1e-3).half()
+    qw = QuantWeight("int4", pack_int4(codes), scale, zero, group).to(DEVICE)
+    _check_words(qw, 1, False, None, block_n=64, base=MMA)
 
 
 def test_word_gemv_split_is_deterministic() -> None:

@@ -49,6 +49,16 @@ Expected (not yet measured): at the byte kernel's issue efficiency (3.89 ms for 
 ~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s. 16 rows a thread is ~0.2 fewer a weight
 but takes 168-255 registers (Triton 3.6-3.9); bench/dense_quant_bench.py times it as `new16`.
 
+int4 tensor-core GEMV (`_int4_gemv_mma`, `Tiles.mma`, `MMA_GEMV_TILES`; a candidate, not
+yet measured, so not the default): the word kernel is issue-bound (4.8 instructions a weight),
+this one ~3.0 (Triton 3.6 for sm_90, `ptxas` offline; bench/NOTES.md). Each 16-bit half of a
+word, masked to one nibble and or'ed with bf16 128.0's bits, is the bf16 128 + code: two
+weights an AND-OR, four shifts and masks a word. The [64 rows, 512] tile of them is wgmma's
+A operand; B is x's block diagonal [512, 16] (column g holds the tile's group g's inputs, at
+most 16 groups), so one dot gives every row's and group's sum of (128 + code) x, and the
+scale and zero apply once per row and group: s d + (z - 128 s) sum x (the 128 s sum x
+terms cancel to ~1e-5 of s sum x in fp32). The codes load two steps ahead (cp.async).
+
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
 cores (tl.dot, fp32 accumulation). A 512-token prefill in BLOCK_M = 128 re-reads the weights
@@ -135,6 +145,8 @@ class Tiles:
     words: bool = False
     """int4 GEMV only: the word kernel (`_int4_gemv_words`, bf16 activations) instead of the
     byte kernel (`_int4_gemv`)."""
+    mma: bool = False
+    """int4 GEMV only: the tensor-core kernel (`_int4_gemv_mma`, bf16 activations)."""
 
 
 def tiles_for(t: int, fmt: str, x_bytes: int = 2, bf16: bool = False) -> Tiles:
@@ -160,6 +172,12 @@ def tiles_for(t: int, fmt: str, x_bytes: int = 2, bf16: bool = False) -> Tiles:
 
 WORD_GEMV_TILES = Tiles(1, 8, 2048, 2, 1, words=True)
 """The word GEMV's tiles: 8 rows a thread, 2 warps along K (64 runs, one a thread)."""
+MMA_GEMV_TILES = Tiles(1, 64, 512, 4, 2, mma=True)
+"""The tensor-core GEMV's tiles: wgmma's 64 rows, 512 inputs (at most 16 groups) a step, the
+codes two steps ahead."""
+MMA_MASK, MMA_MAGIC = 0x000F000F, 0x43004300
+"""Nibble 0 of each 16-bit half, and the bf16 128.0 twice: (w & MASK) | MAGIC is two bf16s
+128 + code."""
 
 
 def stage_bytes(tiles: Tiles, fmt: str, x_bytes: int) -> int:
@@ -403,6 +421,88 @@ def _int4_gemv_words(
 
 
 @triton.jit
+def _bf16_lo(v):
+    # The bf16 in v's low 16 bits.
+    return v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(v):
+    # The bf16 in v's high 16 bits.
+    return (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _int4_gemv_mma(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    K_SPLIT,
+    runs_per_row,
+    stride_s,
+    RUNS_PER_GROUP,
+    mask,
+    magic,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    COLS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x bf16 [T, K]; q_ptr the codes as int32 words [N, K / 8]; COLS the groups a tile
+    # spans (at least 1: a group as long as several tiles; at most 16); UPCAST: see _dot. The
+    # dequantized tile's position p is word p // 8's nibble i = 2 b + a + 4 c (a, b, c =
+    # bits 2, 1, 0 of p: the joins below), i.e. input 32 run + 16 (i % 2) + 4 w + i // 2 of
+    # the tile (the word layout); a group's inputs are whole runs, so contiguous in p.
+    KW: tl.constexpr = BLOCK_K // 8
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range rows re-read row 0
+    t = tl.program_id(1)
+    k_begin = tl.program_id(2) * K_SPLIT
+    p = tl.arange(0, BLOCK_K)
+    word = p // 8
+    nibble = 2 * ((p // 2) % 2) + (p // 4) % 2 + 4 * (p % 2)
+    inp = 32 * (word // 4) + 16 * (nibble % 2) + 4 * (word % 4) + nibble // 2
+    cols = tl.arange(0, 16)
+    in_col = (inp // (BLOCK_K // COLS))[None, :] == cols[:, None]  # [16, BLOCK_K]
+    kw = tl.arange(0, KW)
+    words_at = rows[:, None] * (4 * runs_per_row) + kw[None, :]
+    x_row = x_ptr + t.to(tl.int64) * K
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        words = _load(q_ptr + words_at + k0 // 8, (8 * (k0 // 8 + kw) < K)[None, :], EVEN_K, 0)
+        v0 = (words & mask) | magic  # nibbles 0 and 4 as the bf16s 128 + code
+        v1 = ((words >> 4) & mask) | magic
+        v2 = ((words >> 8) & mask) | magic
+        v3 = ((words >> 12) & mask) | magic
+        lo = tl.join(tl.join(_bf16_lo(v0), _bf16_lo(v1)), tl.join(_bf16_lo(v2), _bf16_lo(v3)))
+        hi = tl.join(tl.join(_bf16_hi(v0), _bf16_hi(v1)), tl.join(_bf16_hi(v2), _bf16_hi(v3)))
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # 128 + code
+        x = _load(x_row + k0 + inp, k0 + inp < K, EVEN_K, 0.0)
+        xg = tl.where(in_col, x[None, :], 0.0).to(tl.bfloat16)  # column g: group g's x
+        d = tl.trans(_dot(w, xg, UPCAST))  # [16, BLOCK_N]: each group's sum (128 + c) x
+        sums = tl.sum(tl.reshape(x.to(tl.float32), (COLS, BLOCK_K // COLS)), axis=1)
+        x_sum = tl.sum(
+            tl.where(cols[:, None] == tl.arange(0, COLS)[None, :], sums[None, :], 0.0), 1
+        )
+        g = (k0 // 32) // RUNS_PER_GROUP + cols
+        g_ok = (cols < COLS) & (g < stride_s)
+        at = rows[None, :] * stride_s + g[:, None]
+        s = tl.load(s_ptr + at, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        acc += s * d + (z - 128.0 * s) * x_sum[:, None]
+    y = tl.sum(acc, axis=0)
+    _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+
+
+@triton.jit
 def _int8_gemv(
     x_ptr,
     q_ptr,
@@ -626,7 +726,8 @@ def quant_linear(
         return _dequant_linear(x, fmt, codes, scale, zero, group, bias)
     cfg = tiles or tiles_for(t, fmt, x.element_size(), x.dtype == torch.bfloat16)
     assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
-    assert not cfg.words or (fmt == "int4" and cfg.block_m == 1 and x.dtype == torch.bfloat16)
+    for special in (cfg.words, cfg.mma):
+        assert not special or (fmt == "int4" and cfg.block_m == 1 and x.dtype == torch.bfloat16)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m)
     split = cfg.split or split_k(programs, k, cfg.block_k, sm_count(x.device))
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -646,7 +747,15 @@ def quant_linear(
         num_stages=cfg.num_stages,
     )
     assert fmt == "int8" or zero is not None
-    if cfg.words:
+    if cfg.mma:
+        cols = max(1, cfg.block_k // group)
+        assert cols <= 16 and (cfg.block_k % group == 0 or group % cfg.block_k == 0)
+        args[1] = codes.view(torch.int32)
+        args[-3] = k // 32  # a row's runs
+        launch.update(EVEN_K=k % cfg.block_k == 0, COLS=cols, UPCAST=INTERPRETED)
+        grid = (triton.cdiv(n, cfg.block_n), t, split)
+        _int4_gemv_mma[grid](*args, MMA_MASK, MMA_MAGIC, **launch)
+    elif cfg.words:
         if x.data_ptr() % 4:  # read as int32 pairs
             x = x.clone()
         args[:2] = [x, codes.view(torch.int32)]
