@@ -329,6 +329,26 @@ def test_mma_gemv_groups(group: int) -> None:
     _check_words(qw, 1, False, None, block_n=64, base=MMA)
 
 
+def test_mma_gemv_sums_its_splits_in_the_kernel() -> None:
+    """K in 5 slices: the last slice of each row block to finish sums the partials in slice
+    order (no extra launch), so two calls agree bit for bit, equal the same kernel unsplit
+    to fp32 rounding, and leave every split counter at zero for the next launch."""
+    qw = _weight("int4", 70, 2560)
+    x = torch.randn(2, 2560, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(70, device=DEVICE)
+
+    def run(split: int) -> torch.Tensor:
+        tiles = replace(MMA, split=split)
+        return triton_dense_quant.quant_linear(
+            x, "int4", qw.codes, qw.scale, qw.zero, qw.group, b, tiles
+        )
+
+    first, again, whole = run(5), run(5), run(1)
+    assert torch.equal(first, again)
+    assert torch.allclose(first.float(), whole.float(), rtol=1e-2, atol=1e-3)
+    assert not triton_dense_quant._LOCKS[x.device][-1].any()
+
+
 def test_word_gemv_split_is_deterministic() -> None:
     """Split-K partials are summed in a fixed order: the same output on every call."""
     qw = _weight("int4", 16, 4096)

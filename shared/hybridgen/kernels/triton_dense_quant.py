@@ -440,6 +440,8 @@ def _int4_gemv_mma(
     z_ptr,
     b_ptr,
     y_ptr,
+    part_ptr,
+    lock_ptr,
     T,
     N,
     K,
@@ -499,7 +501,31 @@ def _int4_gemv_mma(
         z = tl.load(z_ptr + at, mask=g_ok[:, None], other=0.0).to(tl.float32)
         acc += s * d + (z - 128.0 * s) * x_sum[:, None]
     y = tl.sum(acc, axis=0)
-    _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+    if tl.num_programs(2) == 1:
+        _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+    else:
+        _sum_splits(y, part_ptr, lock_ptr, y_ptr, b_ptr, t, rn, T, N, HAS_BIAS)
+
+
+@triton.jit
+def _sum_splits(y, part_ptr, lock_ptr, y_ptr, b_ptr, t, rn, T, N, HAS_BIAS: tl.constexpr):
+    # K slice program_id(2)'s y [BLOCK_N] fp32 into part [SPLIT, T, N]; the last slice of the
+    # row block to arrive (a counter in lock [row blocks, T], back to 0 after) sums them in
+    # slice order and stores y with the bias: no launch of its own (module docstring).
+    n_ok = rn < N
+    split = tl.program_id(2)
+    tl.store(part_ptr + (split * T + t).to(tl.int64) * N + rn, y, mask=n_ok)
+    tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+    lock = lock_ptr + tl.program_id(0) * T + t
+    if tl.atomic_add(lock, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        total = tl.zeros_like(y)
+        for i in range(0, tl.num_programs(2)):
+            at = part_ptr + (i * T + t).to(tl.int64) * N + rn
+            total += tl.load(at, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t.to(tl.int64) * N + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
@@ -703,6 +729,20 @@ def _dequant_linear(
     return y
 
 
+_LOCKS: dict[torch.device, list[Tensor]] = {}
+"""Each device's split counters for _sum_splits, the newest last (older ones stay alive: a
+captured CUDA graph may hold them)."""
+
+
+def _split_locks(device: torch.device, n: int) -> Tensor:
+    """At least n int32 counters at zero on `device`, which every launch leaves at zero again.
+    Shared by the launches of one stream (the engine's forward runs on one)."""
+    held = _LOCKS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def quant_linear(
     x: Tensor,
     fmt: str,
@@ -750,11 +790,14 @@ def quant_linear(
     if cfg.mma:
         cols = max(1, cfg.block_k // group)
         assert cols <= 16 and (cfg.block_k % group == 0 or group % cfg.block_k == 0)
-        args[1] = codes.view(torch.int32)
-        args[-3] = k // 32  # a row's runs
-        launch.update(EVEN_K=k % cfg.block_k == 0, COLS=cols, UPCAST=INTERPRETED)
         grid = (triton.cdiv(n, cfg.block_n), t, split)
+        out = y if split == 1 else torch.empty(t, n, dtype=x.dtype, device=x.device)
+        locks = _split_locks(x.device, grid[0] * t)
+        args = [x, codes.view(torch.int32), scale, zero, bias if bias is not None else out]
+        args += [out, y, locks, t, n, k, k_split, k // 32, groups, group // 32]
+        launch.update(EVEN_K=k % cfg.block_k == 0, COLS=cols, UPCAST=INTERPRETED)
         _int4_gemv_mma[grid](*args, MMA_MASK, MMA_MAGIC, **launch)
+        return out
     elif cfg.words:
         if x.data_ptr() % 4:  # read as int32 pairs
             x = x.clone()
