@@ -39,6 +39,8 @@ class DefaultServer:
             *(("--model", str(model)) if model is not None else ()),
         ]
         self.log_path = tmp / "serve.log"
+        self.run_dir = tmp / "run" / self.instance
+        """The instance's runtime folder: each process's log."""
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")

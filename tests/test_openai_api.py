@@ -86,12 +86,19 @@ class ScriptedBackend:
         return MAX_QUEUE if self.full else self.waiting
 
 
-def run(backend: ScriptedBackend, scenario: Any, authorize: Any = None) -> Any:
+def run(
+    backend: ScriptedBackend,
+    scenario: Any,
+    authorize: Any = None,
+    timeout_s: float = 0.0,
+    max_body: int = 16 << 20,
+) -> Any:
     """Serve the API over `backend` on a free port and run `scenario(port, service)`."""
 
     async def main() -> Any:
-        service = GenerationService(backend, Metrics(), MAX_QUEUE)  # type: ignore[arg-type]
-        http = HttpServer(OpenAIApi(service, authorize).app(), "127.0.0.1", 0, 1.0)
+        service = GenerationService(backend, Metrics(), MAX_QUEUE, timeout_s)  # type: ignore[arg-type]
+        api = OpenAIApi(service, authorize, max_body)
+        http = HttpServer(api.app(), "127.0.0.1", 0, 1.0)
         port = await http.start()
         try:
             return await scenario(port, service)
@@ -307,3 +314,78 @@ def test_another_model_name_is_404() -> None:
         return err.value.body
 
     assert run(ScriptedBackend(), scenario)["param"] == "model"
+
+
+def test_the_request_timeout_holds_over_http() -> None:
+    """server.request_timeout_s as over gRPC: a non-streamed answer past it is 504 naming the
+    setting, a streamed one ends in an error event; both free their places."""
+    backend = ScriptedBackend(tokens=50, gap_s=0.05)  # 2.5 s of tokens against a 0.5 s limit
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        api = client(port)
+        with pytest.raises(openai.APIStatusError) as whole:
+            await api.completions.create(model="tiny-llama", prompt="hi", max_tokens=50)
+        stream = await api.completions.create(
+            model="tiny-llama", prompt="hi", max_tokens=50, stream=True
+        )
+        with pytest.raises(openai.APIError) as streamed:
+            async for _ in stream:
+                pass
+        await asyncio.sleep(0.2)
+        return whole.value, streamed.value, service._reserved, backend.waiting
+
+    whole, streamed, reserved, waiting = run(backend, scenario, timeout_s=0.5)
+    assert whole.status_code == 504 and "server.request_timeout_s" in whole.body["message"]
+    assert "server.request_timeout_s" in str(streamed)
+    assert reserved == 0 and waiting == 0
+    assert [what for what, _ in backend.events].count("end") == 2
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read() -> None:
+    """A body past server.max_message_mb: 413 naming the limit (not the upstream's gRPC
+    refusal as a 429 the OpenAI client retries), declared or sent in chunks."""
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        def post(data: Any, headers: dict[str, str]) -> tuple[int, Any]:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            request = urllib.request.Request(url, data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    return reply.status, json.loads(reply.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        big = json.dumps({"model": "tiny-llama", "prompt": "x" * 5000}).encode()
+        small = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}).encode()
+        chunks = iter([big[:3000], big[3000:]])  # no Content-Length: chunked
+        return [
+            await asyncio.to_thread(post, big, {"Content-Type": "application/json"}),
+            await asyncio.to_thread(post, chunks, {"Transfer-Encoding": "chunked"}),
+            await asyncio.to_thread(post, small, {"Content-Type": "application/json"}),
+        ]
+
+    (s1, b1), (s2, b2), (s3, _) = run(ScriptedBackend(), scenario, max_body=4096)
+    for status, body in ((s1, b1), (s2, b2)):
+        assert status == 413 and body["error"]["param"] == "body"
+        assert "server.max_message_mb" in body["error"]["message"]
+    assert s3 == 200
+
+
+def test_warm_loads_the_model_once_the_backend_is_ready() -> None:
+    """The gateway warms the HTTP API before it reports READY: the model's name, tokenizer
+    and length are loaded then, not by the first call; while the backend loads, it waits."""
+    backend = ScriptedBackend()
+    backend.loaded = False
+
+    async def main() -> Any:
+        api = OpenAIApi(GenerationService(backend, Metrics(), MAX_QUEUE))  # type: ignore[arg-type]
+        warming = asyncio.create_task(api.warm())
+        await asyncio.sleep(0.5)
+        before = (warming.done(), api._model)
+        backend.loaded = True
+        await asyncio.wait_for(warming, 30)
+        return before, api._model
+
+    (done, model), after = asyncio.run(main())
+    assert not done and model is None
+    assert after is not None and after[0] == "tiny-llama" and after[2] == 64

@@ -68,6 +68,13 @@ def test_models_lists_the_served_model(client: openai.OpenAI, model: Path) -> No
     assert [m.id for m in models] == [str(model)]
 
 
+def test_the_gateway_loads_the_model_before_ready(server: DefaultServer) -> None:
+    """The HTTP API's model facts (torch and the tokenizer in the gateway) load before the
+    gateway reports READY, not in the first HTTP call (~9 s on a 2-core machine)."""
+    log = (server.run_dir / "gateway.log").read_text()
+    assert log.index('"http_model_loaded"') < log.index('"gateway_serving"')
+
+
 def test_completion_greedy_text_equals_generate(
     server: DefaultServer, client: openai.OpenAI, model: Path
 ) -> None:

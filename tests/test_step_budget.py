@@ -4,6 +4,8 @@ whole max_num_batched_tokens; tokens are the same either way."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from hybridgen.config.engine import EngineConfig
@@ -120,7 +122,8 @@ def test_engine_steps_with_decodes_stay_small(  # type: ignore[no-untyped-def]
             step_latency_ms=latency_ms,
         )
     )
-    engine.add_request("a", list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=40))
+    # a 200-token prompt measures the prefill per token (an 8-token one is mostly overhead)
+    engine.add_request("a", list(range(1, 201)), SamplingParams(temperature=0.0, max_tokens=40))
     for _ in range(4):  # a's prefill, then decodes (measured)
         engine.step()
     engine.add_request("b", list(range(10, 400)), GREEDY)
@@ -135,3 +138,21 @@ def test_engine_steps_with_decodes_stay_small(  # type: ignore[no-untyped-def]
         assert max(sizes) > MIN_TOKENS, sizes
     else:
         assert max(sizes) == 256 - 1, "the whole budget beside a's decode"
+
+
+def test_decode_times_include_the_forward_when_the_host_samples() -> None:
+    """With the tokens picked on the host (placements.sample: cpu, as the CPU daemon does),
+    the forward pass runs before the step hands over its rows: its measured decode time is
+    the step's, not the microseconds after it (GetModelInfo read 0.0026 ms a step)."""
+    engine = Engine(
+        EngineConfig(model="tiny-llama", device="cpu", max_model_len=256, sample_placement="cpu")
+    )
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(1 + i, 20 + i)), GREEDY)
+    walls = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    assert engine.step_times.decode, "decode steps were measured"
+    assert min(engine.step_times.decode.values()) > 0.2 * min(walls)

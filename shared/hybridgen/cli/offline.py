@@ -1,6 +1,6 @@
 """Generate in-process with the engine, streaming tokens to the terminal (no server needed).
 
-python -m hybridgen.cli.offline --model tiny-llama "Hello, world"
+python -m hybridgen.cli.offline "Hello, world"      # the default model, as `hybridgen serve`
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.validation import InvalidRequest
+from hybridgen.models.default_model import DEFAULT_MODEL
 from hybridgen.runtime import log
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
@@ -18,7 +19,9 @@ from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("prompt")
-    ap.add_argument("--model", default="tiny-llama", help="checkpoint directory or preset")
+    ap.add_argument(
+        "--model", default=DEFAULT_MODEL, help="checkpoint directory, GGUF file or preset"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)

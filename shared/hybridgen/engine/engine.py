@@ -364,6 +364,7 @@ class Engine:
             yield self._fail(failed, exc)
 
     def _run(self, batch: ScheduledBatch, defer_sampling: bool) -> Iterator[list[RequestOutput]]:
+        start = time.perf_counter()  # before any path runs the forward pass (some do at once)
         on_host = self._samples_on_host(batch)
         drafts = 0 if on_host else self.drafts.length(batch)
         steps = 1 if on_host or drafts else self._decode_steps(batch)
@@ -377,7 +378,6 @@ class Engine:
             per_step = self.runner.decode_steps(batch, steps)
         else:
             per_step = iter([self.runner.execute(batch)])
-        start = time.perf_counter()
         first = None if on_host else next(per_step)  # the batch's forward pass is done
         self._observe(batch, time.perf_counter() - start, on_host or bool(first))
         self._account(batch)

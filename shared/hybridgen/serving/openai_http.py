@@ -48,7 +48,12 @@ from hybridgen.serving.openai_request import (
     sample_inputs,
 )
 from hybridgen.serving.openai_response import DONE, Responder, event
-from hybridgen.serving.service import GenerateInput, GenerationService, QueueFull
+from hybridgen.serving.service import (
+    GenerateInput,
+    GenerationService,
+    QueueFull,
+    RequestTimedOut,
+)
 from hybridgen.serving.stop_strings import StopStringError
 
 log = structlog.get_logger()
@@ -64,12 +69,15 @@ _ERRORS: tuple[tuple[type[BaseException], int, str, str], ...] = (
     (ChatTemplateError, 400, "invalid_request_error", "INVALID_ARGUMENT"),
     (QueueFull, 429, "rate_limit_exceeded", "RESOURCE_EXHAUSTED"),
     (BackendUnavailable, 503, "service_unavailable", "UNAVAILABLE"),
+    (RequestTimedOut, 504, "timeout_error", "DEADLINE_EXCEEDED"),
 )
 _STEP_ERRORS = {
     ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     ErrorCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
     ErrorCode.INTERNAL: (500, "internal_error"),
 }
+WARM_POLL_S = 0.2
+"""How often `warm` looks whether the backend is ready."""
 _END = object()
 """A choice's stream ended (on the multiplexing queue)."""
 
@@ -180,9 +188,16 @@ def error_body(message: str, kind: str, param: str | None, code: str | None) -> 
 class OpenAIApi:
     """The routes over one GenerationService."""
 
-    def __init__(self, service: GenerationService, authorize: Authorize | None = None) -> None:
+    def __init__(
+        self,
+        service: GenerationService,
+        authorize: Authorize | None = None,
+        max_body_bytes: int = 16 << 20,
+    ) -> None:
         self.service = service
         self._authorize = authorize
+        self.max_body_bytes = max_body_bytes
+        """Largest request body read (server.max_message_mb, as a gRPC message)."""
         self._model: tuple[str, Tokenizer, int] | None = None
         self._model_lock = asyncio.Lock()
         self._started = int(time.time())
@@ -203,13 +218,13 @@ class OpenAIApi:
     # -- routes ------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body = await _json(request)
+        body = await self._json(request)
         model, _, _ = await self._model_facts(body)
         req = parse(body, False, completion_prompts(body))
         return await self._answer(request, req, model)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _json(request)
+        body = await self._json(request)
         model, tokenizer, _ = await self._model_facts(body)
         messages = chat_messages(body)
         add_prompt = body.get("add_generation_prompt", True)
@@ -229,7 +244,7 @@ class OpenAIApi:
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def tokenize(self, request: Request) -> Response:
-        body = await _json(request)
+        body = await self._json(request)
         _, tokenizer, max_len = await self._model_facts(body)
         if "messages" in body:
             add = body.get("add_generation_prompt", True) is True
@@ -247,7 +262,7 @@ class OpenAIApi:
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
-        body = await _json(request)
+        body = await self._json(request)
         _, tokenizer, _ = await self._model_facts(body)
         ids, vocab = body.get("tokens"), tokenizer.vocab_size
         if not isinstance(ids, list) or not all(_is_id(t, vocab) for t in ids):
@@ -268,22 +283,26 @@ class OpenAIApi:
     # -- generation --------------------------------------------------------------------------
 
     async def _answer(self, request: Request, req: OpenAIRequest, model: str) -> Response:
-        """Admit every prompt, then stream or collect its choices."""
+        """Admit every prompt, then stream or collect its choices, all of it within
+        server.request_timeout_s (as a gRPC call)."""
+        start = asyncio.get_running_loop().time()
         _, tokenizer, max_len = await self._model_facts({})
         admitted = []
         try:
-            for inp in req.inputs:
-                inp = await self._ready_input(inp, req, max_len)
-                admitted.append((inp, await self.service.admit(inp, count=req.n)))
+            async with self.service.time_limit(start):
+                for inp in req.inputs:
+                    inp = await self._ready_input(inp, req, max_len)
+                    admitted.append((inp, await self.service.admit(inp, count=req.n)))
         except BaseException as exc:
             self.service.release(req.n * len(admitted))
             raise _renamed(exc, req) from None
         responder = Responder(req, model, tokenizer)
         choices = Choices(self.service, admitted, req.n)
+        deltas = _within(self.service, start, choices.__aiter__())
         if req.stream:
-            return _EventStream(_events(responder, choices, req), choices.close)
+            return _EventStream(_events(responder, deltas, req), choices.close)
         try:
-            await _unless_gone(request, _collect(responder, choices))
+            await _unless_gone(request, _collect(responder, deltas))
         except ClientGone:
             log.info("client_gone", request_id=req.inputs[0].request_id)
             return Response(status_code=499)
@@ -333,6 +352,22 @@ class OpenAIApi:
 
         return route
 
+    async def warm(self) -> None:
+        """Load the served model's name, tokenizer and length as soon as the backend is
+        ready: the first HTTP call would (torch and the tokenizer in the gateway, ~9 s on a
+        2-core machine). A failure is logged; the first call tries again."""
+        while not self.service.backend.ready():
+            await asyncio.sleep(WARM_POLL_S)
+        try:
+            await self._model_facts({})
+        except Exception as exc:
+            log.warning("http_model_not_loaded", error=str(exc))
+        else:
+            log.info("http_model_loaded", model=self._model[0] if self._model else None)
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        return _parse_json(await _body(request, self.max_body_bytes))
+
     def _check_available(self) -> None:
         if self.service.draining:
             raise BackendUnavailable("the server is draining; retry on another replica")
@@ -370,12 +405,14 @@ class OpenAIApi:
         return model
 
 
-async def _events(responder: Responder, choices: Choices, req: OpenAIRequest) -> AsyncIterator[str]:
+async def _events(
+    responder: Responder, deltas: AsyncIterator[tuple[int, Delta]], req: OpenAIRequest
+) -> AsyncIterator[str]:
     """The server-sent events of a streamed answer; an error mid-stream is an error event."""
     for chunk in responder.first_chunks():
         yield event(chunk)
     try:
-        async for index, delta in choices:
+        async for index, delta in deltas:
             payload = responder.chunk(index, delta)
             if payload is not None:
                 yield event(payload)
@@ -384,13 +421,25 @@ async def _events(responder: Responder, choices: Choices, req: OpenAIRequest) ->
     except Exception as exc:
         error = _api_error(_renamed(exc, req))
         yield event(error_body(str(error), error.kind, error.param, error.code))
-    finally:
-        await choices.close()
     yield DONE
 
 
-async def _collect(responder: Responder, choices: Choices) -> None:
-    async for index, delta in choices:
+async def _within(
+    service: GenerationService, start: float, deltas: AsyncIterator[tuple[int, Delta]]
+) -> AsyncIterator[tuple[int, Delta]]:
+    """The choices' Deltas, each awaited within the request's time limit from `start` (not
+    around the yield: the limit cancels the waiting task, not the one sending to the client)."""
+    while True:
+        async with service.time_limit(start):
+            try:
+                item = await anext(deltas)
+            except StopAsyncIteration:
+                return
+        yield item
+
+
+async def _collect(responder: Responder, deltas: AsyncIterator[tuple[int, Delta]]) -> None:
+    async for index, delta in deltas:
         responder.add(index, delta)
 
 
@@ -415,9 +464,34 @@ async def _unless_gone(request: Request, work: Awaitable[None]) -> None:
     task.result()
 
 
-async def _json(request: Request) -> dict[str, Any]:
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes before more of it is read."""
+
+    def too_large(size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body is {size} bytes, more than the {limit} that "
+            "server.max_message_mb allows",
+            "invalid_request_error",
+            "body",
+            "request_too_large",
+        )
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"over {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes) -> dict[str, Any]:
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest("body", f"is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -57,6 +57,9 @@ _UNIX_SOCKET_MODE = 0o660
 DRAIN_GRACE_S = 10.0
 """On shutdown, how long the gateway's running streams may finish before they are cancelled
 (the supervisor's stop timeout outlasts it)."""
+WARM_WAIT_S = 60.0
+"""Longest the gateway waits for the HTTP API's model facts before it reports READY (the
+load goes on after, and the first call waits for it)."""
 
 
 def listen_address(config: ServerConfig, listen: str | None) -> str:
@@ -276,7 +279,8 @@ async def serve(
         log.error("cannot_listen", address=listen_address(config, listen), error=str(exc))
         raise
     await gateway.server.start()
-    http = await _start_http(gateway, config, grace_s)
+    started = await _start_http(gateway, config, grace_s)
+    http, api = started if started is not None else (None, None)
     log.info("gateway_listening", address=gateway.address, metrics=config.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -292,6 +296,10 @@ async def serve(
         raise
     # A proxy's upstream may not be up yet; the watcher turns health SERVING when it is.
     serving = backend.ready()
+    if api is not None:  # the HTTP API's model facts before READY (else its first call loads)
+        warming = asyncio.create_task(api.warm())
+        if serving:
+            await asyncio.wait({warming}, timeout=WARM_WAIT_S)
     await _set_health(gateway.health, _SERVING if serving else _NOT_SERVING)
     log.info("gateway_serving" if serving else "gateway_waiting", address=gateway.address)
     sd_notify.ready(f"{'serving' if serving else 'waiting for the model'} on {gateway.address}")
@@ -313,13 +321,16 @@ async def serve(
     log.info("gateway_stopped")
 
 
-async def _start_http(gateway: Gateway, config: ServerConfig, grace_s: float) -> HttpServer | None:
+async def _start_http(
+    gateway: Gateway, config: ServerConfig, grace_s: float
+) -> tuple[HttpServer, OpenAIApi] | None:
     """The OpenAI API on config.http_port, over the gRPC service's admission and backend."""
     if not config.http_port:
         return None
     keys = gateway.keys
-    app = OpenAIApi(gateway.service, keys.allows if keys is not None else None).app()
-    http = HttpServer(app, config.host, config.http_port, grace_s, config.tls)
+    allows = keys.allows if keys is not None else None
+    api = OpenAIApi(gateway.service, allows, config.max_message_bytes)
+    http = HttpServer(api.app(), config.host, config.http_port, grace_s, config.tls)
     try:
         port = await http.start()
     except OSError as exc:
@@ -327,4 +338,4 @@ async def _start_http(gateway: Gateway, config: ServerConfig, grace_s: float) ->
         await gateway.server.stop(0)
         raise
     log.info("http_listening", address=f"{config.host}:{port}")
-    return http
+    return http, api

@@ -365,12 +365,14 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         return prompt_ids
 
     @contextlib.asynccontextmanager
-    async def time_limit(self) -> AsyncIterator[None]:
-        """server.request_timeout_s around a call: past it the call ends with
-        DEADLINE_EXCEEDED (RequestTimedOut), and its stream's abort frees the KV."""
+    async def time_limit(self, start: float | None = None) -> AsyncIterator[None]:
+        """server.request_timeout_s around a call (or a part of one that began at `start`, a
+        loop.time()): past it the call ends with DEADLINE_EXCEEDED (RequestTimedOut), and its
+        stream's abort frees the KV."""
         limit = self.request_timeout_s
+        begun = asyncio.get_running_loop().time() if start is None else start
         try:
-            async with asyncio.timeout(limit or None) as deadline:
+            async with asyncio.timeout_at(begun + limit if limit else None) as deadline:
                 yield
         except TimeoutError:
             if not deadline.expired():
