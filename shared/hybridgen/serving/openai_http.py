@@ -365,6 +365,16 @@ class OpenAIApi:
         else:
             log.info("http_model_loaded", model=self._model[0] if self._model else None)
 
+    @staticmethod
+    def _names(named: str, served: str) -> bool:
+        """Whether a request's `model` names the served one: its path, a path of the same
+        name, or for the default model its name (`model.name_or_path`'s default)."""
+        from hybridgen.models.default_model import DEFAULT_MODEL, FILE
+
+        if Path(named).name == Path(served).name:
+            return True
+        return named == DEFAULT_MODEL and Path(served).as_posix().endswith(FILE)
+
     async def _json(self, request: Request) -> dict[str, Any]:
         return _parse_json(await _body(request, self.max_body_bytes))
 
@@ -393,8 +403,8 @@ class OpenAIApi:
         if named is not None and not isinstance(named, str):
             raise InvalidRequest("model", f"must be a string, got {named!r}")
         # The served name, or a path to a folder of that name (tools load the tokenizer
-        # from the path they name the model with).
-        if named is not None and named != model[0] and Path(named).name != Path(model[0]).name:
+        # from the path they name the model with), or the default model's own name.
+        if named is not None and not self._names(named, model[0]):
             raise ApiError(
                 404,
                 f"the model {named!r} does not exist; this server serves {model[0]!r}",
