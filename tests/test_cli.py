@@ -291,6 +291,14 @@ def test_generate_without_server() -> None:
     assert "no HybridGen server answering" in result.stderr
 
 
+def test_generate_refuses_a_seed_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any call: the seed's range, named (not the proto's bare "Value out of range")."""
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "Hello", "--seed", "-3"])
+    assert done.value.code == 2
+    assert "--seed: -3 is out of range: 0 <= seed <=" in capsys.readouterr().err
+
+
 # -- config-check and the entry point ---------------------------------------------------------
 
 

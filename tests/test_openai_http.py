@@ -285,6 +285,7 @@ def test_chat_logprobs_stream(server: DefaultServer, client: openai.OpenAI, mode
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",
         ),
+        (True, {"messages": [{"role": "user"}]}, "messages[0].content"),
     ],
 )
 def test_bad_parameters_get_400_naming_them(

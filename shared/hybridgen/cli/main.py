@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridgen.cli import serve as serve_command
+from hybridgen.sampling.params import MAX_SEED
 
 if TYPE_CHECKING:
     import grpc
@@ -179,10 +180,10 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
         default=int(os.environ.get("HYBRIDGEN_PORT", "50051")),
         help="the server's gRPC port (env HYBRIDGEN_PORT, as serve's; default 50051)",
     )
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=_seed, default=None, help=f"0 to {MAX_SEED}")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="repeatable")
     gen.add_argument(
         "--chat",
@@ -195,6 +196,18 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     check.add_argument("file", type=Path)
     check.set_defaults(func=cmd_config_check)
     return ap
+
+
+def _seed(text: str) -> int:
+    """--seed: an int the server takes (the proto's uint64 would refuse a negative one with a
+    bare "Value out of range")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: 0 <= seed <= {MAX_SEED}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,9 +144,13 @@ def chat_messages(body: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             content = _text_parts(content, f"messages[{i}].content")
+        elif content is None and message["role"] != "assistant":
+            raise InvalidRequest(
+                f"messages[{i}].content", "is missing (a string or a list of parts)"
+            )
         elif content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content", "must be a string or a list of parts")
-        out.append({**message, "content": content})
+        out.append({**message, "content": content or ""})  # an assistant's may be null
     return out
 
 
