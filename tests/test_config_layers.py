@@ -46,6 +46,7 @@ def test_every_key_has_a_flag_and_a_variable(capsys: pytest.CaptureFixture[str])
     text = capsys.readouterr().out
     for s in settings():
         assert s.flag in text and s.env in text
+    assert "--gpu-ids GPUS" in text and "--cpu-cores CPUS" in text  # what each list holds
 
 
 def _file(tmp_path: Path, data: dict[str, object]) -> Path:

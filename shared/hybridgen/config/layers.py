@@ -86,9 +86,10 @@ class Setting:
 
     @property
     def metavar(self) -> str:
-        """What the flag takes, for --help: {native,int8,int4}, N, X, TEXT or CPUS."""
+        """What the flag takes, for --help: {native,int8,int4}, N, X, TEXT, CPUS or GPUS."""
         names = [_metavar(a) for a in typing.get_args(self.hint) if a is not type(None)]
-        return "|".join(names) if names and _optional(self.hint) else _metavar(self.hint)
+        shown = "|".join(names) if names and _optional(self.hint) else _metavar(self.hint)
+        return shown.replace("CPUS", "GPUS") if ".gpu." in self.key else shown  # id lists
 
     def parse(self, text: str, where: str) -> object:
         """The value a flag or variable spells, typed for the schema to check."""
