@@ -109,6 +109,7 @@ def test_completion_stream_with_usage(server: DefaultServer, client: openai.Open
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 24
     assert all(c.usage is None for c in chunks[:-1])
+    assert {c.object for c in chunks} == {"text_completion"}  # the usage chunk's too
 
 
 def server_model(client: openai.OpenAI) -> str:

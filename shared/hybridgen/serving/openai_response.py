@@ -97,7 +97,7 @@ class Responder:
 
     def usage_chunk(self) -> dict[str, Any]:
         """stream_options.include_usage: the last chunk, no choices."""
-        return {**self._head(f"{self._object}.chunk"), "choices": [], "usage": self.usage()}
+        return {**self._head(self._chunk_object()), "choices": [], "usage": self.usage()}
 
     def usage(self) -> dict[str, int]:
         # Each prompt's tokens count once, however many samples it had.
@@ -109,9 +109,13 @@ class Responder:
             "total_tokens": prompt + completion,
         }
 
+    def _chunk_object(self) -> str:
+        """A streamed chunk's `object`: chat.completion.chunk, or text_completion (OpenAI's
+        completions stream has no .chunk)."""
+        return f"{self._object}.chunk" if self._req.chat else self._object
+
     def _chunk(self, index: int, fields: dict[str, Any]) -> dict[str, Any]:
-        kind = f"{self._object}.chunk" if self._req.chat else self._object
-        chunk = {**self._head(kind), "choices": [{"index": index, **fields}]}
+        chunk = {**self._head(self._chunk_object()), "choices": [{"index": index, **fields}]}
         if self._req.continuous_usage:
             chunk["usage"] = self.usage()
         elif self._req.include_usage:
