@@ -325,13 +325,16 @@ def test_models_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[4 : 4 + len(PRESETS)]}
+    lines = out.splitlines()
+    assert lines[0].startswith("The default model: smollm2-135m-instruct")
+    header = lines.index(next(line for line in lines if line.split()[:2] == ["name", "parameters"]))
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 1 + len(PRESETS)]}
     assert list(rows) == list(PRESETS)
     assert rows["llama3-8b"][1:4] == ["8.0B", "LlamaForCausalLM", "32"]
     assert rows["tiny-llama"][1] == "0.9M"
     assert "8 experts" in " ".join(rows["mixtral-8x7b"])
     assert rows["qwen3-30b-a3b"][1:3] == ["30.5B", "Qwen3MoeForCausalLM"]
-    assert "seeded random weights" in out
+    assert "seeded random weights" in out and "GGUF file" in out
 
 
 def test_console_script_entry() -> None:

