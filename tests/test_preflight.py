@@ -98,6 +98,8 @@ def test_bad_host_is_named() -> None:
 def test_model_path_and_preset_mistakes(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"did you mean 'tiny-llama'\?.*hybridgen models"):
         check_model(_config(model__name_or_path="tiny-lama"))
+    with pytest.raises(PreflightError, match=r"did you mean 'smollm2-135m-instruct'\?"):
+        check_model(_config(model__name_or_path="smolm2-135m-instruct"))  # the default's name
     with pytest.raises(PreflightError, match="no such file or folder; give a checkpoint folder"):
         check_model(_config(model__name_or_path=str(tmp_path / "missing")))
     (tmp_path / "notes.txt").write_text("not weights")

@@ -13,6 +13,7 @@ from torch import nn
 
 from hybridgen.experts.format import Alloc, Format, PackedMatrices, host_alloc
 from hybridgen.experts.store import ExpertStore
+from hybridgen.models.default_model import DEFAULT_MODEL
 from hybridgen.models.dense_quant import WeightFormat
 from hybridgen.models.errors import ModelLoadError, bad_model_path
 from hybridgen.models.host_load import empty_split_model, keep_on_host
@@ -306,11 +307,12 @@ def preset_spec(name: str) -> ModelSpec:
     path_error = bad_model_path(name)
     if path_error is not None:
         raise path_error
-    close = difflib.get_close_matches(name, list(PRESETS), n=1)
+    names = [DEFAULT_MODEL, *PRESETS]
+    close = difflib.get_close_matches(name, names, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise ModelLoadError(
-        f"model {name!r} is neither a checkpoint folder nor a preset ({hint}hybridgen models "
-        f"lists them: {', '.join(PRESETS)})"
+        f"model {name!r} is neither a checkpoint folder, a GGUF file nor a preset ({hint}"
+        f"hybridgen models lists them: {', '.join(names)})"
     )
 
 
