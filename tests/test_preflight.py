@@ -95,6 +95,28 @@ def test_bad_host_is_named() -> None:
         check_ports(_config(server__host="192.0.2.1", server__metrics_port="0"))
 
 
+def test_a_host_beyond_loopback_without_tls_or_keys_is_warned(tmp_path: Path) -> None:
+    """serve says what a non-loopback server.host leaves open; loopback, or TLS and keys
+    both, say nothing."""
+    from hybridgen.cli.serve import open_exposure
+
+    assert open_exposure(_config().server) is None  # 127.0.0.1
+    wide = open_exposure(_config(server__host="0.0.0.0").server)
+    assert wide is not None and "plaintext" in wide and "server.api_key_file" in wide
+    cert, key, keys = (tmp_path / n for n in ("cert.pem", "key.pem", "api_keys"))
+    for f in (cert, key, keys):
+        f.write_text("x")
+    secured = _config(
+        server__host="0.0.0.0",
+        server__tls__cert_file=str(cert),
+        server__tls__key_file=str(key),
+        server__api_key_file=str(keys),
+    )
+    assert open_exposure(secured.server) is None
+    half = open_exposure(_config(server__host="0.0.0.0", server__api_key_file=str(keys)).server)
+    assert half is not None and "plaintext" in half and "api_key_file" not in half
+
+
 def test_model_path_and_preset_mistakes(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"did you mean 'tiny-llama'\?.*hybridgen models"):
         check_model(_config(model__name_or_path="tiny-lama"))

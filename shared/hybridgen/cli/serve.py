@@ -19,14 +19,33 @@ from typing import IO, TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from hybridgen.cli.supervisor import ChildSpec
     from hybridgen.config.file import HybridGenConfig
+    from hybridgen.config.sections import ServerConfig
 
 __all__ = ["add_arguments", "cmd_serve", "connect_host", "runtime_dir"]
 
 EXIT_OK, EXIT_STARTUP = 0, 2
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+"""Hosts only this machine reaches."""
 
 
 def _err(message: str) -> None:
     print(f"hybridgen: {message}", file=sys.stderr, flush=True)
+
+
+def open_exposure(server: ServerConfig) -> str | None:
+    """What a non-loopback server.host leaves open (no TLS, no API keys), said at start;
+    None when it binds loopback only or has both."""
+    if server.host in LOOPBACK or (server.tls.enabled and server.api_key_file is not None):
+        return None
+    missing = []
+    if not server.tls.enabled:
+        missing.append("plaintext (no server.tls)")
+    if server.api_key_file is None:
+        missing.append("open to any caller (no server.api_key_file)")
+    return (
+        f"server.host {server.host} exposes the gRPC and HTTP ports {' and '.join(missing)}; "
+        "set both before binding beyond 127.0.0.1 (README, TLS and API keys)"
+    )
 
 
 # -- flags ------------------------------------------------------------------------------------
@@ -205,6 +224,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lock = _lock_instance(rt, config.server.instance)
     if lock is None:
         return EXIT_STARTUP
+    exposure = open_exposure(config.server)
+    if exposure is not None:
+        _err(f"warning: {exposure}")
     with lock:
         return _supervise(config, _write_config(config, rt), args, rt, lock)
 
