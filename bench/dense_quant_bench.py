@@ -15,7 +15,8 @@ against the defaults (tiles_for, split_k): what to set as the defaults.
 the word GEMV (`_int4_gemv_words`, the bf16 default), `new16` it with 16 rows a thread
 (fewer instructions a weight, twice the registers), `mma` the tensor-core GEMV
 (`_int4_gemv_mma`, ~3 instructions a weight offline against the word GEMV's 4.8), `mma1` it
-with one pipeline stage, `mma_whole` it without split-K, `tinygemm` torch's own int4 kernel
+with one pipeline stage, `mma_whole` it without split-K, `mma128` with 128 rows over 8 warps
+(2.83 instructions a weight offline, one program an SM), `tinygemm` torch's own int4 kernel
 (`_weight_int4pack_mm`, CUDA only, skipped where this torch lacks it) on the same codes,
 scales and zeros (group 64; its zero is the group's value at code 8).
 
@@ -103,6 +104,7 @@ KERNELS = {
     "mma": MMA_GEMV_TILES,
     "mma1": replace(MMA_GEMV_TILES, num_stages=1),
     "mma_whole": replace(MMA_GEMV_TILES, split=1),
+    "mma128": replace(MMA_GEMV_TILES, block_n=128, num_warps=8),
 }
 """`--kernel` names of the int4 GEMVs at T = 1 (and `tinygemm`, torch's)."""
 TINYGEMM_INNER_K_TILES = 8

@@ -317,6 +317,11 @@ def test_mma_gemv_matches_float64(t: int, n: int, k: int, split: int | None, bia
     _check_words(_weight("int4", n, k), t, bias, split, block_n=64, base=MMA)
 
 
+def test_mma_gemv_128_rows() -> None:
+    """The benchmark's `mma128`: 128 rows a program over 8 warps, N = 200 ending in a part."""
+    _check_words(_weight("int4", 200, 2048), 1, True, None, block_n=128, base=MMA)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128, 2048])
 def test_mma_gemv_groups(group: int) -> None:
     """16 groups of 32 a tile (GGUF's), 8 of 64, 4 of 128, and one group over four tiles;
