@@ -103,10 +103,7 @@ def _flag_values(args: argparse.Namespace) -> dict[str, object]:
 def runtime_dir(configured: str, instance: str) -> Path:
     """The per-instance folder of sockets and logs: the configured runtime_dir if we may write
     there (systemd creates /run/hybridgen), else $XDG_RUNTIME_DIR/hybridgen, else /tmp."""
-    bases = [Path(configured)]
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        bases.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridgen")
-    bases.append(Path(f"/tmp/hybridgen-{os.getuid()}"))
+    bases = _runtime_bases(configured)
     for base in bases:
         path = base / instance
         try:
@@ -125,23 +122,56 @@ def runtime_dir(configured: str, instance: str) -> Path:
     )
 
 
+def _runtime_bases(configured: str) -> list[Path]:
+    """Where runtime_dir looks, in order."""
+    bases = [Path(configured)]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        bases.append(Path(os.environ["XDG_RUNTIME_DIR"]) / "hybridgen")
+    bases.append(Path(f"/tmp/hybridgen-{os.getuid()}"))
+    return bases
+
+
+def _held_elsewhere(configured: str, instance: str) -> bool:
+    """Whether a live process of the instance holds its lock, said at once: checked before the
+    preflight (which reads the model, seconds for a GGUF's metadata), creating nothing."""
+    for base in _runtime_bases(configured):
+        path = base / instance / "serve.lock"
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        except OSError:
+            continue
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                continue
+            except BlockingIOError:
+                pass
+        _still_running(path, instance)  # closed first: lock_holders must not list us
+        return True
+    return False
+
+
+def _still_running(path: Path, instance: str) -> None:
+    from hybridgen.cli.supervisor import lock_holders
+
+    pids = " ".join(str(p) for p in lock_holders(path)) or "unknown: another user"
+    _err(
+        f"instance '{instance}' is still running (pids {pids}, lock {path}); stop it "
+        "(kill those pids) or pick another --instance"
+    )
+
+
 def _lock_instance(rt: Path, instance: str) -> IO[bytes] | None:
     """An exclusive lock held while any process of the instance lives (the children inherit
     it): a second supervisor, or one started beside orphans of a killed one, would share
     their rings and ports."""
-    from hybridgen.cli.supervisor import lock_holders
-
     path = rt / "serve.lock"
     f = open(path, "ab")  # noqa: SIM115 - held open for the life of the process
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        pids = " ".join(str(p) for p in lock_holders(path)) or "unknown: another user"
-        _err(
-            f"instance '{instance}' is still running (pids {pids}, lock {path}); stop it "
-            "(kill those pids) or pick another --instance"
-        )
+        _still_running(path, instance)
         return None
     return f
 
@@ -215,6 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = layered.config
     # Only what needs the user's eye: the daemons' own logs are files in the runtime folder.
     hlog.configure(json=False, level=os.environ.get("HYBRIDGEN_LOG_LEVEL", "warning"))
+    if _held_elsewhere(config.server.runtime_dir, config.server.instance):
+        return EXIT_STARTUP
     try:
         preflight(config, args.device, config.server.instance)
         rt = runtime_dir(config.server.runtime_dir, config.server.instance)
