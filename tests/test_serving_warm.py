@@ -63,19 +63,22 @@ def test_served_long_prompt_through_warm_matches_hf(server: Server, checkpoint) 
 
 @pytest.mark.slow
 def test_served_sequences_that_fit_hot_one_at_a_time_take_turns(server: Server, checkpoint) -> None:  # type: ignore[no-untyped-def]
-    """Hot holds 64 tokens: two 40-token prompts with 16 new tokens each fit it one at a
+    """Hot holds 64 tokens: two 20-token prompts with 40 new tokens each fit it one at a
     time. With kv_cache.hot_turn_tokens: 4 both stream at once, taking turns in Hot (first
-    come, first served, the second would start only when the first ended), with HF's tokens."""
+    come, first served, the second would start only when the first ended), with HF's tokens.
+    40 new tokens (not 16) keep the first running long enough for the second's call to reach
+    a loaded machine's server (16 took ~90 ms here, and one CI run's second call came later)."""
     path = checkpoint("llama3")
-    prompts = sample_prompts(path, 2, [40, 41])
-    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    prompts = sample_prompts(path, 2, [20, 21])
+    new_tokens = 40
+    expected = hf_greedy(path, prompts, new_tokens)
     times: list[list[float]] = [[], []]
     got: list[list[int]] = [[], []]
 
     def stream(i: int) -> None:
         request = pb.GenerateRequest(
             prompt_token_ids=prompts[i],
-            max_tokens=NEW_TOKENS,
+            max_tokens=new_tokens,
             ignore_eos=True,
             sampling=pb.SamplingParams(temperature=0.0),
         )
