@@ -11,7 +11,14 @@ from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.host_layer_setup import place, rebalance, split_fraction, time_together
 from hybridgen.experts.latency import LatencyModel
-from hybridgen.models.host_layers import PARTS, HostLayers, ResultRooms, split_rows
+from hybridgen.models.host_layers import (
+    PARTS,
+    HostLayers,
+    ResultRooms,
+    cpu_shares,
+    split_rows,
+)
+from hybridgen.models.host_weights import HostProjection
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
 
@@ -61,8 +68,32 @@ def test_time_together_runs_both_sides_of_the_first_layer() -> None:
     before = [p.cpu_rows for p in host.projections[1]]
     cpu_s, link_s = time_together(host, 0.5)
     assert cpu_s > 0 and link_s > 0
-    assert all(0 < p.cpu_rows < p.out_features for p in host.projections[0])
+    assert [p.cpu_rows for p in host.projections[0]] == cpu_shares(host.projections[0], 0.5)
+    assert any(p.cpu_rows for p in host.projections[0])
     assert [p.cpu_rows for p in host.projections[1]] == before
+
+
+def test_cpu_shares_take_the_largest_parts_first() -> None:
+    """The CPU's share of a layer's bytes comes from its largest projections, whole, then
+    one split in blocks; the smaller ones stay on the device (no round trip for them).
+    llama3-70b's int4 parts at an eighth of their size (qkv 1,280, o 1,024, gate_up 7,168,
+    down 1,024 rows of 1,024 / 3,584 inputs): at f = 0.5 only gate_up splits, at 0.75
+    gate_up is the CPU's whole and down splits; 0 and 1 give none and all."""
+    shapes = [(1280, 1024), (1024, 1024), (7168, 1024), (1024, 3584)]
+
+    def int4(n: int, k: int) -> HostProjection:
+        scale = torch.empty(n, k // 128, dtype=torch.bfloat16)
+        rows = {"codes": torch.empty(n, k // 2, dtype=torch.uint8), "scale": scale}
+        return HostProjection("int4", 128, {**rows, "zero": scale.clone()})
+
+    parts = [int4(n, k) for n, k in shapes]
+    total = sum(p.nbytes() for p in parts)
+    half = cpu_shares(parts, 0.5)
+    assert half[0] == half[1] == half[3] == 0 and 0 < half[2] < 7168 and half[2] % 64 == 0
+    assert parts[2].nbytes(slice(0, half[2])) == pytest.approx(0.5 * total, rel=0.01)
+    more = cpu_shares(parts, 0.75)
+    assert more[:3] == [0, 0, 7168] and 0 < more[3] < 1024 and more[3] % 64 == 0
+    assert cpu_shares(parts, 0.0) == [0] * 4 and cpu_shares(parts, 1.0) == [n for n, _ in shapes]
 
 
 def test_split_rows_keep_both_sides_in_blocks() -> None:

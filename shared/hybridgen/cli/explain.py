@@ -65,7 +65,7 @@ def layer_lines(info: Any) -> list[str]:
     return [
         f"decoder layers: {info.gpu_layers} on the device, {info.host_layers} in host memory "
         f"({info.host_layer_bytes / 2**20:.3g} MiB each; host_layer_compute "
-        f"{info.host_layer_compute}, CPU share of each split projection "
+        f"{info.host_layer_compute}, CPU share of each layer's weight bytes "
         f"{info.host_split_fraction:.3g}); host layer-steps so far: {info.cpu_layer_steps} "
         f"on the CPU, {info.split_layer_steps} split, {info.streamed_layer_steps} streamed; "
         f"{info.host_bytes_per_token:.4g} bytes moved and {info.host_cpu_ms_per_token:.3g} ms "

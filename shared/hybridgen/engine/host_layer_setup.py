@@ -171,7 +171,8 @@ def time_together(state: HostLayers, fraction: float) -> tuple[float, float]:
         start = time.perf_counter()
         with torch.inference_mode():
             for p, x in zip(parts, inputs, strict=True):
-                p.cpu_linear(x)
+                if p.cpu_rows:  # the parts the CPU has none of (cpu_shares) stay out
+                    p.cpu_linear(x)
         return time.perf_counter() - start
 
     def once(pool: ThreadPoolExecutor) -> tuple[float, float]:

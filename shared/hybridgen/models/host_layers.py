@@ -16,10 +16,12 @@ device the rest from a staging slot that the link fills, and the two are concate
 step places its host layers one of two ways (`choose`):
 
     host    every projection splits at its cpu_rows: all rows for host_layer_compute cpu
-            (and auto on a CPU-only engine), a fraction f for split (and auto on CUDA at
-            most cpu_max_tokens tokens: decode), f chosen at start so that the CPU's share
-            and the link's share take equally long (engine/host_layer_setup.py); both work
-            on every host layer at once, which is what lifts decode above either alone;
+            (and auto on a CPU-only engine); for split (and auto on CUDA at most
+            cpu_max_tokens tokens: decode) a share f of each layer's weight bytes, from
+            its largest projections first (`cpu_shares`: each part the CPU touches costs a
+            round trip), f chosen at start so that the CPU's share and the link's share take
+            equally long (engine/host_layer_setup.py); both work on every host layer at
+            once, which is what lifts decode above either alone;
     stream  every row goes over the link and the layer runs on the device (a prefill chunk).
 
 Overlap. Two staging slots, layer i in slot i % 2: entering layer i issues the copy of layer
@@ -110,6 +112,34 @@ def split_rows(f: float, n: int, granule: int) -> int:
     return min(rows, n)
 
 
+def granule(proj: HostProjection) -> int:
+    """The rows the CPU's share of `proj` comes in (its kernel's row block)."""
+    return 64 if proj.fmt == "int4" else 8
+
+
+def cpu_shares(parts: list[HostProjection], fraction: float) -> list[int]:
+    """Each part's CPU rows for a CPU share `fraction` of the layer's bytes, taken from the
+    largest parts first: each whole until the share is reached, the next one split
+    (split_rows), the rest left to the device. Every part with CPU rows costs the step a
+    round trip (its input to the host, its rows back) whatever its size, and the CPU's
+    kernel runs small matrices slower: split evenly over llama3-70b's four parts at f = 0.52,
+    the CPU's rows took 4.9 ms and a host layer 7.7 ms on the H200, 0.45 ms of each part in
+    the round trip (bench/host_layer_profile.py); at f <= 0.55 the fused gate_up alone
+    carries the share."""
+    if fraction >= 1.0 or fraction <= 0.0:
+        return [p.out_features if fraction >= 1.0 else 0 for p in parts]
+    left = fraction * sum(p.nbytes() for p in parts)
+    rows = [0] * len(parts)
+    for i in sorted(range(len(parts)), key=lambda i: -parts[i].nbytes()):
+        p = parts[i]
+        share = min(left / p.nbytes(), 1.0)
+        if share * p.out_features < granule(p) / 2:
+            break
+        rows[i] = split_rows(share, p.out_features, granule(p))
+        left -= p.nbytes(slice(0, rows[i]))
+    return rows
+
+
 class HostLayers:
     """The host layers' weights, staging slots and copy stream, this step's placement, the
     choice rule and counters (see the module docstring)."""
@@ -131,7 +161,7 @@ class HostLayers:
         """auto on CUDA: the latency model's crossover (set at start); None: every step
         computes on the host side (a CPU-only engine)."""
         self.fraction = 0.0
-        """The CPU's share of each host projection's rows under split (set at start)."""
+        """The CPU's share of each host layer's weight bytes under split (set at start)."""
         self.resolved = True
         """False while weights.gpu_layers: auto has yet to size the split (loaded with
         every layer in host memory)."""
@@ -170,13 +200,13 @@ class HostLayers:
         return any(p.cpu_rows < p.out_features for p in self.projections[0])
 
     def place(self, fraction: float, layers: int | None = None) -> None:
-        """The CPU takes `fraction` of each host projection's rows (1: all, 0: none), in
-        every host layer or the first `layers` (a calibration's)."""
+        """The CPU takes `fraction` of each host layer's weight bytes (1: every row, 0: none;
+        `cpu_shares` says which rows), in every host layer or the first `layers` (a
+        calibration's)."""
         self.fraction = fraction
         for layer in self.projections[:layers]:
-            for p in layer:
-                granule = 64 if p.fmt == "int4" else 8
-                p.set_cpu_rows(split_rows(fraction, p.out_features, granule), self.dtype)
+            for p, rows in zip(layer, cpu_shares(layer, fraction), strict=True):
+                p.set_cpu_rows(rows, self.dtype)
 
     def choose(self, tokens: int) -> Literal["host", "stream"]:
         """Where a step of `tokens` tokens computes its host layers."""
