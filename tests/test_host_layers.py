@@ -156,14 +156,17 @@ def test_host_layers_decode_eager_on_cuda(checkpoint) -> None:  # type: ignore[n
                 host_layer_compute=compute,  # type: ignore[arg-type]
             )
         )
-        assert engine.runner.graphs is None
-        assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
-        host = engine.host_layers
-        assert host is not None
-        if compute in ("split", "auto"):  # auto on CUDA splits decode at the timed share
-            assert 0 < host.fraction < 1 and host.stats.split_layers > 0
-        if compute == "auto":
-            assert host.cpu_max_tokens is not None and host.cpu_max_tokens >= 1
+        try:  # released before the next: with no budget each engine's KV fills the device
+            assert engine.runner.graphs is None
+            assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+            host = engine.host_layers
+            assert host is not None
+            if compute in ("split", "auto"):  # auto on CUDA splits decode at the timed share
+                assert 0 < host.fraction < 1 and host.stats.split_layers > 0
+            if compute == "auto":
+                assert host.cpu_max_tokens is not None and host.cpu_max_tokens >= 1
+        finally:
+            engine.release()
 
 
 def test_auto_streams_prefill_and_computes_decode_on_the_cpu(checkpoint) -> None:  # type: ignore[no-untyped-def]
