@@ -40,7 +40,7 @@ for what in "$@"; do
       # waits 560 s for it; `tests_wait`, the next call (within the machine's 30 s warm
       # window), waits for the rest. Both copy the log so far into $OUT.
       rm -f /tmp/gpu_tests.log /tmp/gpu_tests.rc
-      setsid bash -c 'python3 -m pytest -q -p no:cacheprovider -rf --durations=40 \
+      setsid bash -c 'python3 -m pytest -q -p no:cacheprovider -rf --durations=0 --durations-min=1 \
         tests/test_gpu.py tests/test_kernels.py tests/test_kernels_attention.py \
         tests/test_kernels_prefill.py tests/test_hot_codec_kernels.py tests/test_warm_device.py \
         tests/test_kvcodec.py tests/test_step_faults.py tests/test_dense_quant.py \
