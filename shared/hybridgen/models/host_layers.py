@@ -134,7 +134,7 @@ def cpu_shares(parts: list[HostProjection], fraction: float) -> list[int]:
         p = parts[i]
         share = min(left / p.nbytes(), 1.0)
         if share * p.out_features < granule(p) / 2:
-            break
+            continue  # the rest rounds to no block of this part
         rows[i] = split_rows(share, p.out_features, granule(p))
         left -= p.nbytes(slice(0, rows[i]))
     return rows
