@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridgen.cli.explain import layer_lines
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.engine.host_layer_setup import place, rebalance, split_fraction, time_together
@@ -21,6 +22,7 @@ from hybridgen.models.host_layers import (
 from hybridgen.models.host_weights import HostProjection
 from hybridgen.models.loader import load_model
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.serving.service import model_info_to_pb
 from tests.kernel_helpers import DEVICE
 
 CPU = torch.device("cpu")
@@ -241,6 +243,15 @@ def test_auto_on_cuda_splits_decode_and_streams_prefill() -> None:
     crossover = host.cpu_max_tokens
     assert host.choose(1) == "host" and host.choose(crossover) == "host"
     assert host.choose(crossover + 1) == "stream"
+    # GetModelInfo carries the crossover, and `serve --explain` says what each step does.
+    info = model_info_to_pb(host.placement())
+    assert info.host_layer_max_tokens == crossover
+    assert layer_lines(info)[1] == (
+        f"host layers by step: steps of up to {crossover} tokens (decode) compute them split "
+        "between the CPU and the link, larger ones (prefill chunks) stream their weights to "
+        "the device"
+    )
+    engine.release()
 
 
 @pytest.mark.slow

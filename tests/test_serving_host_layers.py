@@ -35,7 +35,14 @@ def test_served_host_layers_give_hf_greedy_tokens(
         assert info.host_bytes_per_token > 0
         assert (info.host_cpu_ms_per_token > 0) == (compute != "stream")
         assert (0 < info.host_split_fraction < 1) == (compute == "split")
+        assert info.host_layer_max_tokens == 0  # one way for every step
     finally:
         assert srv.stop() == 0
     log = srv.log_path.read_text()
     assert "decoder layers: 1 on the device, 2 in host memory" in log
+    each = {
+        "stream": "every step streams their weights to the device",
+        "cpu": "every step computes them on the CPU",
+        "split": "every step computes them split between the CPU and the link",
+    }
+    assert f"host layers by step: {each[compute]}" in log

@@ -69,5 +69,21 @@ def layer_lines(info: Any) -> list[str]:
         f"{info.host_split_fraction:.3g}); host layer-steps so far: {info.cpu_layer_steps} "
         f"on the CPU, {info.split_layer_steps} split, {info.streamed_layer_steps} streamed; "
         f"{info.host_bytes_per_token:.4g} bytes moved and {info.host_cpu_ms_per_token:.3g} ms "
-        "of CPU per token"
+        "of CPU per token",
+        f"host layers by step: {host_steps(info)}",
     ]
+
+
+def host_steps(info: Any) -> str:
+    """How a step computes the host layers (models/host_layers.HostLayers.choose): by its
+    token count under auto on CUDA (decode on the host side, prefill chunks streamed), else
+    every step one way."""
+    where = "on the CPU" if info.host_split_fraction >= 1 else "split between the CPU and the link"
+    if info.host_layer_compute == "stream":
+        return "every step streams their weights to the device"
+    if info.host_layer_max_tokens:
+        return (
+            f"steps of up to {info.host_layer_max_tokens} tokens (decode) compute them {where}, "
+            "larger ones (prefill chunks) stream their weights to the device"
+        )
+    return f"every step computes them {where}"

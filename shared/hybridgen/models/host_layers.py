@@ -333,6 +333,7 @@ class HostLayers:
             "streamed_layer_steps": s.streamed_layers,
             "host_bytes_per_token": s.bytes_per_token(),
             "host_cpu_ms_per_token": s.cpu_ms_per_token(),
+            "host_layer_max_tokens": self.cpu_max_tokens or 0,
         }
 
 
