@@ -61,7 +61,6 @@ class Tracer:
             tracer.calls.append(call)
             out = project(self, layer, part, x)
             call["exit"] = time.perf_counter()
-            call["link_late"] = call.get("link_done") is False
             return out
 
         def traced_cpu(self: hl.HostLayers, proj: HostProjection, x: torch.Tensor, key):  # type: ignore[no-untyped-def]
@@ -71,7 +70,7 @@ class Tracer:
                 call = tracer.calls[-1]
                 call["cpu_start"], call["cpu_end"] = start, time.perf_counter()
                 ready = self._ready[key[0]][key[1]] if self._ready else None
-                call["link_done"] = ready.query() if ready is not None else True
+                call["link_late"] = ready is not None and not ready.query()
             return out
 
         def traced_device_linear(self: HostProjection, staged, x):  # type: ignore[no-untyped-def]
@@ -156,7 +155,7 @@ def variants(state: hl.HostLayers) -> list[tuple[str, int, float]]:
 
 def apply(state: hl.HostLayers, threads: int, share: float) -> None:
     """The worker thread's torch threads (set in that thread: OpenMP's count is per thread)
-    and the CPU's share of every host projection."""
+    and the CPU's share of each host layer's weight bytes."""
     state._pool().submit(torch.set_num_threads, max(threads, 1)).result()
     state.place(min(max(share, 0.0), 1.0))
 

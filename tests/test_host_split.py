@@ -30,10 +30,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 7, 81, 4, 19], [300, 2, 2, 150]]
 
 
-def on_host(t: torch.Tensor) -> torch.Tensor:
-    return t.cpu()
-
-
 def projection_bytes(model: torch.nn.Module, layers: range) -> int:
     return sum(
         p.numel() * p.element_size()
@@ -214,18 +210,18 @@ def test_cpu_rows_reach_the_device_through_a_kernel_reading_their_room(dtype) ->
     g = torch.Generator().manual_seed(7)
     first = torch.randn(1, 192, generator=g).to(dtype)
     staged = rooms.stage((0, 2), first)
-    assert torch.equal(on_host(rooms.upload((0, 2), staged)), first)
+    assert torch.equal(rooms.upload((0, 2), staged).cpu(), first)
     room = rooms._rooms[(0, 2)][0]
     again = torch.randn(1, 192, generator=g).to(dtype)
-    assert torch.equal(on_host(rooms.upload((0, 2), rooms.stage((0, 2), again))), again)
+    assert torch.equal(rooms.upload((0, 2), rooms.stage((0, 2), again)).cpu(), again)
     assert rooms._rooms[(0, 2)][0] is room  # the same room, rewritten
     longer = torch.randn(5, 192, generator=g).to(dtype)
-    assert torch.equal(on_host(rooms.upload((0, 2), rooms.stage((0, 2), longer))), longer)
+    assert torch.equal(rooms.upload((0, 2), rooms.stage((0, 2), longer)).cpu(), longer)
     assert rooms._rooms[(0, 2)][0].numel() == longer.numel()
     other = torch.randn(3, 64, generator=g).to(dtype)
-    assert torch.equal(on_host(rooms.upload((1, 0), rooms.stage((1, 0), other))), other)
+    assert torch.equal(rooms.upload((1, 0), rooms.stage((1, 0), other)).cpu(), other)
     odd = torch.randn(2, 3, generator=g).to(torch.bfloat16)  # 6 bytes a row
-    assert torch.equal(on_host(rooms.upload((1, 1), rooms.stage((1, 1), odd))), odd)
+    assert torch.equal(rooms.upload((1, 1), rooms.stage((1, 1), odd)).cpu(), odd)
 
 
 def test_auto_on_cuda_splits_decode_and_streams_prefill() -> None:
