@@ -10,9 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgen.kernels import triton_dense_quant
+from hybridgen.kernels import ops, triton_dense_quant
 from hybridgen.kernels.triton_dense_quant import Tiles
-from hybridgen.models.dense_quant import QuantWeight, from_gguf_blocks, pack_int4, quantize
+from hybridgen.models.dense_quant import (
+    QuantLinear,
+    QuantWeight,
+    choose_gemv,
+    from_gguf_blocks,
+    pack_int4,
+    quantize,
+)
 
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,15 +146,17 @@ def test_default_tiles_fit_shared_memory(fmt: str, x_bytes: int, t: int) -> None
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("split", [None, 4])
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4 words"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4 words", "int4 mma"])
 def test_decode_kernel_in_a_cuda_graph(fmt: str, split: int | None) -> None:
-    """The decode path (and a split-K one, its partials summed by torch) captured in a CUDA
-    graph replays with new inputs as it runs eagerly; `int4 words` the word GEMV. CPU twins:
-    test_kernel_tiles_and_splits, test_word_gemv_matches_float64."""
-    words = fmt == "int4 words"
+    """The decode path (and a split-K one, its partials summed by torch, or by the last slice
+    in the tensor-core GEMV) captured in a CUDA graph replays with new inputs as it runs
+    eagerly; `int4 words` the word GEMV, `int4 mma` the tensor-core one. CPU twins:
+    test_kernel_tiles_and_splits, test_word_gemv_matches_float64, test_mma_gemv_*."""
+    kernel = fmt.split()[1] if " " in fmt else None
     fmt = fmt.split()[0]
     qw = _weight(fmt, 4096, 4096)
-    tiles = replace(triton_dense_quant.tiles_for(1, fmt, 2, bf16=words), split=split)
+    base = triton_dense_quant.tiles_for(1, fmt, 2, bf16=kernel == "words")
+    tiles = replace(MMA if kernel == "mma" else base, split=split)
     x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
 
     def run() -> torch.Tensor:
@@ -375,3 +384,73 @@ def test_word_gemv_is_the_bf16_decode_default() -> None:
     assert not triton_dense_quant.tiles_for(1, "int4", 4).words
     assert not triton_dense_quant.tiles_for(1, "int8", 2, bf16=True).words
     assert not triton_dense_quant.tiles_for(3, "int4", 2, bf16=True).words
+
+
+def _int4_model(shapes: list[tuple[int, int]], layers: int) -> torch.nn.ModuleList:
+    """`layers` copies of int4 projections of `shapes` (N, K), on DEVICE."""
+    return torch.nn.ModuleList(
+        QuantLinear(_weight("int4", n, k), None) for _ in range(layers) for n, k in shapes
+    )
+
+
+def test_choose_gemv_by_fake_timings(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """choose_gemv's choice on the CPU (the projections made to look on CUDA, the timer
+    faked): each shape's projections, every layer's timed in one pass, take the faster
+    kernel; fp32 activations choose nothing. QuantLinear passes its tiles at one row only."""
+    model = _int4_model([(64, 256), (32, 512)], layers=3)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    seen: list[tuple[str, int]] = []
+
+    def timer(tiles: Tiles, modules: list[QuantLinear]) -> float:
+        seen.append(("mma" if tiles.mma else "words", len(modules)))
+        n = modules[0].out_features
+        return (1.0 if tiles.mma else 2.0) if n == 64 else (3.0 if tiles.mma else 2.0)
+
+    assert choose_gemv(model, torch.float32, timer) == {}
+    chosen = choose_gemv(model, torch.bfloat16, timer)
+    assert chosen == {
+        (64, 256, 64): ("mma", {"words": 2.0, "mma": 1.0}),
+        (32, 512, 64): ("words", {"words": 2.0, "mma": 3.0}),
+    }
+    assert sorted(seen) == [("mma", 3), ("mma", 3), ("words", 3), ("words", 3)]
+    assert [m.gemv.mma for m in model] == [True, False] * 3  # type: ignore[union-attr]
+    monkeypatch.undo()
+
+    calls: list[Tiles | None] = []
+
+    def record(x, w, bias=None, tiles=None):  # type: ignore[no-untyped-def]
+        calls.append(tiles)
+        return torch.zeros(x.shape[0], w.shape[0])
+
+    monkeypatch.setattr(ops, "quant_dense_linear", record)
+    model[0](torch.randn(1, 256))
+    model[0](torch.randn(2, 256))
+    assert calls == [triton_dense_quant.MMA_GEMV_TILES, None]
+
+
+def test_gemv_fits_the_tensor_core_kernels_groups() -> None:
+    """The tensor-core GEMV takes 1 to 16 whole groups a 512-input tile, or a group of whole
+    tiles; the word GEMV any group of whole runs."""
+    mma, words = triton_dense_quant.MMA_GEMV_TILES, triton_dense_quant.WORD_GEMV_TILES
+    assert [triton_dense_quant.gemv_fits(mma, g) for g in (32, 64, 512, 1024)] == [True] * 4
+    assert not triton_dense_quant.gemv_fits(mma, 96)  # no whole number a tile
+    assert not triton_dense_quant.gemv_fits(replace(mma, block_k=1024), 32)  # 32 groups
+    assert triton_dense_quant.gemv_fits(words, 96)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the kernels on a GPU")
+def test_int4_model_on_cuda_chooses_and_keeps_its_logits() -> None:
+    """A tiny llama loaded with int4 weights on CUDA: every device projection has a timed
+    choice, and the logits of one decode row equal those with the default kernel to bf16
+    rounding. CPU twin: test_choose_gemv_by_fake_timings."""
+    from hybridgen.models.loader import load_model
+
+    loaded = load_model("tiny-llama", torch.device("cuda"), weights="int4")
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.gemv is not None for m in linears)
+    for m in linears:
+        x = torch.randn(1, m.in_features, device="cuda", dtype=torch.bfloat16)
+        chosen = m(x)
+        m.gemv = None
+        default = m(x)
+        assert torch.allclose(chosen.float(), default.float(), rtol=2e-2, atol=2e-2)

@@ -131,11 +131,19 @@ def expert_weighted_sum(y: Tensor, weights: Tensor, widx: Tensor, top_k: int) ->
     return triton_grouped_experts.weighted_sum(y, weights, widx, top_k)
 
 
-def quant_dense_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
+def quant_dense_linear(
+    x: Tensor,
+    w: QuantWeight,
+    bias: Tensor | None = None,
+    tiles: triton_dense_quant.Tiles | None = None,
+) -> Tensor:
     """x [T, K] @ dequant(w).T (+ bias) for a dense layer's int8 / int4 weight: the fused
-    Triton kernel on CUDA, else dequantize to x's dtype and multiply (the CPU path)."""
+    Triton kernel on CUDA (`tiles`: its tiles, else the kernels' default), else dequantize to
+    x's dtype and multiply (the CPU path)."""
     if _use_triton(x):
-        return triton_dense_quant.quant_linear(x, w.fmt, w.codes, w.scale, w.zero, w.group, bias)
+        return triton_dense_quant.quant_linear(
+            x, w.fmt, w.codes, w.scale, w.zero, w.group, bias, tiles
+        )
     return F.linear(x, w.dequantize(x.dtype), bias)
 
 

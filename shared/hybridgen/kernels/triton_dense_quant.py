@@ -49,15 +49,17 @@ Expected (not yet measured): at the byte kernel's issue efficiency (3.89 ms for 
 ~1.0 ms that 4.2 GB of int4 weights take at 4.2 TB/s. 16 rows a thread is ~0.2 fewer a weight
 but takes 168-255 registers (Triton 3.6-3.9); bench/dense_quant_bench.py times it as `new16`.
 
-int4 tensor-core GEMV (`_int4_gemv_mma`, `Tiles.mma`, `MMA_GEMV_TILES`; a candidate, not
-yet measured, so not the default): the word kernel is issue-bound (4.8 instructions a weight),
-this one ~3.0 (Triton 3.6 for sm_90, `ptxas` offline; bench/NOTES.md). Each 16-bit half of a
-word, masked to one nibble and or'ed with bf16 128.0's bits, is the bf16 128 + code: two
-weights an AND-OR, four shifts and masks a word. The [64 rows, 512] tile of them is wgmma's
-A operand; B is x's block diagonal [512, 16] (column g holds the tile's group g's inputs, at
-most 16 groups), so one dot gives every row's and group's sum of (128 + code) x, and the
-scale and zero apply once per row and group: s d + (z - 128 s) sum x (the 128 s sum x
-terms cancel to ~1e-5 of s sum x in fp32). The codes load two steps ahead (cp.async).
+int4 tensor-core GEMV (`_int4_gemv_mma`, `Tiles.mma`, `MMA_GEMV_TILES`; not the default:
+models.dense_quant.choose_gemv times it against the word GEMV at load and gives each
+projection shape the faster, `GEMV_CANDIDATES`): the word kernel is issue-bound (4.8
+instructions a weight), this one ~3.0 (Triton 3.6 for sm_90, `ptxas` offline;
+bench/NOTES.md). Each 16-bit half of a word, masked to one nibble and or'ed with bf16
+128.0's bits, is the bf16 128 + code: two weights an AND-OR, four shifts and masks a word.
+The [64 rows, 512] tile of them is wgmma's A operand; B is x's block diagonal [512, 16]
+(column g holds the tile's group g's inputs, at most 16 groups), so one dot gives every
+row's and group's sum of (128 + code) x, and the scale and zero apply once per row and
+group: s d + (z - 128 s) sum x (the 128 s sum x terms cancel to ~1e-5 of s sum x in fp32).
+The codes load two steps ahead (cp.async).
 
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
@@ -175,6 +177,21 @@ WORD_GEMV_TILES = Tiles(1, 8, 2048, 2, 1, words=True)
 MMA_GEMV_TILES = Tiles(1, 64, 512, 4, 2, mma=True)
 """The tensor-core GEMV's tiles: wgmma's 64 rows, 512 inputs (at most 16 groups) a step, the
 codes two steps ahead."""
+GEMV_CANDIDATES = {"words": WORD_GEMV_TILES, "mma": MMA_GEMV_TILES}
+"""The int4 one-row kernels for bf16 activations that models.dense_quant.choose_gemv times
+at load, per projection shape: the word GEMV (the default) and the tensor-core GEMV."""
+
+
+def gemv_fits(tiles: Tiles, group: int) -> bool:
+    """Whether `tiles`' kernel takes int4 groups of `group` inputs (the tensor-core GEMV:
+    whole groups a tile, at most 16, or whole tiles a group)."""
+    if not tiles.mma:
+        return True
+    if tiles.block_k % group == 0:
+        return tiles.block_k // group <= 16
+    return group % tiles.block_k == 0
+
+
 MMA_MASK, MMA_MAGIC = 0x000F000F, 0x43004300
 """Nibble 0 of each 16-bit half, and the bf16 128.0 twice: (w & MASK) | MAGIC is two bf16s
 128 + code."""
@@ -789,7 +806,7 @@ def quant_linear(
     assert fmt == "int8" or zero is not None
     if cfg.mma:
         cols = max(1, cfg.block_k // group)
-        assert cols <= 16 and (cfg.block_k % group == 0 or group % cfg.block_k == 0)
+        assert gemv_fits(cfg, group)
         grid = (triton.cdiv(n, cfg.block_n), t, split)
         out = y if split == 1 else torch.empty(t, n, dtype=x.dtype, device=x.device)
         locks = _split_locks(x.device, grid[0] * t)

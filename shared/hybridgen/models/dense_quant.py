@@ -13,19 +13,29 @@ Formats (value = code * scale + zero per group of `group` inputs of one output r
           exact: d * q + m computed in fp32 is what gguf-py (and transformers) dequantize to.
 
 The device multiplies with fused Triton kernels that read the codes once and dequantize in
-registers (kernels/triton_dense_quant.py); the CPU dequantizes and multiplies (torch).
+registers (kernels/triton_dense_quant.py); the CPU dequantizes and multiplies (torch). int4
+has two one-row kernels for bf16 activations (the word GEMV and the tensor-core GEMV); which
+is faster depends on the projection's shape and the GPU, so `choose_gemv` times both at load
+over every projection of each shape and gives each the faster (QuantLinear.gemv).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from hybridgen.kernels import ops
+from hybridgen.placement.timing import best_of
+
+if TYPE_CHECKING:  # triton ships with the gpu and test extras only
+    from hybridgen.kernels.triton_dense_quant import Tiles
 
 WeightFormat = Literal["native", "int8", "int4"]
 INT4_GROUP = 64
@@ -188,6 +198,9 @@ class QuantLinear(nn.Module):
         self.scale = nn.Parameter(weight.scale, requires_grad=False)
         self.zero = None if weight.zero is None else nn.Parameter(weight.zero, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.gemv: Tiles | None = None
+        """The one-row kernel's tiles `choose_gemv` timed fastest for this shape; None: the
+        kernels' default (triton_dense_quant.tiles_for)."""
 
     @property
     def weight(self) -> QuantWeight:
@@ -195,7 +208,57 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, K] -> [T, N]
-        return ops.quant_dense_linear(x, self.weight, self.bias)
+        tiles = self.gemv if x.shape[0] == 1 else None
+        return ops.quant_dense_linear(x, self.weight, self.bias, tiles)
+
+
+GEMV_RUNS = 5
+"""Timed passes per candidate kernel in choose_gemv (the shortest counts)."""
+PassTimer: TypeAlias = "Callable[[Tiles, list[QuantLinear]], float]"
+"""Seconds of one pass of a one-row kernel's tiles over the given projections."""
+
+
+def choose_gemv(
+    model: nn.Module, dtype: torch.dtype, timer: PassTimer | None = None
+) -> dict[tuple[int, int, int], tuple[str, dict[str, float]]]:
+    """For the device's int4 projections with bf16 activations: time each one-row kernel
+    (GEMV_CANDIDATES that fit the group) over all projections of a shape (N, K, group), every
+    layer's, which like a decode step reads more bytes than the L2 cache holds, and give them
+    the fastest (QuantLinear.gemv). Returns {shape: (chosen, {candidate: seconds a pass})};
+    nothing for int8, fp32 activations or weights off CUDA."""
+    from hybridgen.kernels.triton_dense_quant import GEMV_CANDIDATES, gemv_fits
+
+    by_shape: dict[tuple[int, int, int], list[QuantLinear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module.fmt == "int4" and module.codes.is_cuda:
+            n, k = module.weight.shape
+            by_shape[(n, k, module.group)].append(module)
+    if dtype != torch.bfloat16:
+        return {}
+    chosen = {}
+    for shape, modules in by_shape.items():
+        times = {
+            name: (timer or _time_pass)(tiles, modules)
+            for name, tiles in GEMV_CANDIDATES.items()
+            if gemv_fits(tiles, shape[2])
+        }
+        best = min(times, key=times.__getitem__)
+        for module in modules:
+            module.gemv = GEMV_CANDIDATES[best]
+        chosen[shape] = (best, times)
+    return chosen
+
+
+def _time_pass(tiles: Tiles, modules: list[QuantLinear]) -> float:
+    """One pass of `tiles`' kernel over `modules` (one bf16 row each) on their device."""
+    device = modules[0].codes.device
+    x = torch.randn(1, modules[0].in_features, dtype=torch.bfloat16, device=device)
+
+    def run() -> None:
+        for m in modules:
+            ops.quant_dense_linear(x, m.weight, m.bias, tiles)
+
+    return best_of(GEMV_RUNS, partial(run), device)
 
 
 # Each fused projection and the HF weights it concatenates, in row order.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+import structlog
 import torch
 from safetensors import safe_open
 
@@ -24,6 +25,7 @@ from hybridgen.models.default_model import resolve_model
 from hybridgen.models.dense_quant import (
     QuantWeight,
     WeightFormat,
+    choose_gemv,
     from_gguf_blocks,
     quantize_dense,
 )
@@ -39,6 +41,8 @@ from hybridgen.models.presets import build_synthetic, preset_spec
 from hybridgen.models.spec import ModelSpec, parse_config
 from hybridgen.models.tokenizer import Tokenizer
 from hybridgen.runtime.log import Progress
+
+log = structlog.get_logger()
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Mixtral (w1 w3 w2) and Qwen-MoE (gate_proj up_proj down_proj) as save_pretrained writes them
@@ -407,6 +411,10 @@ def load_model(
         net.host_layers = offload_layers(net.layers, host_from, "stream", device, spec.dtype)
         if net.host_layers is not None:
             net.host_layers.resolved = gpu_layers != "auto"
+    if weights == "int4" and device.type == "cuda":
+        for (n, k, group), (kernel, times) in choose_gemv(net, spec.dtype).items():
+            us = {name: round(s * 1e6, 1) for name, s in times.items()}
+            log.info("int4_gemv_chosen", n=n, k=k, group=group, kernel=kernel, pass_us=us)
     if host_experts is not None:
         blocks = moe_blocks(net)
         progress = Progress(
