@@ -8,6 +8,9 @@
 #   b3a    one 131,072-token prompt, int4 Hot, 24 GB budget
 #   b4a    mixtral-8x7b, int4 experts, 24 GB budget: 1 stream (in-process beside it), 4 streams
 #   b4c    qwen3-30b-a3b, int4 experts, 12 GB budget: 1 stream (in-process beside it), 4 streams
+#   b4c_ab B4c at one stream served twice in one call, as configured and with no expert on the
+#          CPU daemon (b4c_gpu_experts.yaml): whether the CPU daemon's experts cost the served
+#          step (1.86x the in-process one at 8cb5b74)
 #   b4c_hf HF's Qwen3-MoE of the same shape under accelerate in the same budget (moe_bench's
 #          accelerate case), for B4c's comparison
 #   b7     llama3-70b, int4 weights, 24 GB budget, layers past gpu_layers auto in host memory
@@ -81,6 +84,12 @@ for what in "$@"; do
       load --config bench/served/b4c.yaml --requests 4 --prompt-len 256 --max-new-tokens 64 \
         --name b4c_4 --out "$OUT/b4c_4.json"
       ;;
+    b4c_ab)
+      load --config bench/served/b4c.yaml --requests 1 --prompt-len 256 --max-new-tokens 64 \
+        --name b4c_1 --out "$OUT/b4c_1.json"
+      load --config bench/served/b4c_gpu_experts.yaml --requests 1 --prompt-len 256 \
+        --max-new-tokens 64 --inprocess --name b4c_1_gpu_experts --out "$OUT/b4c_1_gpu_experts.json"
+      ;;
     b7)
       load --config bench/served/b7.yaml --requests 1 --prompt-len 1024 --max-new-tokens 64 \
         --runs 2 --timeout 600 --inprocess --name b7 --out "$OUT/b7.json"
@@ -94,7 +103,7 @@ for what in "$@"; do
         --budget-mb 24576 --prompt-len 1024 --max-new-tokens 4 --layers 56 \
         --out "$OUT/b7_accelerate.json" 2>>"$OUT/dense_offload_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_hf] [b7] [b7_hf]" >&2; exit 2 ;;
+    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_hf] [b7] [b7_hf]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null

@@ -328,6 +328,21 @@ def test_b4c_served_config_is_qwen3_30b_a3b_in_12_gb() -> None:
     config = load_config(root / "bench/served/b4c.yaml").engine_config("cuda")
     assert (config.model, config.gpu_memory_mb) == ("qwen3-30b-a3b", 12288)
     assert (config.expert_format, config.expert_cache_slots) == ("int4", "auto")
+    assert config.expert_cpu_max_tokens is None  # the latency model places the misses
+
+
+def test_b4c_diagnostic_twin_differs_only_in_the_cpu_daemons_experts() -> None:
+    """bench/served/b4c_gpu_experts.yaml (run_h200_served.sh b4c_ab) is B4c with no expert
+    on the CPU: cold_weights.cpu_max_tokens 0, everything else as b4c.yaml."""
+    from dataclasses import replace
+
+    from hybridgen.config.file import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    b4c = load_config(root / "bench/served/b4c.yaml").engine_config("cuda")
+    twin = load_config(root / "bench/served/b4c_gpu_experts.yaml").engine_config("cuda")
+    assert twin.expert_cpu_max_tokens == 0
+    assert replace(twin, expert_cpu_max_tokens=None) == b4c
 
 
 @pytest.mark.slow
