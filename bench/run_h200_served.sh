@@ -103,7 +103,7 @@ for what in "$@"; do
         --budget-mb 24576 --prompt-len 1024 --max-new-tokens 4 --layers 56 \
         --out "$OUT/b7_accelerate.json" 2>>"$OUT/dense_offload_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_hf] [b7] [b7_hf]" >&2; exit 2 ;;
+    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null

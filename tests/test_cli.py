@@ -372,7 +372,7 @@ def test_serve_generate_and_clean_stop(tmp_path: Path) -> None:
         proc = subprocess.Popen(argv, stdout=o, stderr=e, env=env)
     try:
         deadline = time.monotonic() + 90
-        while "try      hybridgen generate" not in out.read_text():
+        while "  try      " not in out.read_text():
             assert proc.poll() is None, err.read_text()
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.2)
@@ -393,3 +393,21 @@ def test_serve_generate_and_clean_stop(tmp_path: Path) -> None:
     stops = [log.index(f"stopped {name}") for name in ("gateway", "cpu", "gpu")]
     assert stops == sorted(stops), log
     assert list_instance(instance) == []  # nothing left in /dev/shm
+
+
+def test_the_banner_names_the_hybridgen_the_shell_can_run(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """serve's banner suggests `hybridgen generate ...` only where PATH finds this very
+    script; started as .venv/bin/hybridgen with the venv not activated, it names that path;
+    started with python -m, plain `hybridgen`."""
+    from hybridgen.cli.serve import invoked_as
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "hybridgen"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert invoked_as(str(script)) == str(script)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    assert invoked_as(str(script)) == "hybridgen"
+    assert invoked_as("/some/where/hybridgen/cli/main.py") == "hybridgen"

@@ -287,6 +287,7 @@ def test_chat_logprobs_stream(server: DefaultServer, client: openai.OpenAI, mode
             "messages[0].content[0]",
         ),
         (True, {"messages": [{"role": "user"}]}, "messages[0].content"),
+        (True, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ],
 )
 def test_bad_parameters_get_400_naming_them(

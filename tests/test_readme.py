@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = re.compile(r"^\.venv/bin/hybridgen serve(?!.*--print-config)")
-BANNER_END = "  try      hybridgen generate"
+BANNER_END = "  try      "
 STAND_IN = '#!/bin/sh\necho "$(basename "$0") $*" >> "$RECORD"\n'
 
 

@@ -209,6 +209,7 @@ def test_grpcurl_generate_matches_transformers(server: Server, checkpoint) -> No
     ("request_fields", "field"),
     [
         ({"prompt": ""}, "prompt"),
+        ({"messages": []}, "messages (at least one message)"),  # proto3: none given
         ({"prompt_token_ids": [1, 10**6]}, "prompt_token_ids"),
         ({"prompt": "hi", "sampling": {"temperature": -1}}, "temperature"),
         ({"prompt": "hi", "sampling": {"top_p": 1.5}}, "top_p"),

@@ -177,7 +177,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
-    gen.add_argument("--host", default="127.0.0.1")
+    gen.add_argument("--host", default="127.0.0.1", help="the server's host (default 127.0.0.1)")
     gen.add_argument(
         "--port",
         type=int,
@@ -186,7 +186,9 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1] (default 1)"
+    )
     gen.add_argument("--seed", type=_seed, default=None, help=f"0 to {MAX_SEED}")
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="repeatable")
     gen.add_argument(

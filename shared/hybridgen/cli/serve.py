@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -349,8 +350,20 @@ def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
             f"  metrics  http://{connect_host(srv.metrics_host)}:{srv.metrics_port}/metrics"
         )
     lines.append(f"  logs     {rt}/{{gpu,cpu,gateway}}.log")
-    lines.append(f'  try      hybridgen generate --port {srv.port} "Hello"   (Ctrl-C stops)')
+    try_it = f'{invoked_as()} generate --port {srv.port} "Hello"'
+    lines.append(f"  try      {try_it}   (Ctrl-C stops)")
     return "\n".join(lines)
+
+
+def invoked_as(argv0: str | None = None) -> str:
+    """How the user's shell runs this hybridgen: `hybridgen` where PATH finds this very
+    script (or it was not started as one: python -m), else the path it was started by, e.g.
+    .venv/bin/hybridgen when the venv is not activated."""
+    me = Path(argv0 if argv0 is not None else sys.argv[0])
+    if me.name != "hybridgen":
+        return "hybridgen"
+    found = shutil.which("hybridgen")
+    return "hybridgen" if found and Path(found).resolve() == me.resolve() else str(me)
 
 
 def _print_regions(host: str, port: int) -> None:

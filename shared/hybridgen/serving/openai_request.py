@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridgen.engine.validation import InvalidRequest
+from hybridgen.models.chat import ROLES
 from hybridgen.sampling.params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from hybridgen.serving.service import DEFAULT_MAX_TOKENS, GenerateInput
 from hybridgen.serving.stop_strings import validate_stops
@@ -141,6 +142,10 @@ def chat_messages(body: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}]", "must be an object with a string role")
+        if message["role"] not in ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role", f"is {message['role']!r}; allowed {', '.join(ROLES)}"
+            )
         content = message.get("content")
         if isinstance(content, list):
             content = _text_parts(content, f"messages[{i}].content")

@@ -194,7 +194,9 @@ def from_pb(request: pb.GenerateRequest | Undecodable, partial: bool = False) ->
     if not given and not partial:
         raise InvalidRequest(
             "prompt",
-            "is empty: give prompt (text), prompt_token_ids (at least one token) or messages",
+            "is empty, and so are prompt_token_ids and messages (an empty list is no list):"
+            " give prompt (text), prompt_token_ids (at least one token) or messages (at least"
+            " one message)",
         )
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"is longer than {MAX_REQUEST_ID_LEN} characters")
