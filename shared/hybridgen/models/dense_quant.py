@@ -225,15 +225,15 @@ def choose_gemv(
     layer's, which like a decode step reads more bytes than the L2 cache holds, and give them
     the fastest (QuantLinear.gemv). Returns {shape: (chosen, {candidate: seconds a pass})};
     nothing for int8, fp32 activations or weights off CUDA."""
+    if dtype != torch.bfloat16:
+        return {}
     from hybridgen.kernels.triton_dense_quant import GEMV_CANDIDATES, gemv_fits
 
     by_shape: dict[tuple[int, int, int], list[QuantLinear]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, QuantLinear) and module.fmt == "int4" and module.codes.is_cuda:
-            n, k = module.weight.shape
-            by_shape[(n, k, module.group)].append(module)
-    if dtype != torch.bfloat16:
-        return {}
+            shape = (module.out_features, module.in_features, module.group)
+            by_shape[shape].append(module)
     chosen = {}
     for shape, modules in by_shape.items():
         times = {
