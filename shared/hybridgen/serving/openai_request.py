@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridgen.engine.validation import InvalidRequest
-from hybridgen.models.chat import ROLES
+from hybridgen.models.chat import ChatMessage, InvalidChat, check_messages
 from hybridgen.sampling.params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from hybridgen.serving.service import DEFAULT_MAX_TOKENS, GenerateInput
 from hybridgen.serving.stop_strings import validate_stops
@@ -142,10 +142,6 @@ def chat_messages(body: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f"messages[{i}]", "must be an object with a string role")
-        if message["role"] not in ROLES:
-            raise InvalidRequest(
-                f"messages[{i}].role", f"is {message['role']!r}; allowed {', '.join(ROLES)}"
-            )
         content = message.get("content")
         if isinstance(content, list):
             content = _text_parts(content, f"messages[{i}].content")
@@ -156,6 +152,10 @@ def chat_messages(body: Any) -> list[dict[str, Any]]:
         elif content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content", "must be a string or a list of parts")
         out.append({**message, "content": content or ""})  # an assistant's may be null
+    try:  # the roles and the count, as every API checks them
+        check_messages([ChatMessage(m["role"], m["content"]) for m in out])
+    except InvalidChat as exc:
+        raise InvalidRequest(exc.field, exc.problem) from None
     return out
 
 
