@@ -4,11 +4,14 @@ of them) and lifecycle in the in-process engine (CPU, tiny preset)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.engine import Engine
+from hybridgen.engine.model_runner import computes_as_called
 from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.validation import InvalidRequest, UncheckedRequest
+from hybridgen.models.presets import preset_spec
 from hybridgen.sampling.params import InvalidSamplingParameter, SamplingParams
 
 
@@ -200,10 +203,13 @@ def test_decode_steps_do_not_change_outputs() -> None:
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
-def test_decode_steps_on_the_cpu_hand_each_step_over_as_it_is_computed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """On the CPU a decode step is computed when it is called, so several steps per sync
-    hand each one's tokens over before the next is computed: the caller sees step 1's
-    token after one forward pass, not two (which also made the measured step time two)."""
+@pytest.mark.parametrize("as_called", [True, False])
+def test_decode_steps_hand_each_step_over_as_it_is_computed(monkeypatch, as_called: bool) -> None:  # type: ignore[no-untyped-def]
+    """Where a decode step is computed when it is called (the CPU; a MoE model, whose
+    layers read their expert ids back), several steps per sync hand each one's tokens over
+    before the next is launched: the caller sees step 1's token after one forward pass, not
+    two (which also made the measured step time two). Where steps only queue work (a dense
+    model on CUDA), step j + 1 is queued before step j is handed over."""
     engine = Engine(
         EngineConfig(
             model="tiny-llama", device="cpu", max_model_len=256, num_kv_blocks=64, decode_steps=4
@@ -222,11 +228,23 @@ def test_decode_steps_on_the_cpu_hand_each_step_over_as_it_is_computed(monkeypat
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "_decode_logits_any", counted)
+    monkeypatch.setattr(engine.runner, "computes_as_called", as_called)
     seen = []
     for outputs in engine.steps():
         seen.append(forwards)
         assert len(outputs) == 1 and len(outputs[0].new_token_ids) == 1
-    assert seen == [1, 2, 3, 4]
+    assert seen == ([1, 2, 3, 4] if as_called else [2, 3, 4, 4])
+
+
+def test_which_decode_steps_are_computed_as_called() -> None:
+    """A dense model on CUDA only queues a step; a CPU computes it, and a MoE model on any
+    device waits for each layer's expert ids, so its step has run when the call returns."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    dense, moe = preset_spec("llama3-8b"), preset_spec("mixtral-8x7b")
+    assert not computes_as_called(cuda, dense)
+    assert computes_as_called(cuda, moe)
+    assert computes_as_called(cuda, preset_spec("qwen3-30b-a3b"))
+    assert computes_as_called(cpu, dense) and computes_as_called(cpu, moe)
 
 
 @pytest.mark.slow

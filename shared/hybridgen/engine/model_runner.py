@@ -61,6 +61,14 @@ class StepInputs:
     sample_seqs: list[Sequence]
 
 
+def computes_as_called(device: torch.device, spec: ModelSpec) -> bool:
+    """Whether a decode step has run by the time its launching call returns, so that queuing
+    the next step first would only hold this one's tokens back: on a CPU; and for a MoE
+    model on any device, since every MoE layer reads its experts' ids back to the host to
+    place them (models/moe.py, engine/moe_graphs.py), which waits for the step so far."""
+    return device.type != "cuda" or bool(spec.num_local_experts)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -85,6 +93,7 @@ class ModelRunner:
         )
         self.rope = (cos.to(device), sin.to(device))
         self.sampler = Sampler()
+        self.computes_as_called = computes_as_called(device, spec)
         self.graphs: DecodeGraphs | MoeDecodeGraphs | None = None
         if graph_batch and device.type == "cuda" and spec.num_local_experts:
             self.graphs = MoeDecodeGraphs(
@@ -208,9 +217,10 @@ class ModelRunner:
         Each step's sampled ids feed the next step on the device, and positions, seq_lens and
         cache slots advance there too, so the host only launches work: step j + 1 is queued
         before the host waits for step j's tokens (copied to pinned memory behind an event),
-        so the device keeps busy while the caller streams them. On the CPU, where a step is
-        computed as it is called, each step's tokens go at once (else the caller's first
-        step would wait for two, and a step's measured time would be two). Precondition: every
+        so the device keeps busy while the caller streams them. Where a step is computed as it
+        is called (computes_as_called: the CPU, or a MoE model's expert picks read back each
+        layer), each step's tokens go at once (else the caller's first step would wait for
+        two, and a step's measured time would be two). Precondition: every
         sequence decodes, samples without penalties, and already holds the blocks for
         `steps` more tokens, and none has Warm keys unless `hot_only` (drafts that attend
         Hot alone). Yields each step's tokens, one per sequence, in order.
@@ -222,7 +232,6 @@ class ModelRunner:
         ids, batch = inputs.input_ids, inputs.batch
         base = [s.num_output_tokens for s in seqs]  # the caller records tokens meanwhile
         pending: list[_Pending] = []
-        queued = self.device.type == "cuda"  # a CPU computes each step as it is called
         for j in range(steps):
             with torch.inference_mode():
                 logits = self._decode_logits_any(ids, batch)
@@ -230,11 +239,11 @@ class ModelRunner:
                 pending.append(_Pending.start(out))
                 if j + 1 < steps:
                     ids, batch = out.token_ids, self._advance(batch)
-            if not queued:  # nothing runs behind the host: hand the step over at once
+            if self.computes_as_called:  # nothing runs behind the host: hand it over at once
                 yield self._to_host(pending[j].wait(), seqs)
             elif j:  # step j is queued: hand over step j - 1 meanwhile
                 yield self._to_host(pending[j - 1].wait(), seqs)
-        if queued:
+        if not self.computes_as_called:
             yield self._to_host(pending[-1].wait(), seqs)
 
     @torch.inference_mode()
