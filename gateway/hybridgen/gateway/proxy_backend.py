@@ -161,7 +161,7 @@ def info_from_pb(resp: pb.GetModelInfoResponse) -> dict[str, Any]:
         elif field.name == "op_regions":
             info[field.name] = [MessageToDict(r, preserving_proto_field_name=True) for r in value]
         elif field.message_type is not None and field.message_type.GetOptions().map_entry:
-            info[field.name] = dict(value)  # decode_step_ms
+            info[field.name] = dict(value)  # decode_step_ms, mixed_step_ms
         else:
             info[field.name] = sorted(value)  # eos_token_ids
     del info["max_queue"]

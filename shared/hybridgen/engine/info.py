@@ -56,9 +56,14 @@ def host_layer_info(engine: Engine) -> dict[str, float | int | str]:
 
 
 def step_info(engine: Engine) -> dict[str, dict[int, float]]:
-    """The measured decode-only step (ms) by batch size bucket (engine/step_budget.py),
-    keyed by GetModelInfo field names."""
-    return {"decode_step_ms": {rows: s * 1e3 for rows, s in engine.step_times.decode.items()}}
+    """The step budget's measured decode-only step and the fixed part of a step with decodes
+    and prefill (ms) by batch size bucket (engine/step_budget.py), keyed by GetModelInfo
+    field names."""
+    times = engine.step_times
+    return {
+        "decode_step_ms": {rows: s * 1e3 for rows, s in times.decode.items()},
+        "mixed_step_ms": {rows: s * 1e3 for rows, s in times.mixed.items()},
+    }
 
 
 def memory_info(device: torch.device) -> dict[str, float]:

@@ -9,16 +9,25 @@ budget, here by time). A step with no decodes takes the whole max_num_batched_to
 
 The cost model, fitted while serving:
 
-    step seconds = scale * (decode(B) + per_unit * sum over prefill chunks of units(n, c))
-    units(n, c)  = n * (1 + key_weight * (c + n / 2))
+    decode-only step  = decode(B)
+    prefill-only step = per_unit * sum over chunks of units(n, c)
+    mixed step        = mixed(B) + per_unit * sum over chunks of units(n, c)
+    units(n, c)       = n * (1 + key_weight * (c + n / 2))
 
 decode(B) is the measured time of a decode-only step of B rows (an average per power-of-two
 bucket of B), per_unit that of prefill alone (steps without decodes); n tokens of a chunk
 after c cached keys cost their dense work plus attention over c + n/2 keys each on average,
 key_weight being one key's attention flops against one token's dense flops (from the model's
-shape). A mixed step costs more than the sum of its parts (its decodes run eagerly, not from
-CUDA graphs), so `scale`, the measured over the predicted time of mixed steps, closes the
-loop. Until prefill was measured, a step's prefill is not limited.
+shape). A step with decodes and prefill costs more than decode(B) beside its prefill (its
+decodes run eagerly, not from CUDA graphs: launches whose host time can exceed the device's
+work), so mixed(B), the measured time of such steps less their prefill, is its own average
+per bucket of B; a bucket not yet measured takes decode(B). Until prefill was measured, a
+step's prefill is not limited.
+
+The extra cost is added, not multiplied: one factor over (decode + prefill) for every batch
+size made small chunks look dear wherever that cost was large, and held a burst's prefill to
+a few tokens a step once the burst before had pushed the factor to its cap (B2 on the H100:
+TTFT p50 0.9 s in one run, 12 s in the next; bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -30,9 +39,9 @@ from hybridgen.models.spec import ModelSpec
 
 EMA = 0.2
 """Weight of a new measurement in the running averages of decode and prefill cost."""
-SCALE_EMA = 0.5
-"""Weight of a new mixed step in `scale`: the prefill phase of a burst of arrivals is only
-some tens of steps, and the batch grows through it, so the correction must follow fast."""
+MIXED_EMA = 0.5
+"""Weight of a new step in mixed(B): the prefill phase of a burst of arrivals is only some
+tens of steps, and the batch grows through it, so each bucket must follow fast."""
 MIN_TOKENS = 16
 """Prefill tokens a step with decodes may always carry, so that prompts keep moving."""
 OVERRUN_SHARE = 1.0
@@ -67,8 +76,9 @@ class StepBudget:
     """Measured seconds per cost unit of prefill; None until prefill was measured."""
     decode: dict[int, float] = field(default_factory=dict)
     """Measured seconds of a decode-only step, by power-of-two bucket of its rows."""
-    scale: float = 1.0
-    """Measured over predicted time of steps with both decodes and prefill."""
+    mixed: dict[int, float] = field(default_factory=dict)
+    """Measured seconds of a step with decodes and prefill beyond its prefill's cost, by
+    power-of-two bucket of its decode rows."""
 
     def units(self, tokens: int, context: int) -> float:
         """Cost of a prefill chunk of `tokens` after `context` cached keys."""
@@ -88,7 +98,7 @@ class StepBudget:
         (no decodes, or nothing measured yet)."""
         if not decode_rows or self.per_unit is None:
             return None
-        room = self.target_s / self.scale - self._decode_s(decode_rows)  # < 0: overrun
+        room = self.target_s - self.mixed_s(decode_rows)  # < 0: overrun
         return max(room, -OVERRUN_SHARE * room) / self.per_unit
 
     def observe(self, decode_rows: int, chunks: list[tuple[int, int]], seconds: float) -> None:
@@ -105,8 +115,15 @@ class StepBudget:
             per = max(seconds - self._decode_s(decode_rows), seconds / 4) / units
             self.per_unit = _ema(self.per_unit, per)
             return
-        predicted = self._decode_s(decode_rows) + self.per_unit * units
-        self.scale = min(max(_ema(self.scale, seconds / predicted, SCALE_EMA), 0.25), 4.0)
+        bucket = _bucket(decode_rows)
+        fixed = max(seconds - self.per_unit * units, 0.0)
+        self.mixed[bucket] = _ema(self.mixed.get(bucket), fixed, MIXED_EMA)
+
+    def mixed_s(self, rows: int) -> float:
+        """The part of a step with `rows` decodes and some prefill that is not the prefill's:
+        its bucket's measured mixed time, else a decode-only step's."""
+        measured = self.mixed.get(_bucket(rows)) if rows else None
+        return self._decode_s(rows) if measured is None else measured
 
     def decode_step_s(self, rows: int) -> float | None:
         """A measured decode-only step of `rows` rows (its bucket's, else the nearest

@@ -115,8 +115,8 @@ class _PoolSnapshot:
     """Sequences running."""
     tiers: tuple[tuple[str, float | int | str], ...] = ()
     """Engine.tier_stats() and info.moe_info() items."""
-    decode_step_ms: tuple[tuple[int, float], ...] = ()
-    """info.step_info(): the measured decode-only step by batch size bucket."""
+    steps: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """info.step_info(): the measured step times by field name and batch size bucket."""
 
 
 def _post(
@@ -182,7 +182,7 @@ class EngineBackend:
             "kv_blocks_used": snap.kv_blocks_used,
             "running_requests": snap.running_requests,
             "queued_requests": self._waiting,
-            "decode_step_ms": dict(snap.decode_step_ms),
+            **{name: dict(by_rows) for name, by_rows in snap.steps},
         }
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -396,7 +396,9 @@ class EngineBackend:
         tiers = tuple(
             {**engine.tier_stats(), **moe_info(engine), **host_layer_info(engine)}.items()
         )
-        steps = tuple(sorted(step_info(engine)["decode_step_ms"].items()))
+        steps = tuple(
+            (name, tuple(sorted(by_rows.items()))) for name, by_rows in step_info(engine).items()
+        )
         snap = _PoolSnapshot(engine.pool.num_used, len(engine.scheduler.running), tiers, steps)
         if snap == self._snapshot:
             return

@@ -252,8 +252,9 @@ def to_pb(request_id: str, delta: Delta) -> pb.GenerateResponse:
 def model_info_to_pb(info: dict[str, Any]) -> pb.GetModelInfoResponse:
     known = pb.GetModelInfoResponse.DESCRIPTOR.fields_by_name
     fields = {k: v for k, v in info.items() if k in known}
-    if "decode_step_ms" in fields:  # batch sizes: JSON (the rings' stats) keys them as text
-        fields["decode_step_ms"] = {int(k): v for k, v in fields["decode_step_ms"].items()}
+    for name in ("decode_step_ms", "mixed_step_ms"):  # JSON (the rings' stats) keys as text
+        if name in fields:
+            fields[name] = {int(k): v for k, v in fields[name].items()}
     return pb.GetModelInfoResponse(**fields)
 
 
