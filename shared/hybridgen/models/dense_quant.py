@@ -265,9 +265,7 @@ def _time_pass(tiles: Tiles, modules: list[QuantLinear]) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    seconds = best_of(GEMV_RUNS, graph.replay, device)
-    del graph
-    return seconds
+    return best_of(GEMV_RUNS, graph.replay, device)
 
 
 # Each fused projection and the HF weights it concatenates, in row order.

@@ -252,9 +252,11 @@ def to_pb(request_id: str, delta: Delta) -> pb.GenerateResponse:
 def model_info_to_pb(info: dict[str, Any]) -> pb.GetModelInfoResponse:
     known = pb.GetModelInfoResponse.DESCRIPTOR.fields_by_name
     fields = {k: v for k, v in info.items() if k in known}
-    for name in ("decode_step_ms", "mixed_step_ms"):  # JSON (the rings' stats) keys as text
-        if name in fields:
-            fields[name] = {int(k): v for k, v in fields[name].items()}
+    # The maps are keyed by batch size, which JSON (the rings' stats) gives as text.
+    for name, value in fields.items():
+        entry = known[name].message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            fields[name] = {int(k): v for k, v in value.items()}
     return pb.GetModelInfoResponse(**fields)
 
 
