@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import structlog
 
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.info import engine_info, host_layer_info, memory_info, moe_info, step_info
+from hybridgen.engine.info import (
+    engine_info,
+    host_layer_info,
+    launch_info,
+    memory_info,
+    moe_info,
+    step_info,
+)
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest, UncheckedRequest
@@ -217,6 +224,7 @@ class GpuHeartbeat:
             **moe_info(self.engine),
             **host_layer_info(self.engine),
             **step_info(self.engine),
+            **launch_info(self.engine),
             **memory_info(self.engine.device),
             **self.engine.degrade.info(),
             kv_blocks_used=self.engine.pool.num_used,

@@ -379,7 +379,10 @@ class Engine:
         else:
             per_step = iter([self.runner.execute(batch)])
         first = None if on_host else next(per_step)  # the batch's forward pass is done
-        self._observe(batch, time.perf_counter() - start, on_host or bool(first))
+        # An eager forward on a device that runs behind the host: how long its launch took.
+        eager = steps == 1 and not (on_host or drafts or self.runner.computes_as_called)
+        launch = self.runner.queued_at - start if eager else None
+        self._observe(batch, time.perf_counter() - start, on_host or bool(first), launch)
         self._account(batch)
         if on_host and defer_sampling:
             yield [self._await_token(seq, c) for seq, c in picked]
@@ -398,11 +401,14 @@ class Engine:
                 self._record(seq, s, outputs)
             yield list(outputs.values())
 
-    def _observe(self, batch: ScheduledBatch, seconds: float, synced: bool) -> None:
-        """Feed the measured step times a step's time: only when it and the step before it
-        ended with the host waiting for the device (else the time is the launch, or includes
-        the last step's work). Steps from Hot alone go to the step budget; decode steps that
-        read Warm go to the spill costs, as what reading Warm adds."""
+    def _observe(
+        self, batch: ScheduledBatch, seconds: float, synced: bool, launch: float | None
+    ) -> None:
+        """Feed the measured step times a step's time (and its launch's, for an eager forward
+        on a device that runs behind the host): only when it and the step before it ended
+        with the host waiting for the device (else the time is the launch, or includes the
+        last step's work). Steps from Hot alone go to the step budget; decode steps that read
+        Warm go to the spill costs, as what reading Warm adds."""
         if synced and self._synced:
             chunks = [
                 (n, s.num_computed_tokens)
@@ -411,7 +417,7 @@ class Engine:
             ]
             warm = sum(len(s.warm_slots) for s in batch.seqs)
             if not warm:
-                self.step_times.observe(batch.num_decode, chunks, seconds)
+                self.step_times.observe(batch.num_decode, chunks, seconds, launch)
             elif not chunks and self.spill_costs is not None:
                 self.spill_costs.observe_warm_step(batch.num_decode, warm, seconds)
         self._synced = synced

@@ -56,14 +56,21 @@ def host_layer_info(engine: Engine) -> dict[str, float | int | str]:
 
 
 def step_info(engine: Engine) -> dict[str, dict[int, float]]:
-    """The step budget's measured decode-only step and the fixed part of a step with decodes
-    and prefill (ms) by batch size bucket (engine/step_budget.py), keyed by GetModelInfo
-    field names."""
+    """The step budget's measured decode-only step and the part of a step with decodes and
+    prefill beside its prefill (ms) by batch size bucket (engine/step_budget.py), keyed by
+    GetModelInfo field names."""
     times = engine.step_times
     return {
         "decode_step_ms": {rows: s * 1e3 for rows, s in times.decode.items()},
         "mixed_step_ms": {rows: s * 1e3 for rows, s in times.mixed.items()},
     }
+
+
+def launch_info(engine: Engine) -> dict[str, float]:
+    """The step budget's measured host time to launch an eager forward pass (ms; 0 until
+    measured, and where steps run as they are called), keyed by GetModelInfo field name."""
+    launch = engine.step_times.launch
+    return {"eager_launch_ms": 0.0 if launch is None else launch * 1e3}
 
 
 def memory_info(device: torch.device) -> dict[str, float]:

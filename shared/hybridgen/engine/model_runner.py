@@ -7,6 +7,7 @@ is the step's one synchronisation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple
@@ -58,6 +59,9 @@ class StepInputs:
     batch: AttentionBatch
     sample_rows: list[int]
     """Index into the packed tokens of the last token of each sequence that samples."""
+    sample_index: torch.Tensor
+    """sample_rows on the device, copied with the other inputs: indexing with the list would
+    copy it mid-step, and wait there for the forward pass so far."""
     sample_seqs: list[Sequence]
 
 
@@ -94,6 +98,8 @@ class ModelRunner:
         self.rope = (cos.to(device), sin.to(device))
         self.sampler = Sampler()
         self.computes_as_called = computes_as_called(device, spec)
+        self.queued_at = 0.0
+        """When the last execute had queued its work (perf_counter)."""
         self.graphs: DecodeGraphs | MoeDecodeGraphs | None = None
         if graph_batch and device.type == "cuda" and spec.num_local_experts:
             self.graphs = MoeDecodeGraphs(
@@ -152,7 +158,8 @@ class ModelRunner:
             if row.samples:
                 sample_rows.append(qsl[-1] - 1)
                 sample_seqs.append(row.seq)
-        longs = torch.from_numpy(np.concatenate(ids + pos + slots)).to(self.device)
+        rows_sampled = np.asarray(sample_rows, dtype=np.int64)
+        longs = torch.from_numpy(np.concatenate([*ids, *pos, *slots, rows_sampled])).to(self.device)
         ints = torch.from_numpy(
             np.concatenate([np.asarray(hot_lens, np.int32), tables.ravel()])
         ).to(self.device)
@@ -168,7 +175,7 @@ class ModelRunner:
         t, b = qsl[-1], len(seq_lens)
         batch = AttentionBatch(
             positions=longs[t : 2 * t],
-            slot_mapping=longs[2 * t :],
+            slot_mapping=longs[2 * t : 3 * t],
             block_tables=ints[b:].view(b, width),
             seq_lens=ints[:b],
             num_decode=num_decode,
@@ -176,7 +183,7 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             warm=warm_keys,
         )
-        return StepInputs(longs[:t], batch, sample_rows, sample_seqs)
+        return StepInputs(longs[:t], batch, sample_rows, longs[3 * t :], sample_seqs)
 
     @torch.inference_mode()
     def logits(self, sched: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -190,17 +197,24 @@ class ModelRunner:
         ):
             logits = graphs.run(inputs.input_ids, inputs.batch)
             if len(inputs.sample_rows) < len(sched):  # a one-token prompt chunk samples nothing
-                logits = logits[inputs.sample_rows]
+                logits = logits[inputs.sample_index]
             return logits, inputs.sample_seqs
         hidden = self.model(inputs.input_ids, inputs.batch, self.kv_caches, self.rope)
         if not inputs.sample_seqs:
             return None, []
-        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs
+        return self.model.compute_logits(hidden[inputs.sample_index]), inputs.sample_seqs
 
     @torch.inference_mode()
     def execute(self, sched: ScheduledBatch) -> list[Sampled]:
+        """One forward pass and its sampled tokens; `queued_at` is when the host had queued
+        all of it (perf_counter), before it waited for the tokens."""
         logits, seqs = self.logits(sched)
-        return [] if logits is None else self._sample(logits, seqs)
+        if logits is None:
+            self.queued_at = time.perf_counter()
+            return []
+        out = self.sampler(logits, self._sampling_batch(seqs))
+        self.queued_at = time.perf_counter()
+        return self._to_host(out, seqs)
 
     def execute_decode(
         self, sched: ScheduledBatch, steps: int, hot_only: bool = False

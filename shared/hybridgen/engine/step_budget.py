@@ -10,38 +10,51 @@ budget, here by time). A step with no decodes takes the whole max_num_batched_to
 The cost model, fitted while serving:
 
     decode-only step  = decode(B)
-    prefill-only step = per_unit * sum over chunks of units(n, c)
-    mixed step        = mixed(B) + per_unit * sum over chunks of units(n, c)
+    prefill-only step = max(launch, per_unit * sum over chunks of units(n, c))
+    mixed step        = max(launch, mixed(B) + per_unit * sum over chunks of units(n, c))
     units(n, c)       = n * (1 + key_weight * (c + n / 2))
 
 decode(B) is the measured time of a decode-only step of B rows (an average per power-of-two
-bucket of B), per_unit that of prefill alone (steps without decodes); n tokens of a chunk
-after c cached keys cost their dense work plus attention over c + n/2 keys each on average,
-key_weight being one key's attention flops against one token's dense flops (from the model's
-shape). A step with decodes and prefill costs more than decode(B) beside its prefill (its
-decodes run eagerly, not from CUDA graphs: launches whose host time can exceed the device's
-work), so mixed(B), the measured time of such steps less their prefill, is its own average
-per bucket of B; a bucket not yet measured takes decode(B). Until prefill was measured, a
-step's prefill is not limited.
+bucket of B), per_unit that of prefill; n tokens of a chunk after c cached keys cost their
+dense work plus attention over c + n/2 keys each on average, key_weight being one key's
+attention flops against one token's dense flops (from the model's shape). mixed(B) is what a
+step with B decodes costs beside its prefill, by bucket of B (a bucket not yet measured
+takes decode(B)): where a step runs as it is called (a CPU; a MoE model, whose layers read
+their expert picks back) its decodes' eager run costs more than their graphed decode-only
+step, and that fixed cost is its own.
 
-The extra cost is added, not multiplied: one factor over (decode + prefill) for every batch
-size made small chunks look dear wherever that cost was large, and held a burst's prefill to
-a few tokens a step once the burst before had pushed the factor to its cap (B2 on the H100:
-TTFT p50 0.9 s in one run, 12 s in the next; bench/NOTES.md).
+launch is the host time to queue one eager forward pass (every layer's kernels, the
+sampler) on a device that runs behind the host, a floor under any step with prefill: on the
+H100 ~20-30 ms for llama3-8b, against a 7 ms graphed decode step. A step whose device work
+ends right after its launch returns was held by the host, so its time bounds its prefill's
+cost from above and teaches nothing more; the prefill that fits under that floor is free,
+so the room a step with decodes has is max(target, launch) - mixed(B). (Without the floor,
+steps of 8 decodes and 16 prompt tokens took 30 ms, and 64 prompts of 512 waited 7 s for
+their first tokens.)
+
+Each figure but decode(B) is the median of its last WINDOW samples: a step that compiles a
+kernel the first time (up to 1.7 s on the H100) must not set the budget for the bursts after
+it, and prefill-only steps come once a burst (an average they entered first held B2's
+prefill to MIN_TOKENS a step at 12x the true cost per token).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from hybridgen.models.spec import ModelSpec
 
 EMA = 0.2
-"""Weight of a new measurement in the running averages of decode and prefill cost."""
-MIXED_EMA = 0.5
-"""Weight of a new step in mixed(B): the prefill phase of a burst of arrivals is only some
-tens of steps, and the batch grows through it, so each bucket must follow fast."""
+"""Weight of a new measurement in the running average of decode-only steps."""
+WINDOW = 5
+"""Samples kept for each median (module doc): one spike never moves it, and a real change
+takes over after three samples."""
+HOST_BOUND = 0.25
+"""A step whose device work ended within this share of its time after its launch returned
+was held by the host (module doc)."""
 MIN_TOKENS = 16
 """Prefill tokens a step with decodes may always carry, so that prompts keep moving."""
 OVERRUN_SHARE = 1.0
@@ -64,6 +77,18 @@ def key_weight(spec: ModelSpec) -> float:
     return 2 * spec.q_size / dense
 
 
+class _Median:
+    """The low median of the last WINDOW samples (of two, the lower: the first step of a
+    kind may have compiled a kernel)."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+
+    def add(self, value: float) -> float:
+        self.samples.append(value)
+        return statistics.median_low(self.samples)
+
+
 @dataclass
 class StepBudget:
     """The prefill a step with decodes may carry to stay under `target_s` (module doc)."""
@@ -79,6 +104,12 @@ class StepBudget:
     mixed: dict[int, float] = field(default_factory=dict)
     """Measured seconds of a step with decodes and prefill beyond its prefill's cost, by
     power-of-two bucket of its decode rows."""
+    launch: float | None = None
+    """Measured host seconds to queue an eager forward pass; None until measured, and on a
+    device that runs as it is called."""
+    _per_unit: _Median = field(default_factory=_Median, init=False, repr=False)
+    _mixed: dict[int, _Median] = field(default_factory=dict, init=False, repr=False)
+    _launch: _Median = field(default_factory=_Median, init=False, repr=False)
 
     def units(self, tokens: int, context: int) -> float:
         """Cost of a prefill chunk of `tokens` after `context` cached keys."""
@@ -98,26 +129,44 @@ class StepBudget:
         (no decodes, or nothing measured yet)."""
         if not decode_rows or self.per_unit is None:
             return None
-        room = self.target_s - self.mixed_s(decode_rows)  # < 0: overrun
+        room = max(self.target_s, self.launch or 0.0) - self.mixed_s(decode_rows)  # < 0: overrun
         return max(room, -OVERRUN_SHARE * room) / self.per_unit
 
-    def observe(self, decode_rows: int, chunks: list[tuple[int, int]], seconds: float) -> None:
-        """A measured step: its decode rows, its prefill chunks (tokens, cached keys)."""
+    def observe(
+        self,
+        decode_rows: int,
+        chunks: list[tuple[int, int]],
+        seconds: float,
+        launch_s: float | None = None,
+    ) -> None:
+        """A measured step: its decode rows, its prefill chunks (tokens, cached keys), and
+        for an eager forward on a device that runs behind the host, the host seconds its
+        launch took (None: the step ran as it was called)."""
         if not chunks:
             if decode_rows:
                 bucket = _bucket(decode_rows)
                 self.decode[bucket] = _ema(self.decode.get(bucket), seconds)
             return
         units = sum(self.units(n, c) for n, c in chunks)
+        host_bound = launch_s is not None and seconds - launch_s < HOST_BOUND * seconds
+        if launch_s is not None:  # a floor once two launches were seen (one may compile)
+            floor = self._launch.add(launch_s)
+            self.launch = floor if len(self._launch.samples) > 1 else None
         if not decode_rows or self.per_unit is None:
             # Prefill alone; or, with nothing else to go by, a mixed step's time beyond its
             # decodes (a noisy decode figure never makes the prefill free: at least a quarter).
             per = max(seconds - self._decode_s(decode_rows), seconds / 4) / units
-            self.per_unit = _ema(self.per_unit, per)
+            if host_bound:  # the prefill cost at most this: a bound on a figure, not one
+                if self.per_unit is None:
+                    return
+                per = min(per, self.per_unit)
+            self.per_unit = self._per_unit.add(per)
             return
         bucket = _bucket(decode_rows)
         fixed = max(seconds - self.per_unit * units, 0.0)
-        self.mixed[bucket] = _ema(self.mixed.get(bucket), fixed, MIXED_EMA)
+        if host_bound:
+            fixed = min(fixed, self.mixed_s(decode_rows))
+        self.mixed[bucket] = self._mixed.setdefault(bucket, _Median()).add(fixed)
 
     def mixed_s(self, rows: int) -> float:
         """The part of a step with `rows` decodes and some prefill that is not the prefill's:
@@ -139,8 +188,8 @@ class StepBudget:
         return self.decode[near]
 
 
-def _ema(old: float | None, new: float, weight: float = EMA) -> float:
-    return new if old is None else old + weight * (new - old)
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
 
 
 def _bucket(rows: int) -> int:

@@ -32,6 +32,7 @@ from hybridgen.engine.info import (
     MIB,
     engine_info,
     host_layer_info,
+    launch_info,
     memory_info,
     moe_info,
     step_info,
@@ -114,7 +115,7 @@ class _PoolSnapshot:
     running_requests: int = 0
     """Sequences running."""
     tiers: tuple[tuple[str, float | int | str], ...] = ()
-    """Engine.tier_stats() and info.moe_info() items."""
+    """Engine.tier_stats(), info.moe_info(), host_layer_info() and launch_info() items."""
     steps: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     """info.step_info(): the measured step times by field name and batch size bucket."""
 
@@ -394,7 +395,12 @@ class EngineBackend:
 
     def _publish(self, engine: Engine) -> None:
         tiers = tuple(
-            {**engine.tier_stats(), **moe_info(engine), **host_layer_info(engine)}.items()
+            {
+                **engine.tier_stats(),
+                **moe_info(engine),
+                **host_layer_info(engine),
+                **launch_info(engine),
+            }.items()
         )
         steps = tuple(
             (name, tuple(sorted(by_rows.items()))) for name, by_rows in step_info(engine).items()
