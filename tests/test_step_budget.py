@@ -317,13 +317,17 @@ def test_launch_floor_is_learned_from_two_launches_and_fills_with_prefill() -> N
     assert sb.allowance(8) == pytest.approx((0.030 - 0.007) / sb.per_unit), "the floor is free"
 
 
+@pytest.mark.parametrize("sample", ["gpu", "cpu"])
 def test_engine_times_the_launch_where_the_device_runs_behind(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, sample: str
 ) -> None:
     """Where a step does not run as it is called (a CUDA device, a dense model), the engine
-    hands the step budget each eager step's launch time: less than the step's; on a CPU
+    hands the step budget each eager step's launch time: less than the step's, whether the
+    device samples or hands the host each row's candidates (placements.sample); on a CPU
     none."""
-    engine = Engine(EngineConfig(model="tiny-llama", device="cpu", max_model_len=256))
+    engine = Engine(
+        EngineConfig(model="tiny-llama", device="cpu", max_model_len=256, sample_placement=sample)
+    )
     seen: list[tuple[float, float | None]] = []
     observe = engine.step_times.observe
 

@@ -380,7 +380,7 @@ class Engine:
             per_step = iter([self.runner.execute(batch)])
         first = None if on_host else next(per_step)  # the batch's forward pass is done
         # An eager forward on a device that runs behind the host: how long its launch took.
-        eager = steps == 1 and not (on_host or drafts or self.runner.computes_as_called)
+        eager = steps == 1 and not (drafts or self.runner.computes_as_called)
         launch = self.runner.queued_at - start if eager else None
         self._observe(batch, time.perf_counter() - start, on_host or bool(first), launch)
         self._account(batch)

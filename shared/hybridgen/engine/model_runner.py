@@ -285,18 +285,26 @@ class ModelRunner:
     def execute_candidates(
         self, sched: ScheduledBatch, k: int
     ) -> list[tuple[Sequence, Candidates]]:
-        """One forward pass; each sampling row's top-k logits for the CPU to pick from."""
+        """One forward pass; each sampling row's top-k logits for the CPU to pick from;
+        `queued_at` as execute's."""
         logits, seqs = self.logits(sched)
         if logits is None:
+            self.queued_at = time.perf_counter()
             return []
         k = min(k, logits.shape[-1])
-        temps = [
-            1.0 if s.params.is_greedy else max(s.params.temperature, MIN_TEMPERATURE) for s in seqs
-        ]
-        t = torch.tensor(temps, device=logits.device)[:, None]
+        temps = torch.tensor(
+            [
+                1.0 if s.params.is_greedy else max(s.params.temperature, MIN_TEMPERATURE)
+                for s in seqs
+            ]
+        )
+        if logits.is_cuda:  # pinned, so that the copy does not wait for the forward pass
+            temps = temps.pin_memory()
+        t = temps.to(logits.device, non_blocking=True)[:, None]
         vals, ids = logits.topk(k, dim=-1)  # [N, k], largest first
         lse = torch.logsumexp(logits, -1, keepdim=True)
         lse_t = torch.logsumexp(logits / t, -1, keepdim=True)
+        self.queued_at = time.perf_counter()
         floats = torch.cat([vals, lse, lse_t], dim=-1).cpu().numpy()  # the step's sync
         ids_host = ids.to(torch.int32).cpu().numpy()
         return [
