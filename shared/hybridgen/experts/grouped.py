@@ -55,6 +55,8 @@ def step_table(
     slots = [hits[flat[r]] for r in outs]
     other = [r for e in others for r, f in enumerate(flat) if f == e]
     host = torch.tensor(rows + slots + outs + other + widx, dtype=torch.int32)
+    if device.type == "cuda":  # pinned: a pageable copy would wait for the device
+        host = host.pin_memory()
     table = host.to(device, non_blocking=True)
     p, m = len(outs), len(other)
     return StepTable(
