@@ -18,7 +18,7 @@ import torch
 from hybridgen.experts.store import MoeStats
 from hybridgen.kernels import ops
 from hybridgen.models.loader import load_model
-from hybridgen.models.moe import SparseMoeBlock, enable_cold_weights, moe_blocks
+from hybridgen.models.moe import enable_cold_weights, moe_blocks
 from tests.kernel_helpers import DEVICE, rel_err
 
 pytestmark = pytest.mark.slow
@@ -84,21 +84,3 @@ def test_grouped_block_equals_per_expert_path(
     assert 0 < len(launches) <= len(expected)  # one per layer and step at most
     if limit == 1:
         assert mine.cpu_experts > 0
-
-
-@pytest.mark.parametrize("tokens", [2, 5, 64])
-def test_experts_group_as_torch_where_finds_them(tokens: int) -> None:
-    """A step's experts, grouped on the host and copied to the device in one transfer: each
-    expert's rows and top-k slots are exactly torch.where's (ascending, row-major), so the
-    outputs add up in the same order, for fresh random picks."""
-    gen = torch.Generator().manual_seed(tokens)
-    top_k, experts = 8, 64
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    routed = SparseMoeBlock._group(ids.to(DEVICE), torch.device(DEVICE))
-    assert [r.expert for r in routed] == torch.unique(ids).tolist()
-    for r in routed:
-        rows, slot = torch.where(ids == r.expert)
-        assert isinstance(r.rows, torch.Tensor) and isinstance(r.slot, torch.Tensor)
-        assert r.rows.device.type == torch.device(DEVICE).type
-        assert r.rows.cpu().tolist() == rows.tolist() and r.slot.cpu().tolist() == slot.tolist()
-        assert r.tokens == len(rows)

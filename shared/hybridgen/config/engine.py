@@ -59,7 +59,8 @@ class EngineConfig:
     """Tokens per step; longer prompts are prefilled in chunks."""
     step_latency_ms: float = 25.0
     """Longest a step with decodes should take (model.step_latency_ms): the prefill beside
-    them is sized from measured step times (engine/step_budget.py). 0: no limit."""
+    them is sized from measured step times (engine/step_budget.py); where the host's launch
+    of such a step takes longer, the step takes that, filled with prefill. 0: no limit."""
     num_kv_blocks: int | None = None
     """Use exactly this many KV blocks instead of all the budget leaves (must still fit)."""
     kv_pool_mb: float | None = None

@@ -215,10 +215,11 @@ class ModelConfig:
     """Tokens per step; longer prompts are prefilled in chunks."""
     step_latency_ms: float = shared(25.0, "model.step_latency_ms")
     """Longest a step that carries decodes should take (the gap its streams see): the prefill
-    beside them is sized from step times measured while serving. 0: no limit (every step
-    may fill max_num_batched_tokens). 25: at 30, 64 llama3-8b streams arriving together on
-    the H200 saw a message gap p99 of 51.3 ms (B2), the steps late in the burst running
-    long; 25 keeps that p99 under 50 ms with room."""
+    beside them is sized from step times measured while serving (where the host's launch of
+    such a step takes longer, the step takes that, filled with prefill). 0: no limit (every
+    step may fill max_num_batched_tokens). 25: at 30, 64 llama3-8b streams arriving together
+    on the H200 saw a message gap p99 of 51.3 ms (B2), the steps late in the burst running
+    long; at 25 an H100 held 27-28 ms."""
     seed: int = shared(0, "model.seed")
     """Seed of synthetic preset weights."""
 

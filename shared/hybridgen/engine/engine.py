@@ -379,9 +379,7 @@ class Engine:
         else:
             per_step = iter([self.runner.execute(batch)])
         first = None if on_host else next(per_step)  # the batch's forward pass is done
-        # An eager forward on a device that runs behind the host: how long its launch took.
-        eager = steps == 1 and not (drafts or self.runner.computes_as_called)
-        launch = self.runner.queued_at - start if eager else None
+        launch = self.runner.queued_at - start if self._runs_ahead(batch, steps, drafts) else None
         self._observe(batch, time.perf_counter() - start, on_host or bool(first), launch)
         self._account(batch)
         if on_host and defer_sampling:
@@ -400,6 +398,18 @@ class Engine:
                     seq.num_computed_tokens += 1  # the previous step's token went through
                 self._record(seq, s, outputs)
             yield list(outputs.values())
+
+    def _runs_ahead(self, batch: ScheduledBatch, steps: int, drafts: int) -> bool:
+        """Whether this batch is one forward pass that the host queues without waiting for
+        the device, so that its launch time is the host's alone (the step budget's floor):
+        not on a device that computes as called (a CPU, a MoE model), not with host layers
+        that wait for the CPU's rows, not under tensor parallel (rank 0 announces the logits to
+        its workers with a header whose copy to the device waits for the forward pass)."""
+        if steps != 1 or drafts or self.runner.computes_as_called:
+            return False
+        if self.host_layers is not None and self.host_layers.waits_on_host(len(batch)):
+            return False
+        return self.config.tensor_parallel == 1
 
     def _observe(
         self, batch: ScheduledBatch, seconds: float, synced: bool, launch: float | None

@@ -25,6 +25,7 @@ from hybridgen.kvtiers.warm_tier import WarmTier
 from hybridgen.models.llama import AttentionBatch, CausalLM
 from hybridgen.models.rope import rope_tables
 from hybridgen.models.spec import ModelSpec
+from hybridgen.runtime.upload import upload
 from hybridgen.sampling.candidates import MIN_TEMPERATURE, Candidates
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -212,9 +213,7 @@ class ModelRunner:
         if logits is None:
             self.queued_at = time.perf_counter()
             return []
-        out = self.sampler(logits, self._sampling_batch(seqs))
-        self.queued_at = time.perf_counter()
-        return self._to_host(out, seqs)
+        return self._sample(logits, seqs)
 
     def execute_decode(
         self, sched: ScheduledBatch, steps: int, hot_only: bool = False
@@ -292,15 +291,10 @@ class ModelRunner:
             self.queued_at = time.perf_counter()
             return []
         k = min(k, logits.shape[-1])
-        temps = torch.tensor(
-            [
-                1.0 if s.params.is_greedy else max(s.params.temperature, MIN_TEMPERATURE)
-                for s in seqs
-            ]
-        )
-        if logits.is_cuda:  # pinned, so that the copy does not wait for the forward pass
-            temps = temps.pin_memory()
-        t = temps.to(logits.device, non_blocking=True)[:, None]
+        temps = [
+            1.0 if s.params.is_greedy else max(s.params.temperature, MIN_TEMPERATURE) for s in seqs
+        ]
+        t = upload(torch.tensor(temps), logits.device)[:, None]
         vals, ids = logits.topk(k, dim=-1)  # [N, k], largest first
         lse = torch.logsumexp(logits, -1, keepdim=True)
         lse_t = torch.logsumexp(logits / t, -1, keepdim=True)
@@ -356,7 +350,10 @@ class ModelRunner:
         )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
-        return self._to_host(self.sampler(logits, self._sampling_batch(seqs)), seqs)
+        """The rows' tokens, sampled and read back; `queued_at` is set between the two."""
+        out = self.sampler(logits, self._sampling_batch(seqs))
+        self.queued_at = time.perf_counter()
+        return self._to_host(out, seqs)
 
     def _to_host(self, out: SamplerOutput, seqs: list[Sequence]) -> list[Sampled]:
         """Read sampled ids (and logprobs) back: the step's one synchronisation."""

@@ -32,10 +32,12 @@ so the room a step with decodes has is max(target, launch) - mixed(B). (Without 
 steps of 8 decodes and 16 prompt tokens took 30 ms, and 64 prompts of 512 waited 7 s for
 their first tokens.)
 
-Each figure but decode(B) is the median of its last WINDOW samples: a step that compiles a
-kernel the first time (up to 1.7 s on the H100) must not set the budget for the bursts after
-it, and prefill-only steps come once a burst (an average they entered first held B2's
-prefill to MIN_TOKENS a step at 12x the true cost per token).
+per_unit and mixed(B) are the low medians of their last WINDOW samples, launch the least of
+its last WINDOW (noise only adds to a launch): a step that compiles a kernel the first time
+(up to 1.7 s on the H100) must not set the budget for the bursts after it, and prefill-only
+steps come once a burst (an average they entered first held B2's prefill to MIN_TOKENS a
+step at 12x the true cost per token). A figure given at construction stands until the first
+measurement replaces it.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from hybridgen.models.spec import ModelSpec
 EMA = 0.2
 """Weight of a new measurement in the running average of decode-only steps."""
 WINDOW = 5
-"""Samples kept for each median (module doc): one spike never moves it, and a real change
-takes over after three samples."""
+"""Samples kept for each figure (module doc): one spike never sets it, and a real change takes
+over after three samples (a launch's, at once if shorter)."""
 HOST_BOUND = 0.25
 """A step whose device work ended within this share of its time after its launch returned
 was held by the host (module doc)."""
@@ -77,16 +79,22 @@ def key_weight(spec: ModelSpec) -> float:
     return 2 * spec.q_size / dense
 
 
-class _Median:
-    """The low median of the last WINDOW samples (of two, the lower: the first step of a
-    kind may have compiled a kernel)."""
+class _Window:
+    """The last WINDOW samples of a figure."""
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=WINDOW)
 
-    def add(self, value: float) -> float:
+    def median(self, value: float) -> float:
+        """With `value`, the low median (of two, the lower: the first step of a kind may
+        have compiled a kernel)."""
         self.samples.append(value)
         return statistics.median_low(self.samples)
+
+    def least(self, value: float) -> float:
+        """With `value`, the least."""
+        self.samples.append(value)
+        return min(self.samples)
 
 
 @dataclass
@@ -105,11 +113,11 @@ class StepBudget:
     """Measured seconds of a step with decodes and prefill beyond its prefill's cost, by
     power-of-two bucket of its decode rows."""
     launch: float | None = None
-    """Measured host seconds to queue an eager forward pass; None until measured, and on a
-    device that runs as it is called."""
-    _per_unit: _Median = field(default_factory=_Median, init=False, repr=False)
-    _mixed: dict[int, _Median] = field(default_factory=dict, init=False, repr=False)
-    _launch: _Median = field(default_factory=_Median, init=False, repr=False)
+    """Measured host seconds to queue an eager forward pass (the least of the last WINDOW,
+    from the second on); None until measured, and where steps run as they are called."""
+    _per_unit: _Window = field(default_factory=_Window, init=False, repr=False)
+    _mixed: dict[int, _Window] = field(default_factory=dict, init=False, repr=False)
+    _launch: _Window = field(default_factory=_Window, init=False, repr=False)
 
     def units(self, tokens: int, context: int) -> float:
         """Cost of a prefill chunk of `tokens` after `context` cached keys."""
@@ -150,7 +158,7 @@ class StepBudget:
         units = sum(self.units(n, c) for n, c in chunks)
         host_bound = launch_s is not None and seconds - launch_s < HOST_BOUND * seconds
         if launch_s is not None:  # a floor once two launches were seen (one may compile)
-            floor = self._launch.add(launch_s)
+            floor = self._launch.least(launch_s)
             self.launch = floor if len(self._launch.samples) > 1 else None
         if not decode_rows or self.per_unit is None:
             # Prefill alone; or, with nothing else to go by, a mixed step's time beyond its
@@ -160,13 +168,13 @@ class StepBudget:
                 if self.per_unit is None:
                     return
                 per = min(per, self.per_unit)
-            self.per_unit = self._per_unit.add(per)
+            self.per_unit = self._per_unit.median(per)
             return
         bucket = _bucket(decode_rows)
         fixed = max(seconds - self.per_unit * units, 0.0)
         if host_bound:
             fixed = min(fixed, self.mixed_s(decode_rows))
-        self.mixed[bucket] = self._mixed.setdefault(bucket, _Median()).add(fixed)
+        self.mixed[bucket] = self._mixed.setdefault(bucket, _Window()).median(fixed)
 
     def mixed_s(self, rows: int) -> float:
         """The part of a step with `rows` decodes and some prefill that is not the prefill's:

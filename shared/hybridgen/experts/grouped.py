@@ -25,6 +25,7 @@ from torch import Tensor
 
 from hybridgen.experts.store import ExpertCache
 from hybridgen.kernels import ops
+from hybridgen.runtime.upload import upload
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,7 @@ def step_table(
     rows = [r // top_k for r in outs]
     slots = [hits[flat[r]] for r in outs]
     other = [r for e in others for r, f in enumerate(flat) if f == e]
-    host = torch.tensor(rows + slots + outs + other + widx, dtype=torch.int32)
-    if device.type == "cuda":  # pinned: a pageable copy would wait for the device
-        host = host.pin_memory()
-    table = host.to(device, non_blocking=True)
+    table = upload(torch.tensor(rows + slots + outs + other + widx, dtype=torch.int32), device)
     p, m = len(outs), len(other)
     return StepTable(
         rows=table[:p],

@@ -36,6 +36,7 @@ from hybridgen.kernels.triton_paged_decode import (
     _natural_lse,
     key_tile,
 )
+from hybridgen.runtime.upload import upload
 
 _ROWS = 128
 """Query rows (queries x query heads of one kv head) per program."""
@@ -209,10 +210,7 @@ def _plan(
         lo, n = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
         meta += [lo, n, h]
         tiles += [x for m0 in range(0, n, block_m) for x in (i, m0)]
-    packed = torch.tensor(meta + tiles, dtype=torch.int32)
-    if device.type == "cuda":  # pinned: a pageable copy would wait for the layer so far
-        packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)
+    packed = upload(torch.tensor(meta + tiles, dtype=torch.int32), device)
     plan = (packed[len(meta) :].view(-1, 2), packed[: len(meta)].view(-1, 3), len(tiles) // 2)
     _plan_cache.clear()
     _plan_cache[key] = plan

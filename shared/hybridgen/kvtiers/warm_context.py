@@ -15,6 +15,7 @@ from torch import Tensor
 from hybridgen.kernels.reference import merge_attention_partials
 from hybridgen.kvtiers.warm_attention import WarmSpan
 from hybridgen.placement.tuner import SplitTiming
+from hybridgen.runtime.upload import upload
 
 if TYPE_CHECKING:
     from hybridgen.kvtiers.warm_tier import WarmTier
@@ -118,12 +119,12 @@ class WarmContext:
         self._plan = _DecodePlan(
             dev=dev,
             shares=shares,
-            dev_idx=torch.tensor(dev, device=device),
+            dev_idx=upload(torch.tensor(dev, dtype=torch.int64), device),
             table=tier.view.block_table(shares) if tier.view is not None and dev else None,
             gpu_blocks=sum(map(len, shares)),
             rows=rows,
             spans=[WarmSpan(self.warm_slots[i][: cuts[i]], 0, bs, self.positions[i]) for i in rows],
-            rows_idx=torch.tensor(rows, device=device),
+            rows_idx=upload(torch.tensor(rows, dtype=torch.int64), device),
             cpu_blocks=sum(cuts[i] for i in rows),
         )
         return self._plan

@@ -64,6 +64,7 @@ from hybridgen.kvtiers.warm_pool import WarmPool, capacity_for, slot_bytes_for
 from hybridgen.kvtiers.warm_stats import WarmStats
 from hybridgen.models.spec import ModelSpec
 from hybridgen.placement.tuner import Tuner
+from hybridgen.runtime.upload import upload
 
 log = structlog.get_logger()
 
@@ -319,7 +320,7 @@ class WarmTier:
         if self.codec_on == "cpu":
             return rows
         self.stats.h2d_bytes += rows.numel()
-        return _to_device(rows, self.device)
+        return upload(rows, self.device)
 
     def device_partial(
         self,
@@ -362,7 +363,7 @@ class WarmTier:
         self.stats.record_decompress(time.perf_counter() - t0)
         if self.codec_on == "cpu":  # decoded here: the dense keys cross
             self.stats.h2d_bytes += 2 * k.numel() * k.element_size()
-            k, v = _to_device(k, self.device), _to_device(v, self.device)
+            k, v = upload(k, self.device), upload(v, self.device)
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def context(
@@ -373,12 +374,6 @@ class WarmTier:
         if not any(warm_slots):
             return None
         return WarmContext(self, warm_slots, positions, rows)
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":  # a pinned copy is a true async DMA: the host goes on
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _hot_fields(kv: ops.KvCache, layout: RecordLayout) -> list[Tensor]:

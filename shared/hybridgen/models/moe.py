@@ -36,6 +36,7 @@ from hybridgen.experts.latency import LatencyModel, calibrate
 from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats, RemoteDown
 from hybridgen.kernels import ops
 from hybridgen.models.spec import ModelSpec
+from hybridgen.runtime.upload import upload
 
 log = structlog.get_logger()
 
@@ -202,7 +203,7 @@ class SparseMoeBlock(nn.Module):
         and the CPU daemon's answer is collected last."""
         assert self.cold is not None and self.store is not None
         layer, cache, _ = self.cold
-        placed = self._place(x, ids, ids.device)
+        placed = self._place(x, ids, x.device)  # rows on the device: x[rows] waits for nothing
         hit = [
             r for r in placed.routed if r.expert not in placed.on_cpu and (layer, r.expert) in cache
         ]
@@ -258,11 +259,8 @@ class SparseMoeBlock(nn.Module):
         by_expert = torch.argsort(flat, stable=True)  # row-major within each expert
         picked, counts = torch.unique_consecutive(flat[by_expert], return_counts=True)
         top_k = ids.shape[1]
-        packed = torch.stack([by_expert // top_k, by_expert % top_k])  # [2, T * k]: rows, slots
-        if device.type == "cuda":
-            packed = packed.pin_memory().to(device, non_blocking=True)
-        else:
-            packed = packed.to(device)
+        # [2, T * k]: rows, slots
+        packed = upload(torch.stack([by_expert // top_k, by_expert % top_k]), device)
         routed, start = [], 0
         for e, n in zip(picked.tolist(), counts.tolist(), strict=True):
             routed.append(Routed(e, packed[0, start : start + n], packed[1, start : start + n], n))

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridgen.runtime.upload import upload
 from hybridgen.sampling.noise import gumbel_noise, row_keys
 from hybridgen.sampling.params import MAX_SEED, SamplingParams
 
@@ -47,13 +48,8 @@ already makes the draw deterministic, so only near-exact ties can tell the diffe
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
-    """One host-to-device copy; pinned and asynchronous when the target is a CUDA device."""
-    host = torch.from_numpy(array)
-    if device.type == "cuda":
-        # Pinned memory makes the copy a true async DMA; the caching host allocator keeps the
-        # buffer alive until the copy has run, so dropping `host` here is safe.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    """One host-to-device copy that does not wait for the device (runtime/upload.py)."""
+    return upload(torch.from_numpy(array), device)
 
 
 def _token_table(
