@@ -407,7 +407,7 @@ class Engine:
         its workers with a header whose copy to the device waits for the forward pass)."""
         if steps != 1 or drafts or self.runner.computes_as_called:
             return False
-        if self.host_layers is not None and self.host_layers.waits_on_host(len(batch)):
+        if self.host_layers is not None and self.host_layers.waits_on_host(batch.total_tokens):
             return False
         return self.config.tensor_parallel == 1
 
