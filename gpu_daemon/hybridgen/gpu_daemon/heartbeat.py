@@ -29,14 +29,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.info import (
-    engine_info,
-    host_layer_info,
-    launch_info,
-    memory_info,
-    moe_info,
-    step_info,
-)
+from hybridgen.engine.info import counter_info, engine_info, memory_info, step_info
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest, UncheckedRequest
@@ -220,11 +213,8 @@ class GpuHeartbeat:
     def _send_stats(self) -> None:
         info = dict(
             engine_info(self.engine),
-            **self.engine.tier_stats(),
-            **moe_info(self.engine),
-            **host_layer_info(self.engine),
+            **counter_info(self.engine),
             **step_info(self.engine),
-            **launch_info(self.engine),
             **memory_info(self.engine.device),
             **self.engine.degrade.info(),
             kv_blocks_used=self.engine.pool.num_used,

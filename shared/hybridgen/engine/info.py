@@ -73,6 +73,18 @@ def launch_info(engine: Engine) -> dict[str, float]:
     return {"eager_launch_ms": 0.0 if launch is None else launch * 1e3}
 
 
+def counter_info(engine: Engine) -> dict[str, float | int | str]:
+    """What the engine thread's figures say now, as scalars keyed by GetModelInfo field
+    names: the tiers (Engine.tier_stats), the expert cache, the host layers and the launch
+    floor; both the GPU daemon's stats and the in-process backend publish these."""
+    return {
+        **engine.tier_stats(),
+        **moe_info(engine),
+        **host_layer_info(engine),
+        **launch_info(engine),
+    }
+
+
 def memory_info(device: torch.device) -> dict[str, float]:
     """Device memory figures that change while serving, keyed by GetModelInfo field names.
     They read only the CUDA caching allocator's counters, which are thread-safe, so any

@@ -28,15 +28,7 @@ import structlog
 
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
-from hybridgen.engine.info import (
-    MIB,
-    engine_info,
-    host_layer_info,
-    launch_info,
-    memory_info,
-    moe_info,
-    step_info,
-)
+from hybridgen.engine.info import MIB, counter_info, engine_info, memory_info, step_info
 from hybridgen.engine.request_output import RequestOutput
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import (
@@ -115,7 +107,7 @@ class _PoolSnapshot:
     running_requests: int = 0
     """Sequences running."""
     tiers: tuple[tuple[str, float | int | str], ...] = ()
-    """Engine.tier_stats(), info.moe_info(), host_layer_info() and launch_info() items."""
+    """info.counter_info() items."""
     steps: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     """info.step_info(): the measured step times by field name and batch size bucket."""
 
@@ -394,14 +386,7 @@ class EngineBackend:
             log.info("request_aborted", request_id=command.request_id)
 
     def _publish(self, engine: Engine) -> None:
-        tiers = tuple(
-            {
-                **engine.tier_stats(),
-                **moe_info(engine),
-                **host_layer_info(engine),
-                **launch_info(engine),
-            }.items()
-        )
+        tiers = tuple(counter_info(engine).items())
         steps = tuple(
             (name, tuple(sorted(by_rows.items()))) for name, by_rows in step_info(engine).items()
         )
