@@ -166,6 +166,43 @@ def test_cache_keeps_the_most_routed_experts() -> None:
     assert (0, 2) in one and (0, 1) not in one and one.scratch is None
 
 
+def test_cache_victims_match_a_scan_of_every_slot() -> None:
+    """The cache picks its victim from a heap; on a random trace of routings, hits and
+    misses every fetch returns the slot that a scan of all cached experts (the least routed,
+    the least recently used among equals) would give, and the same experts stay cached."""
+    layers, experts, slots = 4, 16, 9
+    store = _store(experts)
+    stats = MoeStats()
+    cache = ExpertCache(slots, store, torch.device("cpu"), stats)
+    cached: dict[tuple[int, int], int] = {}  # the scan's model: key -> slot, in use order
+    gen = torch.Generator().manual_seed(11)
+    evictions = 0
+    for _ in range(600):
+        layer = int(torch.randint(layers, (1,), generator=gen))
+        pick = torch.randperm(experts, generator=gen)[:3].tolist()
+        tokens = torch.randint(1, 4, (3,), generator=gen).tolist()
+        stats.count_routed(layer, list(zip(pick, tokens, strict=True)))
+        for e in sorted(pick):
+            key = (layer, e)
+            if key in cached:
+                want = cached.pop(key)
+                cached[key] = want
+            elif len(cached) < slots - 1:
+                want = cached[key] = len(cached)
+            else:
+                uses = stats.routed.get
+                victim = min(cached, key=lambda k: uses(k, 0))
+                if uses(key, 0) > uses(victim, 0):
+                    want = cached.pop(victim)
+                    cached[key] = want
+                    evictions += 1
+                else:
+                    want = slots - 1
+            assert cache.fetch(layer, e, store) == want
+            assert all(k in cache for k in cached)
+    assert evictions > 50  # the trace evicts often enough to test the choice
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("slots", "skew", "least"), [(64, 0.0, 0.12), (128, 0.9, 0.9)])
 def test_cache_hit_rate_when_a_tokens_experts_outnumber_the_slots(

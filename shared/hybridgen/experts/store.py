@@ -20,7 +20,7 @@ Both paths compute the same SwiGLU in the model dtype from the same stored weigh
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -139,9 +139,10 @@ class ExpertCache:
     round in a cycle, so each layer's experts are evicted before the next token returns to
     them (B4 mixtral-8x22b, 64 slots and 112 experts a token: hit rate 0.2 %).
 
-    Invariant: `_slots` maps (layer, expert) -> slot index, in use order (oldest first), and
-    slot s holds exactly that expert's weights; with 2 slots or more the last is the scratch
-    slot and in no entry.
+    Invariant: `_slots` maps (layer, expert) -> slot index, and slot s holds exactly that
+    expert's weights; with 2 slots or more the last is the scratch slot and in no entry.
+    `_used` holds each cached expert's last use (a clock that counts uses); `_victims` is a
+    heap of (times routed, last use, key), possibly stale, with an entry for every cached key.
     """
 
     def __init__(
@@ -155,7 +156,10 @@ class ExpertCache:
         self.capacity, self.stats = slots, stats
         self.scratch: int | None = slots - 1 if slots >= 2 else None
         self.expert_bytes = store.expert_bytes
-        self._slots: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._slots: dict[tuple[int, int], int] = {}
+        self._used: dict[tuple[int, int], int] = {}
+        self._victims: list[tuple[int, int, tuple[int, int]]] = []
+        self._clock = 0
         self.remote: RemoteExperts | None = None
         """Under the daemons: the CPU daemon computes the CPU's experts (set by the GPU
         daemon; dropped when it stops answering)."""
@@ -174,6 +178,8 @@ class ExpertCache:
         self.capacity = slots
         self.scratch = slots - 1 if slots >= 2 else None
         self._slots.clear()
+        self._used.clear()
+        self._victims.clear()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._slots
@@ -184,7 +190,7 @@ class ExpertCache:
         key = (layer, expert)
         slot = self._slots.get(key)
         if slot is not None:
-            self._slots.move_to_end(key)
+            self._use(key)
             self.stats.cache_hits += 1
             return slot
         admit = True
@@ -192,9 +198,11 @@ class ExpertCache:
             slot = len(self._slots)
         else:
             uses = self.stats.routed.get
-            victim = min(self._slots, key=lambda k: uses(k, 0))  # the oldest of the least used
+            victim = self._least_used()
             if self.scratch is None or uses(key, 0) > uses(victim, 0):
                 slot = self._slots.pop(victim)
+                del self._used[victim]
+                heapq.heappop(self._victims)
             else:
                 slot, admit = self.scratch, False
         # Same stream as the computations: a slot is overwritten only after the work that
@@ -204,9 +212,28 @@ class ExpertCache:
         self.down.copy_(slot, store.down, expert, non_blocking)
         if admit:
             self._slots[key] = slot
+            self._use(key)
+            heapq.heappush(self._victims, (self.stats.routed.get(key, 0), self._clock, key))
         self.stats.cache_misses += 1
         self.stats.bytes_h2d += self.expert_bytes
         return slot
+
+    def _use(self, key: tuple[int, int]) -> None:
+        self._clock += 1
+        self._used[key] = self._clock
+
+    def _least_used(self) -> tuple[int, int]:
+        """The cached expert routed to least often, the least recently used among equals, left
+        on top of `_victims`. An entry's figures only grow after it was pushed, so a top whose
+        figures are stale is pushed again with the current ones until the top is current:
+        O(log slots) a miss where a scan of every slot took ~0.75 ms at 3,380 slots (B4c)."""
+        uses = self.stats.routed.get
+        while True:
+            _, _, key = top = self._victims[0]
+            current = (uses(key, 0), self._used[key], key)
+            if top == current:
+                return key
+            heapq.heapreplace(self._victims, current)
 
     def run(self, slot: int, x: Tensor) -> Tensor:
         """The expert in `slot` on x [N, H] (on the device)."""
