@@ -18,6 +18,7 @@ to the device in one copy:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +47,22 @@ def step_table(
 ) -> StepTable:
     """ids [T, k] on the host (route()'s), hits {expert: cache slot}, others: the step's other
     experts in the order their outputs come -> the table on `device`."""
-    tokens, top_k = ids.shape
-    routed = ids.tolist()
-    orders = [sorted(range(top_k), key=row.__getitem__) for row in routed]
-    flat = [routed[t][j] for t in range(tokens) for j in orders[t]]  # Y's rows' experts
-    widx = [t * top_k + j for t in range(tokens) for j in orders[t]]
-    outs = [r for r, e in enumerate(flat) if e in hits]
+    top_k = ids.shape[1]
+    flat: list[int] = []  # Y's rows' experts
+    widx: list[int] = []
+    for t, row in enumerate(ids.tolist()):
+        for j in sorted(range(top_k), key=row.__getitem__):
+            flat.append(row[j])
+            widx.append(t * top_k + j)
+    at: dict[int, list[int]] = {}  # each expert's rows of Y
+    for r, e in enumerate(flat):
+        at.setdefault(e, []).append(r)
+    outs = sorted(r for e in hits for r in at[e])
     rows = [r // top_k for r in outs]
     slots = [hits[flat[r]] for r in outs]
-    other = [r for e in others for r, f in enumerate(flat) if f == e]
-    table = upload(torch.tensor(rows + slots + outs + other + widx, dtype=torch.int32), device)
+    other = [r for e in others for r in at[e]]
+    packed = array("i", rows + slots + outs + other + widx)
+    table = upload(torch.frombuffer(packed, dtype=torch.int32), device)
     p, m = len(outs), len(other)
     return StepTable(
         rows=table[:p],

@@ -41,16 +41,61 @@ from hybridgen.runtime.upload import upload
 log = structlog.get_logger()
 
 
+class StepRows:
+    """A step of several tokens grouped by expert: each expert's (token, position in the top
+    k) pairs, row-major, on the host. They go to the device in one copy, made only when some
+    expert's rows are first asked for: the grouped launch reads the cache hits' pairs from
+    its own table, so a step whose experts all hit copies nothing here."""
+
+    def __init__(self, ids: torch.Tensor, device: torch.device) -> None:
+        self.top_k = ids.shape[1]
+        self.device = device
+        by_expert: dict[int, list[int]] = {}
+        for p, e in enumerate(ids.flatten().tolist()):
+            by_expert.setdefault(e, []).append(p)
+        self.experts = sorted(by_expert)
+        self.counts = [len(by_expert[e]) for e in self.experts]
+        self._flat = [p for e in self.experts for p in by_expert[e]]
+        self._start: dict[int, int] = {}
+        start = 0
+        for e, n in zip(self.experts, self.counts, strict=True):
+            self._start[e], start = start, start + n
+        self._packed: torch.Tensor | None = None
+
+    def on_device(self, expert: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`expert`'s rows of x and positions in the top k [tokens] each, on the device."""
+        if self._packed is None:
+            flat = torch.tensor(self._flat)
+            # [2, T * k]: rows, positions
+            self._packed = upload(torch.stack([flat // self.top_k, flat % self.top_k]), self.device)
+        start = self._start[expert]
+        return self._packed[0, start : start + tokens], self._packed[1, start : start + tokens]
+
+
 @dataclass(frozen=True)
 class Routed:
     """One expert of a step and the tokens routed to it."""
 
     expert: int
-    rows: torch.Tensor | slice
-    """Their rows of x [N], or every row (a step of one token: a view, no gather)."""
-    slot: torch.Tensor | int
-    """Their positions in the top k [N], or the one position of a one-token step."""
     tokens: int
+    step: StepRows | None
+    """The step's grouping; None for a step of one token."""
+    position: int = 0
+    """A one-token step's position of the expert in its top k."""
+
+    @property
+    def rows(self) -> torch.Tensor | slice:
+        """Their rows of x [N], or every row (a step of one token: a view, no gather)."""
+        if self.step is None:
+            return slice(None)
+        return self.step.on_device(self.expert, self.tokens)[0]
+
+    @property
+    def slot(self) -> torch.Tensor | int:
+        """Their positions in the top k [N], or the one position of a one-token step."""
+        if self.step is None:
+            return self.position
+        return self.step.on_device(self.expert, self.tokens)[1]
 
 
 Sent = tuple[int, dict[int, torch.Tensor], float]
@@ -245,27 +290,17 @@ class SparseMoeBlock(nn.Module):
 
     @staticmethod
     def _group(ids: torch.Tensor, device: torch.device) -> list[Routed]:
-        """The step's experts in ascending order, each with its tokens (rows on `device`, in
-        ascending order, as torch.where finds them). One token (decode at batch 1) reads its
-        k ids back once and gathers nothing; more read the ids back once, group them on the
-        host, and copy every expert's rows and slots to `device` in one transfer (a copy per
-        expert waited each time for the device's work so far: ~30 experts a layer at 4
-        tokens of top-8)."""
+        """The step's experts in ascending order, each with its tokens (rows in ascending
+        order). One token (decode at batch 1) reads its k ids back once and gathers nothing;
+        more read the ids back once and group them on the host (StepRows), whose rows reach
+        `device` in one copy if any expert's are used (a copy per expert waited each time for
+        the device's work so far; a slice per expert cost ~5 us of host time each)."""
         if ids.shape[0] == 1:
             experts = ids[0].tolist()
             order = sorted(range(len(experts)), key=experts.__getitem__)
-            return [Routed(experts[k], slice(None), k, 1) for k in order]
-        flat = ids.cpu().flatten()
-        by_expert = torch.argsort(flat, stable=True)  # row-major within each expert
-        picked, counts = torch.unique_consecutive(flat[by_expert], return_counts=True)
-        top_k = ids.shape[1]
-        # [2, T * k]: rows, slots
-        packed = upload(torch.stack([by_expert // top_k, by_expert % top_k]), device)
-        routed, start = [], 0
-        for e, n in zip(picked.tolist(), counts.tolist(), strict=True):
-            routed.append(Routed(e, packed[0, start : start + n], packed[1, start : start + n], n))
-            start += n
-        return routed
+            return [Routed(experts[k], 1, None, k) for k in order]
+        step = StepRows(ids.cpu(), device)
+        return [Routed(e, n, step) for e, n in zip(step.experts, step.counts, strict=True)]
 
     def _cpu_experts(self, routed: list[Routed]) -> set[int]:
         """The experts of this step the CPU computes: under Cold-Weights, the latency model's
