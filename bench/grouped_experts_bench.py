@@ -7,6 +7,8 @@ Two figures per case, both with every routed expert a cache hit:
   block us    wall time of SparseMoeBlock.combine (host bookkeeping, the routing read-back,
               the launches), averaged over back-to-back calls ended by one synchronize: what a
               decode step pays per layer when the host cannot run ahead of the device.
+  graph us    block us with a step's all-hit experts replayed from a CUDA graph (HitLaunches,
+              as MoeDecodeGraphs sets them), and whether its output equals the grouped one.
   kernels us  the device work alone, replayed in a CUDA graph: the grouped launches with
               their table built beforehand, against cache.run per expert plus the weighted
               sum in torch.
@@ -24,7 +26,7 @@ from torch import nn
 
 from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.experts.format import GROUP, PackedMatrices
-from hybridgen.experts.grouped import finish_step, launch_hits, step_table
+from hybridgen.experts.grouped import HitLaunches, finish_step, launch_hits, pack_step, step_table
 from hybridgen.experts.latency import LatencyModel
 from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats
 from hybridgen.kernels import ops
@@ -86,7 +88,7 @@ def kernels_us(block: SparseMoeBlock, cache: ExpertCache, x: torch.Tensor, route
     """CUDA-graph replays of both paths' device work over every routing."""
     slots = {e: cache.fetch(0, e, block.store) for e in range(block.num_experts)}  # type: ignore[arg-type]
     host = [(ids.cpu(), w) for ids, w in routes]
-    tables = [step_table(ids, slots, [], DEVICE) for ids, _ in host]
+    tables = [step_table(pack_step(ids, slots, []), ids.shape[1], DEVICE) for ids, _ in host]
 
     def grouped() -> None:
         for (_, w), table in zip(host, tables, strict=True):
@@ -131,7 +133,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     print(
         f"{'case':28} {'block us: per-expert':>21} {'grouped':>8} {'x':>5} | "
-        f"{'kernels us: per-expert':>22} {'grouped':>8} | rel err"
+        f"{'kernels us: per-expert':>22} {'grouped':>8} | rel err | graph us, equal"
     )
     for fmt, (model, t) in itertools.product(("int4", "int8"), CASES):
         block, cache = make_block(model, fmt)
@@ -142,11 +144,17 @@ def main() -> None:
         ref = block.combine(x, *routes[0]).float()
         ops.GROUPED_EXPERTS = True
         err = float((block.combine(x, *routes[0]).float() - ref).norm() / ref.norm())
+        grouped_out = block.combine(x, *routes[0])
         row = {
             "per_expert_block_us": block_us(block, x, routes, False),
             "grouped_block_us": block_us(block, x, routes, True),
             "rel_err": err,
         }
+        # The same all-hit steps from a captured graph (HitLaunches, as under MoeDecodeGraphs).
+        cache.hit_launches = HitLaunches(cache, torch.cuda.graph_pool_handle())
+        row["graph_block_us"] = block_us(block, x, routes, True)
+        row["graph_equal"] = bool(torch.equal(block.combine(x, *routes[0]), grouped_out))
+        cache.hit_launches = None
         kern = kernels_us(block, cache, x, routes)
         row |= {"per_expert_kernels_us": kern["per_expert"], "grouped_kernels_us": kern["grouped"]}
         label = f"{model} {fmt} T={t} top-{block.top_k}"
@@ -155,7 +163,7 @@ def main() -> None:
             f"{label:28} {row['per_expert_block_us']:21.1f} {row['grouped_block_us']:8.1f} "
             f"{row['per_expert_block_us'] / row['grouped_block_us']:5.1f} | "
             f"{row['per_expert_kernels_us']:22.1f} {row['grouped_kernels_us']:8.1f} | "
-            f"{err:.1e}",
+            f"{err:.1e} | {row['graph_block_us']:8.1f} {row['graph_equal']}",
             flush=True,
         )
         del block, cache

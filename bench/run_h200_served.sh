@@ -11,6 +11,8 @@
 #   b4c_ab B4c at one stream served twice in one call, as configured and with no expert on the
 #          CPU daemon (b4c_gpu_experts.yaml): whether the CPU daemon's experts cost the served
 #          step (1.86x the in-process one at 8cb5b74)
+#   b4c_profile  B4c in-process at batch 1, 2 and 4: ms a step, misses, and the host time
+#          of each part of the MoE layers' expert step (bench/moe_batch_profile.py)
 #   b4c_hf HF's Qwen3-MoE of the same shape under accelerate in the same budget (moe_bench's
 #          accelerate case), for B4c's comparison
 #   b7     llama3-70b, int4 weights, 24 GB budget, layers past gpu_layers auto in host memory
@@ -94,6 +96,9 @@ for what in "$@"; do
       load --config bench/served/b7.yaml --requests 1 --prompt-len 1024 --max-new-tokens 64 \
         --runs 2 --timeout 600 --inprocess --name b7 --out "$OUT/b7.json"
       ;;
+    b4c_profile)
+      python3 bench/moe_batch_profile.py 2>>"$OUT/moe_stderr.log"
+      ;;
     b4c_hf)
       timeout 540 python3 -m hybridgen.benchmarks.moe_bench --model qwen3-30b-a3b --budget-mb 12288 \
         --cases accelerate --out "$OUT/b4c_accelerate.json" 2>>"$OUT/moe_stderr.log"
@@ -103,7 +108,7 @@ for what in "$@"; do
         --budget-mb 24576 --prompt-len 1024 --max-new-tokens 4 --layers 56 \
         --out "$OUT/b7_accelerate.json" 2>>"$OUT/dense_offload_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
+    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_profile] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridgen.experts.grouped import HitLaunches
 from hybridgen.experts.store import MoeStats
 from hybridgen.kernels import ops
 from hybridgen.models.loader import load_model
@@ -84,3 +85,46 @@ def test_grouped_block_equals_per_expert_path(
     assert 0 < len(launches) <= len(expected)  # one per layer and step at most
     if limit == 1:
         assert mine.cpu_experts > 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_all_hit_steps_run_from_static_buffers(
+    monkeypatch: pytest.MonkeyPatch, fmt: str, tokens: int
+) -> None:
+    """With HitLaunches set (MoeDecodeGraphs sets them: a CUDA graph on the device, the same
+    static buffers run eagerly here), a step whose pairs all hit the cache gives the grouped
+    launch's exact outputs from one HitLaunch per step shape, for fresh inputs each step; a
+    step with a miss takes the grouped path and its outputs."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    loaded = load_model("tiny-qwen3-moe", DEVICE, torch.float32, host_experts=fmt)  # type: ignore[arg-type]
+    blocks = moe_blocks(loaded.model)
+    cache, latency = enable_cold_weights(blocks, 64, 0, DEVICE)
+    latency.max_cpu_tokens_override = 0
+    block, cold = blocks[0], blocks[1]
+    assert block.store is not None
+    for e in range(block.num_experts):  # every expert of layer 0 cached, none of layer 1
+        cache.stats.count_routed(0, [(e, 2)])
+        cache.fetch(0, e, block.store)
+    gen = torch.Generator().manual_seed(tokens)
+    xs = [torch.randn(tokens, 128, generator=gen).to(DEVICE) for _ in range(3)]
+    with torch.no_grad():
+        expected = [block.combine(x, *block.route(x)) for x in xs]
+        pool = torch.cuda.graph_pool_handle() if DEVICE.type == "cuda" else None
+        cache.hit_launches = HitLaunches(cache, pool)
+        runs: list[int] = []
+        real = HitLaunches.run
+
+        def counted(self: HitLaunches, x: torch.Tensor, *args: Any) -> torch.Tensor:
+            runs.append(x.shape[0])
+            return real(self, x, *args)
+
+        monkeypatch.setattr(HitLaunches, "run", counted)
+        got = [block.combine(x, *block.route(x)) for x in xs]
+        misses = cache.stats.cache_misses
+        cold.combine(xs[0], *cold.route(xs[0]))
+    for out, ref in zip(got, expected, strict=True):
+        assert torch.equal(out, ref)
+    assert runs == [tokens] * 3 and len(cache.hit_launches) == 1  # layer 0's steps only
+    assert cache.stats.cache_misses > misses  # layer 1 missed: the grouped path

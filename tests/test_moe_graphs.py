@@ -45,6 +45,7 @@ def test_piecewise_decode_gives_hf_greedy_tokens(checkpoint, gate: str) -> None:
     )
     assert graphs.inputs.sizes == [1, 2, 4]
     assert all(pick.on == gate for pick in graphs.picks)
+    assert engine.experts is not None and engine.experts[0].hit_launches is not None
     replays = []
     run = graphs.run
 

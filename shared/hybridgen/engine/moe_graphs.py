@@ -24,6 +24,10 @@ live output), and x, which the host's expert step writes, is a static buffer. Wh
 router picks (moe_gate) is fixed at capture: on the device the ids come back, on the host
 the logits do and the host picks, as route() does eagerly.
 
+A layer whose experts all hit the device cache runs them from a graph too (HitLaunches: one
+per step shape, shared by the layers, captured at first use), so the host copies the step's
+table in and replays where it launched the grouped kernels one by one.
+
 Without CUDA (`graphed=False`) the same pieces run eagerly in the same order through the
 same buffers; the CPU tests check that path against the model's own forward.
 """
@@ -38,6 +42,7 @@ import torch
 from torch import Tensor
 
 from hybridgen.engine.cuda_graphs import DecodeInputs
+from hybridgen.experts.grouped import HitLaunches
 from hybridgen.kernels import ops
 from hybridgen.models.llama import AttentionBatch, CausalLM, DecoderLayer
 from hybridgen.models.moe import SparseMoeBlock, add_shared
@@ -135,6 +140,8 @@ class MoeDecodeGraphs:
         for i, b in enumerate(sizes):
             self.pieces[b] = self._pieces(b, pool)
             progress.update(i + 1, batch=b)
+        for cache in {id(b.cold[1]): b.cold[1] for b in self.blocks if b and b.cold}.values():
+            cache.hit_launches = HitLaunches(cache, pool)
 
     def _pieces(self, b: int, pool: Any) -> list[Piece]:
         batch = self.inputs.batch(b)

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from hybridgen.experts.format import Alloc, Format, PackedMatrices, swiglu_packed
+
+if TYPE_CHECKING:
+    from hybridgen.experts.grouped import HitLaunches
 
 
 class RemoteDown(RuntimeError):
@@ -163,6 +166,8 @@ class ExpertCache:
         self.remote: RemoteExperts | None = None
         """Under the daemons: the CPU daemon computes the CPU's experts (set by the GPU
         daemon; dropped when it stops answering)."""
+        self.hit_launches: HitLaunches | None = None
+        """Steps whose pairs all hit, from static buffers (set by MoeDecodeGraphs)."""
 
     @property
     def nbytes(self) -> int:
@@ -178,6 +183,7 @@ class ExpertCache:
         self.capacity = slots
         self.scratch = slots - 1 if slots >= 2 else None
         self._slots.clear()
+        self.hit_launches = None  # they read the old slots
         self._used.clear()
         self._victims.clear()
 

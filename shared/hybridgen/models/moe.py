@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hybridgen.experts.format import GROUP, PackedMatrices
-from hybridgen.experts.grouped import finish_step, launch_hits, step_table
+from hybridgen.experts.grouped import finish_step, launch_hits, pack_step, step_table
 from hybridgen.experts.latency import LatencyModel, calibrate
 from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats, RemoteDown
 from hybridgen.kernels import ops
@@ -256,7 +256,10 @@ class SparseMoeBlock(nn.Module):
         others = [r for r in placed.routed if r.expert not in hit_ids]
         slots = {r.expert: cache.fetch(layer, r.expert, self.store) for r in hit}
         cache.stats.gpu_experts += len(slots)
-        table = step_table(ids, slots, [r.expert for r in others], x.device)
+        packed = pack_step(ids, slots, [r.expert for r in others])
+        if not others and cache.hit_launches is not None:
+            return cache.hit_launches.run(x, packed, weights)
+        table = step_table(packed, ids.shape[1], x.device)
         y = launch_hits(x, table, cache, GROUP)
         ys = self._run_placed(x, placed, others)
         other_ys = [ys[r.expert] for r in others]

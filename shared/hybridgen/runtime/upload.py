@@ -17,3 +17,12 @@ def upload(host: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def upload_into(dst: Tensor, host: Tensor) -> None:
+    """`host` copied into `dst` (same shape) as upload() copies: pinned and asynchronous to a
+    CUDA device, a plain copy elsewhere."""
+    if dst.device.type == "cuda":
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
