@@ -3,21 +3,17 @@ against itself is the reference, and each codec's teacher-forced predictions are
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "draft_agreement.py"
+from tests.bench_script import load_bench
 
 
 @pytest.mark.slow
 def test_agreement_on_a_tiny_model(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("draft_agreement", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("draft_agreement")
     out = tmp_path / "agreement.json"
     args = ["--model=tiny-llama", "--device=cpu", "--context-len=200", "--tokens=6"]
     result = bench.main([*args, "--codecs=native,int8", f"--out={out}"])

@@ -4,19 +4,14 @@ JSON, and the verdict applies the bars to int8."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "hot_codec_eval.py"
+from tests.bench_script import load_bench
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("hot_codec_eval", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_bench("hot_codec_eval")
 
 
 def test_agreement_speed_and_verdict_on_tiny_models(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

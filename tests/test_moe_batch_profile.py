@@ -3,7 +3,6 @@ the tiny Qwen3-MoE with its experts in host memory and a 6-slot cache, batches 1
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,17 +11,13 @@ from hybridgen.config.file import load_config
 from hybridgen.engine.engine import Engine
 from hybridgen.experts.store import ExpertCache
 from hybridgen.models.moe import SparseMoeBlock
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_batch_profile.py"
+from tests.bench_script import load_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_batch_profile_times_the_expert_step_and_restores_it(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("moe_batch_profile", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("moe_batch_profile")
     config = tmp_path / "moe.yaml"
     config.write_text(
         "cold_weights: {expert_cache_slots: 6, expert_format: int4}\n"
