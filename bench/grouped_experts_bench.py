@@ -88,7 +88,14 @@ def kernels_us(block: SparseMoeBlock, cache: ExpertCache, x: torch.Tensor, route
     """CUDA-graph replays of both paths' device work over every routing."""
     slots = {e: cache.fetch(0, e, block.store) for e in range(block.num_experts)}  # type: ignore[arg-type]
     host = [(ids.cpu(), w) for ids, w in routes]
-    tables = [step_table(pack_step(ids, slots, []), ids.shape[1], DEVICE) for ids, _ in host]
+    tables = [
+        step_table(
+            pack_step(ids, {e: slots[e] for e in set(ids.flatten().tolist())}, []),
+            ids.shape[1],
+            DEVICE,
+        )
+        for ids, _ in host
+    ]
 
     def grouped() -> None:
         for (_, w), table in zip(host, tables, strict=True):

@@ -54,7 +54,10 @@ class Timed:
         self._saved: list[tuple[Any, str, Callable[..., Any]]] = []
         for owner, name in PARTS:
             self._wrap(owner, name, lambda *a, name=name: name)
-        self._wrap(ExpertCache, "fetch", lambda c, layer, e, s: f"fetch_{self._kind(c, layer, e)}")
+        # fetch() goes through fetch_beside() too
+        self._wrap(
+            ExpertCache, "fetch_beside", lambda c, layer, e, *_: f"fetch_{self._kind(c, layer, e)}"
+        )
 
     @staticmethod
     def _kind(cache: ExpertCache, layer: int, expert: int) -> str:

@@ -139,7 +139,7 @@ def test_cache_keeps_the_most_routed_experts() -> None:
     store = _store()
     stats = MoeStats()
     cache = ExpertCache(3, store, torch.device("cpu"), stats)
-    assert cache.scratch == 2
+    assert cache.scratch == (2,)
 
     def route(layer: int, expert: int, tokens: int = 1) -> int:
         stats.count_routed(layer, [(expert, tokens)])
@@ -149,9 +149,9 @@ def test_cache_keeps_the_most_routed_experts() -> None:
         return slot
 
     assert {route(0, 0, 5), route(0, 1)} == {0, 1}  # free slots first
-    assert route(0, 2) == cache.scratch  # routed once, as often as (0, 1): not admitted
+    assert route(0, 2) == cache.scratch[0]  # routed once, as often as (0, 1): not admitted
     assert (0, 2) not in cache and (0, 1) in cache
-    assert route(0, 2) != cache.scratch  # twice now: displaces (0, 1), routed once
+    assert route(0, 2) != cache.scratch[0]  # twice now: displaces (0, 1), routed once
     assert (0, 1) not in cache and (0, 0) in cache and (0, 2) in cache
     route(1, 0, 3)  # 3 tokens: more than (0, 2)'s 2, fewer than (0, 0)'s 5
     assert (1, 0) in cache and (0, 2) not in cache and (0, 0) in cache
@@ -163,7 +163,7 @@ def test_cache_keeps_the_most_routed_experts() -> None:
     one = ExpertCache(1, store, torch.device("cpu"), MoeStats())  # no scratch: always admits
     one.fetch(0, 1, store)
     one.fetch(0, 2, store)
-    assert (0, 2) in one and (0, 1) not in one and one.scratch is None
+    assert (0, 2) in one and (0, 1) not in one and one.scratch == ()
 
 
 def test_cache_victims_match_a_scan_of_every_slot() -> None:
@@ -201,6 +201,57 @@ def test_cache_victims_match_a_scan_of_every_slot() -> None:
             assert cache.fetch(layer, e, store) == want
             assert all(k in cache for k in cached)
     assert evictions > 50  # the trace evicts often enough to test the choice
+
+
+def test_a_steps_misses_take_no_slot_the_step_reads() -> None:
+    """fetch_beside, as combine's grouped launch uses it (hits first, then the misses, each
+    keeping the slots taken so far): on a random trace every fetch gives what a scan gives
+    when the kept slots are left out (the least routed uncached-from-the-step victim, the
+    scratch slots once each a step, None after), no slot serves two experts of a step, and
+    every slot read holds its expert's weights. 40 slots keep 2 (SCRATCH_SHARE) of the 3
+    scratch slots asked for."""
+    layers, experts, slots = 3, 32, 40
+    store = _store(experts)
+    stats = MoeStats()
+    cache = ExpertCache(slots, store, torch.device("cpu"), stats, scratch_slots=3)
+    assert cache.scratch == (38, 39)
+    cached: dict[tuple[int, int], int] = {}  # the scan's model: key -> slot, in use order
+    gen = torch.Generator().manual_seed(5)
+    nones = evictions = 0
+    for _ in range(400):
+        layer = int(torch.randint(layers, (1,), generator=gen))
+        pick = torch.randperm(experts, generator=gen)[:8].tolist()
+        tokens = torch.randint(1, 4, (8,), generator=gen).tolist()
+        stats.count_routed(layer, list(zip(pick, tokens, strict=True)))
+        keep: set[int] = set()
+        for e in sorted(pick, key=lambda e: (layer, e) not in cached):
+            key = (layer, e)
+            want: int | None
+            if key in cached:
+                want = cached.pop(key)
+                cached[key] = want
+            elif len(cached) < slots - 2:
+                want = cached[key] = len(cached)
+            else:
+                uses = stats.routed.get
+                free = [k for k in cached if cached[k] not in keep]
+                victim = min(free, key=lambda k: uses(k, 0)) if free else None
+                if victim is not None and uses(key, 0) > uses(victim, 0):
+                    want = cached.pop(victim)
+                    cached[key] = want
+                    evictions += 1
+                else:
+                    want = next((s for s in (38, 39) if s not in keep), None)
+            got = cache.fetch_beside(layer, e, store, keep)
+            assert got == want
+            if got is None:
+                nones += 1
+                continue
+            assert got not in keep
+            keep.add(got)
+            for name, part in cache.gate_up.parts.items():
+                assert torch.equal(part[got], store.gate_up.parts[name][e])
+    assert evictions > 30 and nones > 30  # the trace reaches both choices often
 
 
 @pytest.mark.slow

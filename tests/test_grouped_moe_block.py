@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from hybridgen.experts import latency as latency_module
 from hybridgen.experts.grouped import HitLaunches
-from hybridgen.experts.store import MoeStats
+from hybridgen.experts.store import ExpertCache, MoeStats
 from hybridgen.kernels import ops
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import enable_cold_weights, moe_blocks
@@ -30,13 +31,15 @@ STEPS = 4
 
 
 def _run(
-    model: str, fmt: str, limit: int, xs: list[torch.Tensor]
+    model: str, fmt: str, limit: int, xs: list[torch.Tensor], launches: list[int]
 ) -> tuple[list[torch.Tensor], MoeStats]:
     """Every step through every MoE layer, the first half with every miss fetched (the cache
-    fills), the rest with misses of up to `limit` tokens on the CPU -> (outputs, counters)."""
+    fills), the rest with misses of up to `limit` tokens on the CPU -> (outputs, counters);
+    `launches` (the grouped launches' pairs) cleared of the calibration's."""
     loaded = load_model(model, DEVICE, torch.float32, host_experts=fmt)  # type: ignore[arg-type]
     blocks = moe_blocks(loaded.model)
     cache, latency = enable_cold_weights(blocks, SLOTS, 0, DEVICE)
+    launches.clear()
     outs = []
     with torch.no_grad():
         for step, x in enumerate(xs):
@@ -68,20 +71,31 @@ def test_grouped_block_equals_per_expert_path(
     hidden = 128
     xs = [torch.randn(tokens, hidden, generator=gen).to(DEVICE) for _ in range(STEPS)]
     monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
-    expected, theirs = _run(model, fmt, limit, xs)
+    expected, theirs = _run(model, fmt, limit, xs, launches)
     assert not launches
     monkeypatch.setattr(ops, "GROUPED_EXPERTS", True)
-    got, mine = _run(model, fmt, limit, xs)
+    alone: list[int] = []  # experts the grouped path fetched and ran on their own
+    fetch_alone = ExpertCache.fetch
+
+    def counted_alone(self: ExpertCache, layer: int, expert: int, store: Any) -> int:
+        alone.append(expert)
+        return fetch_alone(self, layer, expert, store)
+
+    monkeypatch.setattr(ExpertCache, "fetch", counted_alone)
+    got, mine = _run(model, fmt, limit, xs, launches)
     for out, ref in zip(got, expected, strict=True):
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert rel_err(out, ref) < 1e-5
     assert (mine.cpu_experts, mine.gpu_experts) == (theirs.cpu_experts, theirs.gpu_experts)
     assert mine.cache_hits + mine.cache_misses == mine.gpu_experts
     assert mine.routed == theirs.routed
-    # Hits come up within the steps; each launch has the layer's hits as its pairs.
+    # Hits come up within the steps. Each launch has the layer's device experts as its pairs,
+    # misses included (copied in first); only a second miss for the scratch slot in one
+    # step runs on its own, after the launch.
     assert mine.cache_hits > 0
     if tokens == 1:
-        assert sum(launches) == mine.cache_hits
+        assert sum(launches) + len(alone) == mine.gpu_experts
+    assert len(alone) < mine.cache_misses  # some misses joined the launch
     assert 0 < len(launches) <= len(expected)  # one per layer and step at most
     if limit == 1:
         assert mine.cpu_experts > 0
@@ -94,8 +108,9 @@ def test_all_hit_steps_run_from_static_buffers(
 ) -> None:
     """With HitLaunches set (MoeDecodeGraphs sets them: a CUDA graph on the device, the same
     static buffers run eagerly here), a step whose pairs all hit the cache gives the grouped
-    launch's exact outputs from one HitLaunch per step shape, for fresh inputs each step; a
-    step with a miss takes the grouped path and its outputs."""
+    launch's exact outputs from one HitLaunch per step shape, for fresh inputs each step; so
+    does a step whose misses are all fetched (copied in before it); a step with an expert
+    on the CPU takes the grouped path."""
     if DEVICE.type == "cpu":
         monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     loaded = load_model("tiny-qwen3-moe", DEVICE, torch.float32, host_experts=fmt)  # type: ignore[arg-type]
@@ -122,9 +137,43 @@ def test_all_hit_steps_run_from_static_buffers(
 
         monkeypatch.setattr(HitLaunches, "run", counted)
         got = [block.combine(x, *block.route(x)) for x in xs]
-        misses = cache.stats.cache_misses
+        # Layer 1 misses every expert, computed on the CPU: the grouped path.
+        cpu = cache.stats.cpu_experts
+        latency.max_cpu_tokens_override = tokens
         cold.combine(xs[0], *cold.route(xs[0]))
+        assert cache.stats.cpu_experts > cpu and runs == [tokens] * 3
+        # Layer 2 misses every expert, fetched: copied into slots first, then the same launch.
+        latency.max_cpu_tokens_override = 0
+        third, misses = blocks[2], cache.stats.cache_misses
+        fetched = third.combine(xs[1], *third.route(xs[1]))
+        assert cache.stats.cache_misses > misses and runs == [tokens] * 4
+        assert len(cache.hit_launches) == 1  # one per step shape, for every layer
+        cache.hit_launches = None
+        assert torch.equal(fetched, third.combine(xs[1], *third.route(xs[1])))  # all hit now
     for out, ref in zip(got, expected, strict=True):
         assert torch.equal(out, ref)
-    assert runs == [tokens] * 3 and len(cache.hit_launches) == 1  # layer 0's steps only
-    assert cache.stats.cache_misses > misses  # layer 1 missed: the grouped path
+    assert len(runs) == 4
+
+
+def test_calibration_shares_out_one_grouped_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a step's device experts run in one grouped launch, the latency model's device
+    time for an expert is that launch over GROUPED_CALIBRATION_EXPERTS slots (the cache's
+    slots, when fewer), shared out; without the launch, one call's time."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    launches: list[int] = []
+    real = ops.grouped_expert_swiglu
+
+    def counted(*args: Any) -> torch.Tensor:
+        launches.append(args[4].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "grouped_expert_swiglu", counted)
+    # Every timing reads 8 us after one run of what it times.
+    monkeypatch.setattr(latency_module, "best_of", lambda runs, fn, device: (fn(), 8e-6)[1])
+    loaded = load_model("tiny-qwen3-moe", DEVICE, torch.float32, host_experts="int4")
+    _, latency = enable_cold_weights(moe_blocks(loaded.model), SLOTS, 0, DEVICE)
+    assert launches == [SLOTS] and latency.gpu_s == pytest.approx(8e-6 / SLOTS)
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
+    _, alone = enable_cold_weights(moe_blocks(loaded.model), SLOTS, 0, DEVICE)
+    assert launches == [SLOTS] and alone.gpu_s == pytest.approx(8e-6)

@@ -24,12 +24,12 @@ def test_batch_profile_times_the_expert_step_and_restores_it(tmp_path: Path) -> 
         "model: {name_or_path: tiny-qwen3-moe, max_model_len: 512, max_num_seqs: 2}\n"
     )
     engine = Engine(load_config(str(config)).engine_config("cpu"))
-    real = SparseMoeBlock.combine, ExpertCache.fetch
+    real = SparseMoeBlock.combine, ExpertCache.fetch_beside
     try:
         rows = [bench.batch_profile(engine, b, tokens=4) for b in (1, 2)]
     finally:
         engine.release()
-    assert (SparseMoeBlock.combine, ExpertCache.fetch) == real  # the wrappers are gone
+    assert (SparseMoeBlock.combine, ExpertCache.fetch_beside) == real  # the wrappers are gone
     for batch, row in zip((1, 2), rows, strict=True):
         assert row["batch"] == batch and row["tok_s"] > 0 and row["decode_step_ms"] > 0
         assert row["misses_a_step"] + row["hits_a_step"] > 0

@@ -4,7 +4,8 @@ computing it there.
 
     cpu_s(t)   = cpu_fixed_s + t * cpu_s_per_token     (the weights are read once per call,
                                                           then each token adds its FLOPs)
-    device_s   = expert_bytes / pcie_bytes_per_s + gpu_s   (fetch, then one call)
+    device_s   = expert_bytes / pcie_bytes_per_s + gpu_s   (fetch, then its share of the
+                                                          layer's grouped launch, or a call)
 
 A cached expert always runs on the device. An uncached one with t tokens, taken on its own,
 runs on the CPU while cpu_s(t) < device_s (Fiddler's rule). When the CPU's experts run beside
@@ -13,10 +14,11 @@ layer takes the longer of the two sides, so `cpu_experts` places a layer's uncac
 one by one on the side that ends the layer sooner: with two misses and a CPU a little slower
 than a fetch, one of them goes to the CPU.
 
-Calibrated at start (`calibrate`): the CPU at 1 and 16 tokens, the copy and one device call
-on CUDA. device_topology.cpu.bandwidth_gbps / gpu.bandwidth_gbps, when set, replace the
-measured weight-read times (expert_bytes / bandwidth on either side: both read the stored
-codes once); cold_weights.cpu_max_tokens pins the crossover outright.
+Calibrated at start (`calibrate`): the CPU at 1 and 16 tokens, the copy and the device's
+share of an expert (`_device_expert_s`) on CUDA. device_topology.cpu.bandwidth_gbps /
+gpu.bandwidth_gbps, when set, replace the measured weight-read times (expert_bytes /
+bandwidth on either side: both read the stored codes once); cold_weights.cpu_max_tokens pins
+the crossover outright.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from functools import partial
 
 import torch
 
+from hybridgen.experts.format import GROUP
+from hybridgen.experts.grouped import finish_step, launch_hits, pack_step, step_table
 from hybridgen.experts.store import ExpertCache, ExpertStore
+from hybridgen.kernels import ops
 from hybridgen.placement.timing import best_of
 
 CPU_PCIE_BYTES_PER_S = 25e9
@@ -35,6 +40,8 @@ CPU_PCIE_BYTES_PER_S = 25e9
 CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cache choice."""
 CALIBRATION_TOKENS = (1, 16)
 """The two token counts the CPU is timed at."""
+GROUPED_CALIBRATION_EXPERTS = 8
+"""Experts in the grouped launch that times the device's share of one (a token's top 8)."""
 RUNS = 3
 """Timed calls per figure (the shortest counts)."""
 CALIBRATION_ATTEMPTS = 3
@@ -58,7 +65,8 @@ class LatencyModel:
     expert_bytes: int
     """gate_up and down of one expert, as stored: what a fetch copies."""
     gpu_s: float = 0.0
-    """One call of a fetched expert on the device."""
+    """What one fetched expert adds on the device: its share of the layer's grouped launch
+    (one call where there is none)."""
     max_cpu_tokens_override: int | None = None
     """config cold_weights.cpu_max_tokens: a fixed crossover instead of the timings."""
     cpu_scale: float = 1.0
@@ -173,5 +181,27 @@ def calibrate(
     else:
         cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=False)
         cache.down.copy_(0, store.down, 0, non_blocking=False)
-        gpu_s = best_of(RUNS, partial(cache.run, 0, x[:1].to(device)), device)
+        gpu_s = _device_expert_s(store, cache, x[:1].to(device))
     return LatencyModel(fixed, per_token, bandwidth, store.expert_bytes, gpu_s, override)
+
+
+def _device_expert_s(store: ExpertStore, cache: ExpertCache, x: torch.Tensor) -> float:
+    """What one more expert adds to a layer's device time, for one token x [1, H]: where the
+    step's device experts run in one grouped launch (models/moe.py), that launch over
+    GROUPED_CALIBRATION_EXPERTS slots, shared out; else one call. Timed as one call each,
+    a layer of 28 experts (B4c at 4 streams) read as 28 calls, ~50 us each on an H100, where
+    the launch took a few us an expert: the CPU was handed misses it computed long after the
+    device was done (served step 155 ms against 89 with no expert on the CPU, cf0aadf)."""
+    if not ops.grouped_experts_usable(x, cache.gate_up.fmt):
+        return best_of(RUNS, partial(cache.run, 0, x), x.device)
+    n = min(GROUPED_CALIBRATION_EXPERTS, cache.capacity)
+    for slot in range(1, n):  # expert 0 again (in no entry: the cache's fills overwrite it)
+        cache.gate_up.copy_(slot, store.gate_up, 0, non_blocking=False)
+        cache.down.copy_(slot, store.down, 0, non_blocking=False)
+    table = step_table(pack_step(torch.arange(n)[None], {e: e for e in range(n)}, []), n, x.device)
+    weights = torch.full((1, n), 1 / n, device=x.device)
+
+    def launch() -> None:
+        finish_step(x, table, launch_hits(x, table, cache, GROUP), [], weights)
+
+    return best_of(RUNS, launch, x.device) / n

@@ -21,6 +21,7 @@ Both paths compute the same SwiGLU in the model dtype from the same stored weigh
 from __future__ import annotations
 
 import heapq
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -31,6 +32,10 @@ from hybridgen.experts.format import Alloc, Format, PackedMatrices, swiglu_packe
 
 if TYPE_CHECKING:
     from hybridgen.experts.grouped import HitLaunches
+
+
+SCRATCH_SHARE = 1 / 16
+"""Most of an ExpertCache's slots kept as scratch slots (beyond one)."""
 
 
 class RemoteDown(RuntimeError):
@@ -138,26 +143,35 @@ class ExpertCache:
     format. The experts routed to most often stay: a miss evicts the least often routed
     cached expert (the least recently used among equals) only when it is itself routed to
     more often; otherwise it is copied into a scratch slot, used once and displaces nothing.
+    A step's misses go into one grouped launch with its hits (models/moe.py), each needing a
+    slot of its own: `scratch_slots` of them (the model's top k, set by enable_cold_weights).
     LRU alone keeps nothing useful once a token's experts outnumber the slots: the layers come
     round in a cycle, so each layer's experts are evicted before the next token returns to
     them (B4 mixtral-8x22b, 64 slots and 112 experts a token: hit rate 0.2 %).
 
     Invariant: `_slots` maps (layer, expert) -> slot index, and slot s holds exactly that
-    expert's weights; with 2 slots or more the last is the scratch slot and in no entry.
+    expert's weights; with 2 slots or more the last (up to `scratch_slots` and SCRATCH_SHARE
+    of them) are the scratch slots, `scratch`, in no entry.
     `_used` holds each cached expert's last use (a clock that counts uses); `_victims` is a
     heap of (times routed, last use, key), possibly stale, with an entry for every cached key.
     """
 
     def __init__(
-        self, slots: int, store: ExpertStore, device: torch.device, stats: MoeStats
+        self,
+        slots: int,
+        store: ExpertStore,
+        device: torch.device,
+        stats: MoeStats,
+        scratch_slots: int = 1,
     ) -> None:
         if slots < 1:
             raise ValueError(f"expert_cache_slots={slots}; expected >= 1 (or None: no cache)")
+        self.scratch_wanted = scratch_slots
         self.gate_up = store.gate_up.empty(slots, device)
         self.down = store.down.empty(slots, device)
         self.device = device
         self.capacity, self.stats = slots, stats
-        self.scratch: int | None = slots - 1 if slots >= 2 else None
+        self.scratch = self._scratch(slots)
         self.expert_bytes = store.expert_bytes
         self._slots: dict[tuple[int, int], int] = {}
         self._used: dict[tuple[int, int], int] = {}
@@ -181,11 +195,17 @@ class ExpertCache:
         self.down = self.down.empty(0, device)
         self.gate_up, self.down = self.gate_up.empty(slots, device), self.down.empty(slots, device)
         self.capacity = slots
-        self.scratch = slots - 1 if slots >= 2 else None
+        self.scratch = self._scratch(slots)
         self._slots.clear()
         self.hit_launches = None  # they read the old slots
         self._used.clear()
         self._victims.clear()
+
+    def _scratch(self, slots: int) -> tuple[int, ...]:
+        """The last slots, up to `scratch_wanted` of them and SCRATCH_SHARE of the cache (at
+        least one: none when the cache has a single slot)."""
+        n = min(self.scratch_wanted, max(int(slots * SCRATCH_SHARE), 1)) if slots >= 2 else 0
+        return tuple(range(slots - n, slots))
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._slots
@@ -193,6 +213,16 @@ class ExpertCache:
     def fetch(self, layer: int, expert: int, store: ExpertStore) -> int:
         """The slot holding `expert` of `layer`, copied in from `store` on a miss (into the
         scratch slot when it is routed to no more often than every cached expert)."""
+        slot = self.fetch_beside(layer, expert, store, frozenset())
+        assert slot is not None  # nothing kept: every slot may be taken
+        return slot
+
+    def fetch_beside(
+        self, layer: int, expert: int, store: ExpertStore, keep: Set[int]
+    ) -> int | None:
+        """fetch() for a step that reads the slots in `keep` in one launch still to come: a miss
+        takes no slot of `keep` (neither the least routed expert's nor the scratch slot), and
+        gets None when it would need one; the caller then runs it after that launch."""
         key = (layer, expert)
         slot = self._slots.get(key)
         if slot is not None:
@@ -200,17 +230,22 @@ class ExpertCache:
             self.stats.cache_hits += 1
             return slot
         admit = True
-        if len(self._slots) < self.capacity - (self.scratch is not None):
+        if len(self._slots) < self.capacity - len(self.scratch):
             slot = len(self._slots)
         else:
             uses = self.stats.routed.get
-            victim = self._least_used()
-            if self.scratch is None or uses(key, 0) > uses(victim, 0):
+            least = self._pop_least_used(keep)
+            victim = least[2] if least is not None else None
+            if victim is not None and (not self.scratch or uses(key, 0) > uses(victim, 0)):
                 slot = self._slots.pop(victim)
                 del self._used[victim]
-                heapq.heappop(self._victims)
             else:
-                slot, admit = self.scratch, False
+                if least is not None:
+                    heapq.heappush(self._victims, least)
+                free = [s for s in self.scratch if s not in keep]
+                if not free:
+                    return None
+                slot, admit = free[0], False
         # Same stream as the computations: a slot is overwritten only after the work that
         # read it was queued, so the copy may be asynchronous.
         non_blocking = self.device.type == "cuda"
@@ -228,18 +263,29 @@ class ExpertCache:
         self._clock += 1
         self._used[key] = self._clock
 
-    def _least_used(self) -> tuple[int, int]:
-        """The cached expert routed to least often, the least recently used among equals, left
-        on top of `_victims`. An entry's figures only grow after it was pushed, so a top whose
-        figures are stale is pushed again with the current ones until the top is current:
-        O(log slots) a miss where a scan of every slot took ~0.75 ms at 3,380 slots (B4c)."""
+    def _pop_least_used(self, keep: Set[int]) -> tuple[int, int, tuple[int, int]] | None:
+        """The heap entry of the cached expert routed to least often, the least recently used
+        among equals, whose slot is not in `keep`, taken off `_victims` (None: every cached
+        slot is kept); the caller evicts it or pushes it back. An entry's figures only grow
+        after it was pushed, so a top whose figures are stale is pushed again with the current
+        ones until the top is current: O(log slots) a miss where a scan of every slot took
+        ~0.75 ms at 3,380 slots (B4c). Kept entries are set aside and pushed back."""
         uses = self.stats.routed.get
-        while True:
+        aside: list[tuple[int, int, tuple[int, int]]] = []
+        found: tuple[int, int, tuple[int, int]] | None = None
+        while self._victims:
             _, _, key = top = self._victims[0]
             current = (uses(key, 0), self._used[key], key)
-            if top == current:
-                return key
-            heapq.heapreplace(self._victims, current)
+            if top != current:
+                heapq.heapreplace(self._victims, current)
+            elif self._slots[key] in keep:
+                aside.append(heapq.heappop(self._victims))
+            else:
+                found = heapq.heappop(self._victims)
+                break
+        for entry in aside:
+            heapq.heappush(self._victims, entry)
+        return found
 
     def run(self, slot: int, x: Tensor) -> Tensor:
         """The expert in `slot` on x [N, H] (on the device)."""
