@@ -41,7 +41,7 @@ CPU-only engine never moves bytes anyway, the figure only drives the CPU-or-cach
 CALIBRATION_TOKENS = (1, 16)
 """The two token counts the CPU is timed at."""
 GROUPED_CALIBRATION_EXPERTS = 8
-"""Experts in the grouped launch that times the device's share of one (a token's top 8)."""
+"""Pairs of the grouped launch timed against a launch of one (a token's top 8)."""
 RUNS = 3
 """Timed calls per figure (the shortest counts)."""
 CALIBRATION_ATTEMPTS = 3
@@ -181,27 +181,32 @@ def calibrate(
     else:
         cache.gate_up.copy_(0, store.gate_up, 0, non_blocking=False)
         cache.down.copy_(0, store.down, 0, non_blocking=False)
-        gpu_s = _device_expert_s(store, cache, x[:1].to(device))
+        gpu_s = _device_expert_s(cache, x[:1].to(device))
     return LatencyModel(fixed, per_token, bandwidth, store.expert_bytes, gpu_s, override)
 
 
-def _device_expert_s(store: ExpertStore, cache: ExpertCache, x: torch.Tensor) -> float:
+def _device_expert_s(cache: ExpertCache, x: torch.Tensor) -> float:
     """What one more expert adds to a layer's device time, for one token x [1, H]: where the
-    step's device experts run in one grouped launch (models/moe.py), that launch over
-    GROUPED_CALIBRATION_EXPERTS slots, shared out; else one call. Timed as one call each,
-    a layer of 28 experts (B4c at 4 streams) read as 28 calls, ~50 us each on an H100, where
-    the launch took a few us an expert: the CPU was handed misses it computed long after the
+    step's device experts run in one grouped launch (models/moe.py), the launch over
+    GROUPED_CALIBRATION_EXPERTS pairs less the launch over one, shared out (the launch's own
+    cost is the layer's, paid with or without the expert); else one call. Both launches
+    read slot 0 (the cache may have one slot yet: expert_cache_slots auto sizes it after).
+    Timed as one call each, a layer of 28 experts (B4c at 4 streams) read as 28 calls of
+    ~220 us on an H100, so the CPU daemon was handed misses it answered long after the
     device was done (served step 155 ms against 89 with no expert on the CPU, cf0aadf)."""
     if not ops.grouped_experts_usable(x, cache.gate_up.fmt):
         return best_of(RUNS, partial(cache.run, 0, x), x.device)
-    n = min(GROUPED_CALIBRATION_EXPERTS, cache.capacity)
-    for slot in range(1, n):  # expert 0 again (in no entry: the cache's fills overwrite it)
-        cache.gate_up.copy_(slot, store.gate_up, 0, non_blocking=False)
-        cache.down.copy_(slot, store.down, 0, non_blocking=False)
-    table = step_table(pack_step(torch.arange(n)[None], {e: e for e in range(n)}, []), n, x.device)
-    weights = torch.full((1, n), 1 / n, device=x.device)
 
-    def launch() -> None:
-        finish_step(x, table, launch_hits(x, table, cache, GROUP), [], weights)
+    def launch_s(n: int) -> float:
+        table = step_table(
+            pack_step(torch.arange(n)[None], dict.fromkeys(range(n), 0), []), n, x.device
+        )
+        weights = torch.full((1, n), 1 / n, device=x.device)
+        return best_of(
+            RUNS,
+            lambda: finish_step(x, table, launch_hits(x, table, cache, GROUP), [], weights),
+            x.device,
+        )
 
-    return best_of(RUNS, launch, x.device) / n
+    n = GROUPED_CALIBRATION_EXPERTS
+    return max(launch_s(n) - launch_s(1), 0.0) / (n - 1)
