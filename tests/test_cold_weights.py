@@ -7,6 +7,7 @@ holds half of the model's 8 (layer, expert) pairs.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -459,32 +460,33 @@ def test_a_slow_round_trip_sends_the_miss_to_the_device() -> None:
 
 
 class _SlowDaemon:
-    """A CPU daemon whose EXPERT_RUN answers `delay_s` late beyond `compute_s` of work."""
+    """A CPU daemon whose EXPERT_RUN answer is written `delay_s` late beyond `compute_s` of
+    work, and read `late_s` after that (the GPU daemon busy launching the device's experts)."""
 
-    def __init__(self, store: ExpertStore, compute_s: float, delay_s: float) -> None:
-        self.store, self.compute_s, self.delay_s = store, compute_s, delay_s
-        self.cpu_s = 0.0
+    def __init__(self, store: ExpertStore, compute_s: float, delay_s: float, late_s: float):
+        self.store, self.compute_s, self.delay_s, self.late_s = store, compute_s, delay_s, late_s
+        self.cpu_s = self.answered_at = 0.0
 
     def submit(self, layer: int, jobs: list[tuple[int, torch.Tensor]]) -> int:
+        self.answered_at = time.monotonic() + self.compute_s + self.delay_s
         return 1
 
     def wait(self, seq: int, jobs: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        import time
-
-        time.sleep(self.compute_s + self.delay_s)
+        time.sleep(max(self.answered_at + self.late_s - time.monotonic(), 0.0))
         self.cpu_s += self.compute_s
         return [self.store.run_cpu(e, x) for e, x in jobs]
 
 
 def test_the_daemons_round_trip_is_measured_apart_from_its_compute(checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The MoE block hands its CPU experts to the CPU daemon: the daemon's reported compute
-    time goes to cpu_scale, the rest of the wait to remote_s."""
+    time goes to cpu_scale, the rest of the time until the answer was written to remote_s;
+    not the time the answer then waited to be read."""
     path = checkpoint("mixtral")
     cold = load_model(str(path), torch.device("cpu"), torch.float32, host_experts="native").model
     blocks = [layer.mlp for layer in cold.layers]
     cache, latency = enable_cold_weights(blocks, 2, 1000, torch.device("cpu"))  # type: ignore[arg-type]
     latency.cpu_fixed_s, latency.cpu_s_per_token = 1e-3, 0.0
-    cache.remote = _SlowDaemon(blocks[0].store, compute_s=2e-3, delay_s=20e-3)  # type: ignore[union-attr]
+    cache.remote = _SlowDaemon(blocks[0].store, 2e-3, delay_s=20e-3, late_s=40e-3)  # type: ignore[union-attr]
     x = torch.randn(1, cold.spec.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         blocks[0](x)

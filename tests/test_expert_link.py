@@ -4,6 +4,7 @@ the GPU daemon would compute itself."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -51,7 +52,9 @@ def test_worker_computes_from_the_shared_arena() -> None:
     try:
         x = torch.randn(3, loaded.spec.hidden_size, generator=torch.Generator().manual_seed(1))
         jobs = [(1, x[:1]), (6, x[1:])]
+        sent = time.monotonic()
         ys = client.wait(client.submit(2, jobs), jobs)
+        assert sent < client.answered_at < time.monotonic()  # one clock for both sides
         assert blocks[2].store is not None
         for (expert, rows), y in zip(jobs, ys, strict=True):
             assert torch.equal(y, blocks[2].store.run_cpu(expert, rows))

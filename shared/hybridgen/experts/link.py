@@ -10,8 +10,9 @@ two sides compute at once. The experts' weights are the GPU daemon's shared expe
 
 Request payload, little-endian: u32 layer, u32 experts, u32 hidden, u32 dtype (ticket.DType),
 u32 rows, then i32 expert ids [experts], i32 row counts [experts], then the rows [rows,
-hidden] in the model dtype, expert after expert. Answer: f64 compute seconds, then the
-outputs [rows, hidden] in the same order and dtype. A ticket's `request_id` carries a request
+hidden] in the model dtype, expert after expert. Answer: f64 compute seconds, f64 when it
+was written (time.monotonic(): one clock for every process of the host), then the outputs
+[rows, hidden] in the same order and dtype. A ticket's `request_id` carries a request
 number, echoed by the answer.
 """
 
@@ -35,7 +36,7 @@ from hybridgen.ipc.ticket import DType, Op, Ticket
 log = structlog.get_logger()
 
 _HEADER = struct.Struct("<IIIII")
-_TIME = struct.Struct("<d")
+_TIMES = struct.Struct("<dd")
 ARENA_BYTES = 32 << 20
 """Each direction's arena; a request that does not fit is computed in the GPU daemon."""
 _CODES = {torch.float32: DType.F32, torch.bfloat16: DType.BF16, torch.float16: DType.F16}
@@ -84,6 +85,9 @@ class ExpertLinkClient:
         self._seq = 0
         self.cpu_s = 0.0
         """The CPU daemon's compute time over every answer."""
+        self.answered_at = 0.0
+        """When the last answer was written (time.monotonic()): a round trip ends there, not
+        when the GPU daemon, busy launching the device's experts, got round to reading it."""
 
     def submit(self, layer: int, jobs: list[tuple[int, Tensor]]) -> int:
         """Send `jobs` (expert id, its rows [N, hidden]); the request's number. RemoteDown when
@@ -112,11 +116,11 @@ class ExpertLinkClient:
             self.shm.answer_meta.release(answer.payload_offset, answer.payload_len)  # a late one
         data = self.shm.answer_meta.read_bytes(answer.payload_offset, answer.payload_len)
         self.shm.answer_meta.release(answer.payload_offset, answer.payload_len)
-        (seconds,) = _TIME.unpack_from(data, 0)
+        seconds, self.answered_at = _TIMES.unpack_from(data, 0)
         self.cpu_s += seconds
         x0 = jobs[0][1]
         rows = sum(x.shape[0] for _, x in jobs)
-        y = _tensor(data, _TIME.size, rows * x0.shape[1], x0.dtype).view(rows, x0.shape[1])
+        y = _tensor(data, _TIMES.size, rows * x0.shape[1], x0.dtype).view(rows, x0.shape[1])
         return list(torch.split(y, [x.shape[0] for _, x in jobs]))
 
     def close(self) -> None:
@@ -139,7 +143,8 @@ class ExpertLinkWorker(LinkWorker[list[ExpertStore]]):
         start = time.perf_counter()
         with torch.inference_mode():
             ys = [stores[layer].run_cpu(expert, x) for expert, x in jobs]
-        reply = _TIME.pack(time.perf_counter() - start) + b"".join(_raw(y) for y in ys)
+        outputs = b"".join(_raw(y) for y in ys)
+        reply = _TIMES.pack(time.perf_counter() - start, time.monotonic()) + outputs
         offset, length = shm.answer_meta.write(reply)
         answer = Ticket(
             Op.EXPERT_DONE, ticket.request_id, payload_offset=offset, payload_len=length

@@ -47,6 +47,8 @@ class RemoteExperts(Protocol):
 
     cpu_s: float
     """The CPU daemon's compute time over every answer."""
+    answered_at: float
+    """When the last answer was written (time.monotonic())."""
 
     def submit(self, layer: int, jobs: list[tuple[int, Tensor]]) -> int: ...
 
