@@ -167,6 +167,36 @@ def test_cache_keeps_the_most_routed_experts() -> None:
     assert (0, 2) in one and (0, 1) not in one and one.scratch == ()
 
 
+class _Scan:
+    """The cache's choices made by a scan of every cached expert (the least routed, the least
+    recently used among equals), leaving out the slots a step keeps."""
+
+    def __init__(self, stats: MoeStats, cacheable: int, scratch: tuple[int, ...]) -> None:
+        self.stats, self.cacheable, self.scratch = stats, cacheable, scratch
+        self.cached: dict[tuple[int, int], int] = {}  # key -> slot, in use order
+        self.evictions = 0
+        self.kept_out = 0  # misses whose victim would have been a kept slot
+
+    def fetch(
+        self, key: tuple[int, int], keep: frozenset[int] | set[int] = frozenset()
+    ) -> int | None:
+        if key in self.cached:
+            self.cached[key] = self.cached.pop(key)
+            return self.cached[key]
+        if len(self.cached) < self.cacheable:
+            slot = self.cached[key] = len(self.cached)
+            return slot
+        uses = self.stats.routed.get
+        free = [k for k in self.cached if self.cached[k] not in keep]
+        victim = min(free, key=lambda k: uses(k, 0)) if free else None
+        self.kept_out += victim != min(self.cached, key=lambda k: uses(k, 0))
+        if victim is not None and uses(key, 0) > uses(victim, 0):
+            self.cached[key] = self.cached.pop(victim)
+            self.evictions += 1
+            return self.cached[key]
+        return next((s for s in self.scratch if s not in keep), None)
+
+
 def test_cache_victims_match_a_scan_of_every_slot() -> None:
     """The cache picks its victim from a heap; on a random trace of routings, hits and
     misses every fetch returns the slot that a scan of all cached experts (the least routed,
@@ -175,74 +205,47 @@ def test_cache_victims_match_a_scan_of_every_slot() -> None:
     store = _store(experts)
     stats = MoeStats()
     cache = ExpertCache(slots, store, torch.device("cpu"), stats)
-    cached: dict[tuple[int, int], int] = {}  # the scan's model: key -> slot, in use order
+    scan = _Scan(stats, slots - 1, (slots - 1,))
     gen = torch.Generator().manual_seed(11)
-    evictions = 0
     for _ in range(600):
         layer = int(torch.randint(layers, (1,), generator=gen))
         pick = torch.randperm(experts, generator=gen)[:3].tolist()
         tokens = torch.randint(1, 4, (3,), generator=gen).tolist()
         stats.count_routed(layer, list(zip(pick, tokens, strict=True)))
         for e in sorted(pick):
-            key = (layer, e)
-            if key in cached:
-                want = cached.pop(key)
-                cached[key] = want
-            elif len(cached) < slots - 1:
-                want = cached[key] = len(cached)
-            else:
-                uses = stats.routed.get
-                victim = min(cached, key=lambda k: uses(k, 0))
-                if uses(key, 0) > uses(victim, 0):
-                    want = cached.pop(victim)
-                    cached[key] = want
-                    evictions += 1
-                else:
-                    want = slots - 1
-            assert cache.fetch(layer, e, store) == want
-            assert all(k in cache for k in cached)
-    assert evictions > 50  # the trace evicts often enough to test the choice
+            assert cache.fetch(layer, e, store) == scan.fetch((layer, e))
+            assert all(k in cache for k in scan.cached)
+    assert scan.evictions > 50  # the trace evicts often enough to test the choice
 
 
-def test_a_steps_misses_take_no_slot_the_step_reads() -> None:
+@pytest.mark.parametrize(
+    ("experts", "slots", "scratch", "picks"),
+    [(16, 7, (6,), 5), (32, 40, (38, 39), 8)],  # 40 slots keep 2 of 3 (SCRATCH_SHARE)
+)
+def test_a_steps_misses_take_no_slot_the_step_reads(
+    experts: int, slots: int, scratch: tuple[int, ...], picks: int
+) -> None:
     """fetch_beside, as combine's grouped launch uses it (hits first, then the misses, each
     keeping the slots taken so far): on a random trace every fetch gives what a scan gives
-    when the kept slots are left out (the least routed uncached-from-the-step victim, the
-    scratch slots once each a step, None after), no slot serves two experts of a step, and
-    every slot read holds its expert's weights. 40 slots keep 2 (SCRATCH_SHARE) of the 3
-    scratch slots asked for."""
-    layers, experts, slots = 3, 32, 40
+    when the kept slots are left out (the least routed victim not kept, the scratch slots
+    once each a step, None after), no slot serves two experts of a step, and every slot read
+    holds its expert's weights. The small cache's trace often finds its victim kept."""
+    layers = 3
     store = _store(experts)
     stats = MoeStats()
     cache = ExpertCache(slots, store, torch.device("cpu"), stats, scratch_slots=3)
-    assert cache.scratch == (38, 39)
-    cached: dict[tuple[int, int], int] = {}  # the scan's model: key -> slot, in use order
+    assert cache.scratch == scratch
+    scan = _Scan(stats, slots - len(scratch), scratch)
     gen = torch.Generator().manual_seed(5)
-    nones = evictions = 0
+    nones = 0
     for _ in range(400):
         layer = int(torch.randint(layers, (1,), generator=gen))
-        pick = torch.randperm(experts, generator=gen)[:8].tolist()
-        tokens = torch.randint(1, 4, (8,), generator=gen).tolist()
+        pick = torch.randperm(experts, generator=gen)[:picks].tolist()
+        tokens = torch.randint(1, 4, (picks,), generator=gen).tolist()
         stats.count_routed(layer, list(zip(pick, tokens, strict=True)))
         keep: set[int] = set()
-        for e in sorted(pick, key=lambda e: (layer, e) not in cached):
-            key = (layer, e)
-            want: int | None
-            if key in cached:
-                want = cached.pop(key)
-                cached[key] = want
-            elif len(cached) < slots - 2:
-                want = cached[key] = len(cached)
-            else:
-                uses = stats.routed.get
-                free = [k for k in cached if cached[k] not in keep]
-                victim = min(free, key=lambda k: uses(k, 0)) if free else None
-                if victim is not None and uses(key, 0) > uses(victim, 0):
-                    want = cached.pop(victim)
-                    cached[key] = want
-                    evictions += 1
-                else:
-                    want = next((s for s in (38, 39) if s not in keep), None)
+        for e in sorted(pick, key=lambda e: (layer, e) not in scan.cached):
+            want = scan.fetch((layer, e), keep)
             got = cache.fetch_beside(layer, e, store, keep)
             assert got == want
             if got is None:
@@ -252,7 +255,8 @@ def test_a_steps_misses_take_no_slot_the_step_reads() -> None:
             keep.add(got)
             for name, part in cache.gate_up.parts.items():
                 assert torch.equal(part[got], store.gate_up.parts[name][e])
-    assert evictions > 30 and nones > 30  # the trace reaches both choices often
+    assert scan.evictions > 30 and nones > 30  # the trace reaches both choices often
+    assert scan.kept_out > (30 if slots < 16 else 0)
 
 
 @pytest.mark.slow

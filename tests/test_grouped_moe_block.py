@@ -48,15 +48,9 @@ def _run(
     return outs, cache.stats
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize(("tokens", "limit"), [(1, 0), (1, 1), (3, 1)])
-def test_grouped_block_equals_per_expert_path(
-    monkeypatch: pytest.MonkeyPatch, model: str, fmt: str, tokens: int, limit: int
-) -> None:
-    """Steps of `tokens` rows through every MoE layer: the grouped path's outputs are the
-    per-expert path's, its counters the same, and it launched at most once per layer and
-    step. limit 0: every miss is fetched; 1: later, a miss with one token runs on the CPU."""
+def _counted_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The grouped launch on (Triton's interpreter off CUDA), each launch's pairs recorded in
+    the list returned."""
     if DEVICE.type == "cpu":
         monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     launches: list[int] = []
@@ -67,6 +61,19 @@ def test_grouped_block_equals_per_expert_path(
         return real(*args)
 
     monkeypatch.setattr(ops, "grouped_expert_swiglu", counted)
+    return launches
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("tokens", "limit"), [(1, 0), (1, 1), (3, 1)])
+def test_grouped_block_equals_per_expert_path(
+    monkeypatch: pytest.MonkeyPatch, model: str, fmt: str, tokens: int, limit: int
+) -> None:
+    """Steps of `tokens` rows through every MoE layer: the grouped path's outputs are the
+    per-expert path's, its counters the same, and it launched at most once per layer and
+    step. limit 0: every miss is fetched; 1: later, a miss with one token runs on the CPU."""
+    launches = _counted_launches(monkeypatch)
     gen = torch.Generator().manual_seed(tokens * 10 + limit)
     hidden = 128
     xs = [torch.randn(tokens, hidden, generator=gen).to(DEVICE) for _ in range(STEPS)]
@@ -160,21 +167,13 @@ def test_calibration_shares_out_one_grouped_launch(monkeypatch: pytest.MonkeyPat
     time for an expert is what GROUPED_CALIBRATION_EXPERTS pairs add to a launch of one,
     shared out (the launch's own cost is the layer's); without the launch, one call's time.
     Timings here read 10 us and 2 us a pair of the grouped launches timed."""
-    if DEVICE.type == "cpu":
-        monkeypatch.setattr(ops, "_use_triton", lambda t: True)
-    launches: list[int] = []
-    real = ops.grouped_expert_swiglu
-
-    def counted(*args: Any) -> torch.Tensor:
-        launches.append(args[4].shape[0])
-        return real(*args)
+    launches = _counted_launches(monkeypatch)
 
     def timed(runs: int, fn: Any, device: torch.device) -> float:
         before = len(launches)
         fn()
         return 10e-6 + 2e-6 * sum(launches[before:])
 
-    monkeypatch.setattr(ops, "grouped_expert_swiglu", counted)
     monkeypatch.setattr(latency_module, "best_of", timed)
     loaded = load_model("tiny-qwen3-moe", DEVICE, torch.float32, host_experts="int4")
     _, latency = enable_cold_weights(moe_blocks(loaded.model), 1, 0, DEVICE)  # 1 slot: auto

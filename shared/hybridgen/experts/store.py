@@ -214,7 +214,7 @@ class ExpertCache:
 
     def fetch(self, layer: int, expert: int, store: ExpertStore) -> int:
         """The slot holding `expert` of `layer`, copied in from `store` on a miss (into the
-        scratch slot when it is routed to no more often than every cached expert)."""
+        first scratch slot when it is routed to no more often than every cached expert)."""
         slot = self.fetch_beside(layer, expert, store, frozenset())
         assert slot is not None  # nothing kept: every slot may be taken
         return slot
