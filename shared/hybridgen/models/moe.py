@@ -245,7 +245,7 @@ class SparseMoeBlock(nn.Module):
         on the host. The CPU's experts go first (to the CPU daemon, if any); then the cache's
         hits take their slots and the misses are copied into slots no other expert of the step
         reads (ExpertCache.fetch_beside), and all of them run in the launch. A miss that finds
-        no such slot (a second one for the scratch slot) runs on its own after the launch, and
+        no such slot (every scratch slot taken) runs on its own after the launch, and
         the CPU daemon's answer is collected last. One expert run at a time cost a miss some
         ten launches and ~0.2 ms of host time (B4c at 4 streams, ~3 misses a layer)."""
         assert self.cold is not None and self.store is not None
