@@ -443,6 +443,33 @@ def test_calibration_is_affine_and_takes_configured_bandwidths() -> None:
     assert given.gpu_s == pytest.approx(store.expert_bytes / 2e9)  # read once, as stored
 
 
+def test_calibration_times_the_cpu_at_the_cpu_daemons_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under the daemons the CPU daemon's pool (one thread per core it holds, fewer than this
+    process's) computes the CPU's experts: the calibration times them at that count, then
+    gives this process its own pool back."""
+    from hybridgen.experts import latency as expert_latency
+
+    store = _store()
+    cache = ExpertCache(2, store, torch.device("cpu"), MoeStats())
+    seen: list[int] = []
+    run_cpu = store.run_cpu
+
+    def counted(expert: int, x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return run_cpu(expert, x)
+
+    monkeypatch.setattr(store, "run_cpu", counted)
+    before = torch.get_num_threads()
+    expert_latency.calibrate(store, cache, torch.device("cpu"), None, cpu_threads=1)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before
+    seen.clear()
+    expert_latency.calibrate(store, cache, torch.device("cpu"), None)
+    assert set(seen) == {before}
+
+
 def test_bad_cold_weights_config_names_the_key() -> None:
     with pytest.raises(ConfigError, match="expert_cache_slots"):
         EngineConfig(expert_cache_slots=0)

@@ -30,7 +30,12 @@ FULL: dict[str, Any] = {
             "tensor_parallel": 1,
             "ids": None,
         },
-        "cpu": {"cores": "0-15", "memory_mb": 128000, "bandwidth_gbps": 204.8},
+        "cpu": {
+            "cores": "0-15",
+            "gpu_daemon_cores": 2,
+            "memory_mb": 128000,
+            "bandwidth_gbps": 204.8,
+        },
     },
     "kv_cache": {
         "hot_region_mb": 4096,
@@ -136,7 +141,7 @@ def test_every_section_parses() -> None:
     assert (topo.gpu.id, topo.gpu.memory_mb, topo.gpu.bandwidth_gbps) == (1, 24576, 600.0)
     assert (topo.gpu.tensor_parallel, topo.gpu.device_ids) == (1, (1,))
     assert isinstance(topo.gpu.bandwidth_gbps, float)
-    assert topo.cpu.cores == tuple(range(16))
+    assert topo.cpu.cores == tuple(range(16)) and topo.cpu.gpu_daemon_cores == 2
     assert (topo.cpu.memory_mb, topo.cpu.bandwidth_gbps) == (128000, 204.8)
     kv = config.kv_cache
     assert (kv.hot_region_mb, kv.warm_region_mb, kv.cold_threshold_ms) == (4096, 8192, 150)

@@ -1,11 +1,13 @@
 """device_topology.cpu.cores: CPU lists such as "0-3,8", as the config and device_checker read
-them (config_schema.parse_cpu_list)."""
+them (config_schema.parse_cpu_list); device_topology.cpu.gpu_daemon_cores: the cores of them
+the CPU daemon leaves to the GPU daemon (affinity.cpu_daemon_cores)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hybridgen.config.file import ConfigError, parse_config, parse_cpu_list
+from hybridgen.runtime.affinity import cpu_daemon_cores
 from tests.test_config import _with
 
 
@@ -49,3 +51,36 @@ def test_bad_cpu_list_names_the_key(value: str, why: str) -> None:
 def test_cpu_list_must_be_quoted(value: object) -> None:
     with pytest.raises(ConfigError, match=r"^device_topology\.cpu\.cores=.* has the wrong type"):
         parse_config(_with("device_topology.cpu.cores", value))
+
+
+@pytest.mark.parametrize(
+    ("cores", "spare", "expected"),
+    [
+        (None, 1, list(range(15))),  # every core this process may use, less the last
+        (None, 0, list(range(16))),
+        (None, 4, list(range(12))),
+        ((2, 3, 4, 5), 1, [2, 3, 4]),  # the configured cores, less their last
+        ((7,), 1, [7]),  # never fewer than one
+        (None, 99, [0]),
+    ],
+)
+def test_the_cpu_daemon_leaves_the_gpu_daemon_its_cores(
+    cores: tuple[int, ...] | None, spare: int, expected: list[int]
+) -> None:
+    assert cpu_daemon_cores(cores, spare, available=range(16)) == expected
+
+
+def test_gpu_daemon_cores_is_checked() -> None:
+    assert (
+        parse_config(
+            _with("device_topology.cpu.gpu_daemon_cores", 3)
+        ).device_topology.cpu.gpu_daemon_cores
+        == 3
+    )
+    assert parse_config({}).device_topology.cpu.gpu_daemon_cores == 1
+    with pytest.raises(
+        ConfigError, match=r"^device_topology\.cpu\.gpu_daemon_cores=-1 is out of range"
+    ):
+        parse_config(_with("device_topology.cpu.gpu_daemon_cores", -1))
+    with pytest.raises(ConfigError, match="not available to this process"):
+        cpu_daemon_cores((4000,), 1, available=range(16))

@@ -29,7 +29,7 @@ from hybridgen.kvtiers.warm_link import WarmLinkWorker
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.loader import load_tokenizer
 from hybridgen.runtime import log as hlog
-from hybridgen.runtime.affinity import bind
+from hybridgen.runtime.affinity import bind, cpu_daemon_cores
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import serve
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     hlog.configure(json=True)
     try:
         config = load_config(args.config)
-        bind(config.device_topology.cpu.cores, "device_topology.cpu.cores")
+        cpu = config.device_topology.cpu
+        bind(cpu_daemon_cores(cpu.cores, cpu.gpu_daemon_cores), "device_topology.cpu.cores")
     except ConfigError as e:
         return startup_failed("hybridgen-cpu", str(e))
     config = config.with_model(args.model)

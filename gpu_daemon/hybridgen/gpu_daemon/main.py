@@ -29,7 +29,7 @@ from hybridgen.kvtiers.warm_link import WarmLinkClient
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime import sd_notify
-from hybridgen.runtime.affinity import bind
+from hybridgen.runtime.affinity import bind, cpu_daemon_cores
 from hybridgen.runtime.startup_error import startup_failed
 
 log = structlog.get_logger()
@@ -64,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         sd_notify.status("loading model")
         try:
             engine_config = config.engine_config(args.device)
-            engine = Engine(dataclasses.replace(engine_config, shm_instance=instance))
+            cpu = config.device_topology.cpu  # the CPU daemon's pool computes the CPU's experts
+            threads = len(cpu_daemon_cores(cpu.cores, cpu.gpu_daemon_cores))
+            engine = Engine(
+                dataclasses.replace(
+                    engine_config, shm_instance=instance, cpu_expert_threads=threads
+                )
+            )
         except (ConfigError, ModelLoadError, BudgetTooSmall) as e:  # the same on every try
             return startup_failed("hybridgen-gpu", str(e))
         except torch.OutOfMemoryError as e:

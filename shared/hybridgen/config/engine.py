@@ -102,6 +102,10 @@ class EngineConfig:
     """With attn_warm split: the share of each sequence's Warm blocks the CPU attends; None:
     measured at start, so that both sides finish together."""
     shm_instance: str | None = None
+    cpu_expert_threads: int | None = None
+    """Threads of the process that computes the CPU's experts when it is not this one (the CPU
+    daemon's torch pool, affinity.cpu_daemon_cores): the latency model times the CPU at this
+    count; None: this process's pool, which computes them."""
     """Server instance to name the engine's shared memory (the Warm pool) after, so that the
     daemon's cleanup removes it even after a crash; None: a private name (in-process use)."""
     prefix_reuse: bool = True

@@ -82,6 +82,7 @@ def setup_moe(
         config.expert_cpu_max_tokens,
         device,
         (config.cpu_bandwidth_gbps, config.gpu_bandwidth_gbps),
+        config.cpu_expert_threads,
     )
     if slots == "auto":
         _size_expert_cache(config, model, device, experts[0], len(blocks) * blocks[0].num_experts)

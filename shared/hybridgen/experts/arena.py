@@ -109,11 +109,16 @@ class ExpertArena:
     def attach(instance: str) -> list[ExpertStore]:
         """Reader side: the stores, viewing the segment; FileNotFoundError or ValueError until
         the GPU daemon has published it. The views keep the mapping alive."""
-        mm = shm.attach_segment(shm.segment_name(instance, SEGMENT))
+        segment = shm.segment_name(instance, SEGMENT)
+        mm = shm.attach_segment(segment)
         raw = bytes(mm[:HEADER_BYTES]).rstrip(b"\0")
+        mm.close()
         if not raw:
-            mm.close()
             raise ValueError("the expert arena is not published yet")
+        # Mapped again, every page at once: the first CPU expert of B4a's served 4 streams
+        # would otherwise fault in its 94.5 MB (the first read of a page here took twice a
+        # read's time on the CI machine), and the latency model learns such slow experts.
+        mm = shm.attach_segment(segment, populate=True)
         header = json.loads(raw)
         buffer = torch.frombuffer(mm, dtype=torch.uint8)
         dtype, fmt = _DTYPES[header["dtype"]], header["fmt"]

@@ -33,7 +33,7 @@ from hybridgen.experts.format import GROUP
 from hybridgen.experts.grouped import finish_step, launch_hits, pack_step, step_table
 from hybridgen.experts.store import ExpertCache, ExpertStore
 from hybridgen.kernels import ops
-from hybridgen.placement.timing import best_of
+from hybridgen.placement.timing import best_of, torch_threads
 
 CPU_PCIE_BYTES_PER_S = 25e9
 """Host-to-device bandwidth assumed without a GPU to time (PCIe 4.0 x16 in practice); a
@@ -151,14 +151,17 @@ def calibrate(
     override: int | None,
     cpu_bandwidth_gbps: float | None = None,
     gpu_bandwidth_gbps: float | None = None,
+    cpu_threads: int | None = None,
 ) -> LatencyModel:
-    """Time expert 0 on the CPU at CALIBRATION_TOKENS and, on CUDA, its fetch into slot 0
-    (which nothing holds yet; the cache's counters are left untouched) and one call there."""
+    """Time expert 0 on the CPU at CALIBRATION_TOKENS (at `cpu_threads`, the pool that will
+    compute them, if not this process's) and, on CUDA, its fetch into slot 0 (which nothing
+    holds yet; the cache's counters are left untouched) and one call there."""
     lo, hi = CALIBRATION_TOKENS
     x = torch.randn(hi, store.hidden_size, dtype=store.gate_up.dtype)
     cpu = torch.device("cpu")
     for _ in range(CALIBRATION_ATTEMPTS):
-        t_lo, t_hi = (best_of(RUNS, partial(store.run_cpu, 0, x[:n]), cpu) for n in (lo, hi))
+        with torch_threads(cpu_threads):
+            t_lo, t_hi = (best_of(RUNS, partial(store.run_cpu, 0, x[:n]), cpu) for n in (lo, hi))
         if t_lo <= t_hi:
             break
         # One token slower than sixteen: a stall (B4 at 7b4c420 timed 12.0 ms for an expert

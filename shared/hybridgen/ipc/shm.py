@@ -80,8 +80,11 @@ def create_segment(posix_name: str, size: int) -> mmap.mmap:
         shm.close_fd()
 
 
-def attach_segment(posix_name: str) -> mmap.mmap:
-    """Map an existing segment at its full size; FileNotFoundError when it does not exist."""
+def attach_segment(posix_name: str, populate: bool = False) -> mmap.mmap:
+    """Map an existing segment at its full size; FileNotFoundError when it does not exist.
+    `populate`: map every page now (MAP_POPULATE), so that the first read of each does not
+    fault: a reader that streams the whole segment once in a while (the CPU daemon's experts)
+    pays its page-table setup at attach, not in a served step."""
     try:
         shm = posix_ipc.SharedMemory(posix_name)
     except posix_ipc.ExistentialError as exc:
@@ -91,7 +94,8 @@ def attach_segment(posix_name: str) -> mmap.mmap:
     try:
         if shm.size <= 0:
             raise ValueError(f"shared-memory segment {posix_name} is empty (owner still creating?)")
-        return mmap.mmap(shm.fd, shm.size)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return mmap.mmap(shm.fd, shm.size, flags=flags)
     finally:
         shm.close_fd()
 

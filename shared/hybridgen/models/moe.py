@@ -402,14 +402,16 @@ def enable_cold_weights(
     cpu_max_tokens: int | None,
     device: torch.device,
     bandwidths_gbps: tuple[float | None, float | None] = (None, None),
+    cpu_threads: int | None = None,
 ) -> tuple[ExpertCache, LatencyModel]:
     """Cold-Weights for a model's MoE blocks (in layer order): experts in host memory (as
     loaded), one `slots`-expert device cache shared by all layers, and the latency model
-    timed here (`bandwidths_gbps`: the config's CPU and GPU memory bandwidths, if set)."""
+    timed here (`bandwidths_gbps`: the config's CPU and GPU memory bandwidths, if set; the
+    CPU at `cpu_threads`, the CPU daemon's pool, if another process computes its experts)."""
     stores = [block.experts_to_host() for block in blocks]
     # A step's misses each need a slot beside its hits (combine's one launch): a token's top k.
     cache = ExpertCache(slots, stores[0], device, MoeStats(), blocks[0].top_k)
-    latency = calibrate(stores[0], cache, device, cpu_max_tokens, *bandwidths_gbps)
+    latency = calibrate(stores[0], cache, device, cpu_max_tokens, *bandwidths_gbps, cpu_threads)
     for layer, block in enumerate(blocks):
         block.to_cold_weights(layer, cache, latency)
     return cache, latency

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -24,3 +25,16 @@ def best_of(n: int, fn: Callable[[], object], device: torch.device) -> float:
         sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op pool at `n` threads inside the block (None: as it is), then back:
+    the CPU's share is timed at the thread count it will run at."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,6 +1,6 @@
-"""Binding a process to CPU cores: device_topology.cpu.cores for both daemons (the CPU
-daemon's Warm-attention and expert workers then run on those cores), --cpu-cores for
-hybridgen.tools.device_checker."""
+"""Binding a process to CPU cores: device_topology.cpu.cores for both daemons, the CPU daemon
+on all but device_topology.cpu.gpu_daemon_cores of them (its Warm-attention and expert
+workers then run on those cores), --cpu-cores for hybridgen.tools.device_checker."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ def check_cores(
             f"not available to this process; allowed: cores {format_cores(available)}"
         )
     return sorted(set(cores))
+
+
+def cpu_daemon_cores(
+    cores: Sequence[int] | None, gpu_daemon_cores: int, available: Iterable[int] | None = None
+) -> list[int]:
+    """The CPU daemon's cores: `cores` (or every core this process may use, or `available`)
+    less the last `gpu_daemon_cores` of them, which the GPU daemon's spinning thread keeps
+    for itself; at least one core."""
+    pool = sorted(set(os.sched_getaffinity(0) if available is None else available))
+    if cores is not None:
+        pool = check_cores(cores, "device_topology.cpu.cores", pool)
+    return pool[: max(len(pool) - gpu_daemon_cores, 1)]
 
 
 def bind(cores: Sequence[int] | None, key: str) -> list[int]:
