@@ -470,6 +470,30 @@ def test_calibration_times_the_cpu_at_the_cpu_daemons_threads(
     assert set(seen) == {before}
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_cpu_kept_out_is_tried_again(overlap: bool) -> None:
+    """cpu_scale learns only from the CPU's own experts. After a few slow ones (a stall, a
+    first read of the weights) the device takes every miss, and each such layer moves the
+    scale back towards the start-up timing, until a miss goes to the CPU again and its time
+    is learned afresh; a miss-free layer or a pinned crossover leaves it where it is."""
+    model = LatencyModel(1.5e-3, 0.0, 1e9, 2_000_000, gpu_s=0.4e-3)  # CPU 1.5, device 2.4 ms
+    assert model.cpu_experts(0, [(3, 1)], overlap) == {3}
+    for _ in range(30):
+        model.observe_cpu(1, 1, 6e-3)  # 4x its timing
+    assert model.cpu_scale > 3 and model.cpu_experts(0, [(3, 1)], overlap) == set()
+    kept = model.cpu_scale
+    model.cpu_experts(2, [], overlap)
+    assert model.cpu_scale == kept
+    layers = 1
+    while not model.cpu_experts(0, [(3, 1)], overlap):
+        layers += 1
+        assert layers < 2000
+    assert model.cpu_scale < 2.4 / 1.5 and layers > 100
+    pinned = LatencyModel(1.5e-3, 0.0, 1e9, 2_000_000, max_cpu_tokens_override=0, cpu_scale=3.0)
+    pinned.cpu_experts(0, [(3, 1)], overlap)
+    assert pinned.cpu_scale == 3.0
+
+
 def test_bad_cold_weights_config_names_the_key() -> None:
     with pytest.raises(ConfigError, match="expert_cache_slots"):
         EngineConfig(expert_cache_slots=0)

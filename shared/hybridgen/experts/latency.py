@@ -50,6 +50,13 @@ CPU_SCALE_WEIGHT = 0.1
 """Weight of each observation in LatencyModel.cpu_scale's moving average."""
 CPU_SCALE_LIMIT = 8.0
 """One observation counts as at most this factor either way (a page fault, a stall)."""
+CPU_SCALE_FORGET = 0.002
+"""cpu_scale only learns from experts the CPU computes, so each layer whose misses all go to
+the device moves it this much back towards the start-up timing (1.0): a few slow early
+experts (B4a served learned 4.3 from 27, then fetched every other miss) cannot keep the CPU
+out for good. A CPU 4x slower in earnest, chosen below 1.2x, is tried again once every ~440
+such layers: one observation takes the scale from 1.2 to 1.48, which takes that long to
+forget (~9 steps of B4c's 48 layers)."""
 
 
 @dataclass
@@ -117,10 +124,12 @@ class LatencyModel:
         engine's own thread) or with cpu_max_tokens pinned, each on its own; with it, the
         fewest-token experts first, each where the layer's later side ends sooner, the CPU's
         side starting with the round trip (remote_s)."""
-        if not overlap or self.max_cpu_tokens_override is not None:
-            return {e for e, tokens in uncached if tokens <= self.cpu_max_tokens}
-        device_s, cpu_s = cached * self.gpu_s, 0.0
         chosen: set[int] = set()
+        if not overlap or self.max_cpu_tokens_override is not None:
+            chosen = {e for e, tokens in uncached if tokens <= self.cpu_max_tokens}
+            self._forget(bool(uncached) and not chosen)
+            return chosen
+        device_s, cpu_s = cached * self.gpu_s, 0.0
         for expert, tokens in sorted(uncached, key=lambda job: job[1]):
             cost = self.cpu_s(tokens) + (0.0 if chosen else self.remote_s)
             on_cpu = max(cpu_s + cost, device_s)
@@ -130,7 +139,13 @@ class LatencyModel:
                 cpu_s += cost
             else:
                 device_s += self.fetch_s + self.gpu_s
+        self._forget(bool(uncached) and not chosen)
         return chosen
+
+    def _forget(self, unused: bool) -> None:
+        """A layer with misses and none of them on the CPU: cpu_scale drifts back to 1."""
+        if unused and self.max_cpu_tokens_override is None:
+            self.cpu_scale += CPU_SCALE_FORGET * (1.0 - self.cpu_scale)
 
     def figures(self) -> dict[str, float]:
         return {
