@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.experts.format import GROUP, PackedMatrices
+from hybridgen.experts.format import GROUP, PackedMatrices, _scale_dtype
 from hybridgen.kernels import int4_layout, ops, reference
 from hybridgen.kernels import triton_activation as t_act
 from hybridgen.kernels import triton_gemv as t_gemv
@@ -274,6 +274,39 @@ def test_int4_kernels_read_each_cpu_layout(row_block: int) -> None:
         ]
     )
     assert rel_err(out.cpu(), ref) < FP32_TOL
+
+
+@pytest.mark.usefixtures("poison_empty")
+@pytest.mark.parametrize("row_block", int4_layout.ROW_BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(64, 128), (192, 320)])  # K past whole tiles
+def test_int4_dequantize(row_block: int, dtype: torch.dtype, n: int, k: int) -> None:
+    """The one-launch dequantization (a prefill's experts) against the float64 weights of
+    fresh random codes, scales and zeros, in either CPU layout's row blocks: every weight
+    written, each within half a ulp of `dtype` of the exact value (Triton's interpreter
+    truncates to bf16: one ulp there)."""
+    gen = torch.Generator().manual_seed(n + k + row_block)
+    codes = torch.randint(0, 16, (1, n, k), generator=gen, dtype=torch.uint8)
+    sz = (torch.rand(k // GROUP, n, 2, generator=gen) * 0.02).to(_scale_dtype(dtype))
+    exact = (codes[0].double() - 8).unflatten(-1, (-1, GROUP)) * sz[..., 0].T[..., None].double()
+    exact = (exact + sz[..., 1].T[..., None].double()).flatten(-2)
+    q = int4_layout.pack(codes, row_block)[0].to(DEVICE)
+    out = t_qgemv.int4_dequantize(q, sz.to(DEVICE), GROUP, dtype, row_block=row_block).cpu()
+    assert out.shape == (n, k) and out.dtype == dtype and torch.isfinite(out).all()
+    ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    bound = 1.0 if dtype == torch.bfloat16 and DEVICE.type == "cpu" else 0.5
+    assert ((out.double() - exact).abs() <= bound * ulp * 1.0001 + 1e-12).all()
+
+
+def test_expert_matrix_on_the_device_is_the_hosts() -> None:
+    """PackedMatrices.matrix on CUDA takes int4_dequantize, on the CPU torch's ops (what the
+    rows past MAX_ROWS multiply): the same weights, to a bf16 ulp (FMA on the device)."""
+    gen = torch.Generator().manual_seed(3)
+    packed = PackedMatrices.pack(randn(gen, 2, 128, 256).bfloat16(), "int4")
+    host = packed.matrix(1)
+    on = PackedMatrices("int4", {k: t.to(DEVICE) for k, t in packed.parts.items()}, packed.dtype)
+    ulp = torch.finfo(torch.bfloat16).eps * host.double().abs()
+    assert ((on.matrix(1).cpu().double() - host.double()).abs() <= ulp + 1e-12).all()
 
 
 @pytest.mark.usefixtures("poison_empty")

@@ -133,10 +133,7 @@ class PackedMatrices:
         if self.fmt == "int8":
             q, s = self.parts["q"][i], self.parts["s"][i]
             return (q.float() * s[:, None]).to(self.dtype)
-        codes = int4_layout.unpack(self.parts["q"][i], int4_layout.row_block()).float() - 8
-        scale, zero = self.parts["sz"][i].float().transpose(0, 1).unbind(-1)  # [out, in / G]
-        groups = codes.unflatten(-1, (-1, GROUP)) * scale[..., None] + zero[..., None]
-        return groups.flatten(-2).to(self.dtype)
+        return ops.int4_matrix(self.parts["q"][i], self.parts["sz"][i], GROUP, self.dtype)
 
     def linear(self, x: Tensor, i: int) -> Tensor:
         """x [N, in] @ matrix i^T -> [N, out], on x's device, which holds this stack."""

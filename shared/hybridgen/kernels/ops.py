@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeAlias
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -92,6 +93,14 @@ def quant_int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor | None:
 def quant_int4_linear(x: Tensor, q: Tensor, sz: Tensor, group: int) -> Tensor | None:
     """The same for int4 experts in expert_format's layout (codes q, scales and zeros sz)."""
     return triton_quant_gemv.int4_linear(x, q, sz, group) if _quant_fused(x) else None
+
+
+def int4_matrix(q: Tensor, sz: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """An int4 expert matrix in expert_format's layout (codes q [N, K / 2], scales and zeros
+    sz), dequantized to `dtype` [N, K]: one Triton launch on CUDA, torch's ops elsewhere."""
+    if _use_triton(q):
+        return triton_quant_gemv.int4_dequantize(q, sz, group, dtype)
+    return reference.int4_dequantize(q, sz, group, dtype)
 
 
 GROUPED_EXPERTS = True

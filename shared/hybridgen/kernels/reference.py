@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from hybridgen.kernels import int4_layout
 from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks, quantize_tokens
 
 
@@ -361,3 +362,12 @@ def paged_attention_naive(
         out[lo:hi] = torch.einsum("nhl,lhd->nhd", probs, v)
         lse[lo:hi] = row_lse
     return out, lse
+
+
+def int4_dequantize(q: Tensor, sz: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """q uint8 [N, K / 2] in this machine's int4 layout (int4_layout.py), sz [K / group, N, 2]
+    (scale, zero) -> [N, K] in `dtype`: (code - 8) * scale + zero in fp32."""
+    codes = int4_layout.unpack(q, int4_layout.row_block()).float() - 8
+    scale, zero = sz.float().transpose(0, 1).unbind(-1)  # [N, K / group]
+    groups = codes.unflatten(-1, (-1, group)) * scale[..., None] + zero[..., None]
+    return groups.flatten(-2).to(dtype)

@@ -251,3 +251,49 @@ def int4_linear(
         num_stages=cfg.num_stages,
     )
     return parts[0] if splits == 1 else parts.sum(0).to(x.dtype)
+
+
+DEQUANT_BLOCK_K = 64
+"""int4_dequantize: inputs per program (with a row block's R / 2 bytes each)."""
+
+
+@triton.jit
+def _int4_dequant_kernel(
+    q_ptr, sz_ptr, w_ptr, N, K, GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    b = tl.program_id(0)  # the row block: rows HALF * 2 * b + j (low) and + HALF (high)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    js = tl.arange(0, HALF)
+    ok = (ks < K)[:, None]
+    codes = tl.load(q_ptr + b * K * HALF + ks[:, None] * HALF + js[None, :], mask=ok, other=0)
+    codes = codes.to(tl.int32)
+    groups = (ks // GROUP)[:, None]
+    for h in tl.static_range(2):
+        rows = (b * 2 + h) * HALF + js[None, :]
+        code = ((codes >> (4 * h)) & 15).to(tl.float32) - 8.0
+        at = sz_ptr + (groups * N + rows) * 2
+        scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        zero = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+        w = code * scale + zero
+        tl.store(w_ptr + rows * K + ks[:, None], w.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def int4_dequantize(
+    q: Tensor, sz: Tensor, group: int, dtype: torch.dtype, row_block: int | None = None
+) -> Tensor:
+    """q uint8 [N, K / 2] and sz [K / group, N, 2] in the int4 layout (rows in blocks of
+    `row_block`, None: this machine's) -> the matrix [N, K] in `dtype`, in one launch that
+    reads the codes once and writes each weight once: (code - 8) * scale + zero in fp32, as
+    expert_format dequantizes with torch ops (some ten launches and fp32 temporaries of four
+    bytes a weight, for the rows past MAX_ROWS: a prefill's experts)."""
+    rows = row_block or int4_layout.row_block()
+    n, half = q.shape
+    k = 2 * half
+    assert n % rows == 0 and k % group == 0 and sz.shape == (k // group, n, 2)
+    assert q.is_contiguous() and sz.is_contiguous()
+    w = torch.empty(n, k, dtype=dtype, device=q.device)
+    grid = (n // rows, triton.cdiv(k, DEQUANT_BLOCK_K))
+    _int4_dequant_kernel[grid](
+        q, sz, w, n, k, GROUP=group, HALF=rows // 2, BLOCK_K=DEQUANT_BLOCK_K, num_warps=4
+    )
+    return w
