@@ -84,9 +84,10 @@ class CpuTopology:
     """How many of those CPUs (the last ones) the CPU daemon leaves to the GPU daemon, whose
     thread waits on the device by spinning: the CPU daemon's torch pool (its experts, its Warm
     attention) takes one thread per other core, never fewer than one. 0: it takes them all,
-    and a parallel region waits whenever the spinning thread holds one of its cores (a CPU
-    expert at one token took 2.3x as long beside one spinning process, 3.01 ms against 1.31,
-    on the 2-core CI machine)."""
+    and a parallel region waits whenever the spinning thread holds one of its cores (on the
+    2-core CI machine a mixtral-8x7b expert at one token took ~16 ms alone on both cores and
+    ~31 ms beside one spinning process, on two threads or on one: the second thread bought
+    nothing; bench/cpu_expert_contention.py)."""
     memory_mb: int | None = shared(None, "device_topology.cpu.memory_mb")
     """Host memory budget for Warm-KV, Cold tiers and experts; null: derived from free RAM."""
     bandwidth_gbps: float | None = shared(None, "device_topology.cpu.bandwidth_gbps")
