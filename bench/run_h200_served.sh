@@ -13,6 +13,9 @@
 #          step (1.86x the in-process one at 8cb5b74)
 #   b4c_profile  B4c in-process at batch 1, 2 and 4: ms a step, misses, and the host time
 #          of each part of the MoE layers' expert step (bench/moe_batch_profile.py)
+#   moe_kernels  the int4 expert kernels' CUDA tests (test_kernels.py -k "int4 or quant"), the
+#          prefill dequantization against torch's ops (expert_dequant_bench.py) and a CPU expert
+#          beside a spinning process and beside H2D copies (cpu_expert_contention.py)
 #   b4c_hf HF's Qwen3-MoE of the same shape under accelerate in the same budget (moe_bench's
 #          accelerate case), for B4c's comparison
 #   b7     llama3-70b, int4 weights, 24 GB budget, layers past gpu_layers auto in host memory
@@ -99,6 +102,12 @@ for what in "$@"; do
     b4c_profile)
       python3 bench/moe_batch_profile.py 2>>"$OUT/moe_stderr.log"
       ;;
+    moe_kernels)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "int4 or quant" \
+        >"$OUT/moe_kernel_tests.log" 2>&1; tail -n 3 "$OUT/moe_kernel_tests.log"
+      python3 bench/expert_dequant_bench.py 2>>"$OUT/moe_stderr.log"
+      timeout 120 python3 bench/cpu_expert_contention.py 2>>"$OUT/moe_stderr.log"
+      ;;
     b4c_hf)
       timeout 540 python3 -m hybridgen.benchmarks.moe_bench --model qwen3-30b-a3b --budget-mb 12288 \
         --cases accelerate --out "$OUT/b4c_accelerate.json" 2>>"$OUT/moe_stderr.log"
@@ -108,7 +117,7 @@ for what in "$@"; do
         --budget-mb 24576 --prompt-len 1024 --max-new-tokens 4 --layers 56 \
         --out "$OUT/b7_accelerate.json" 2>>"$OUT/dense_offload_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_profile] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
+    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_profile] [moe_kernels] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
   esac
 done
 tail -n 3 "$OUT/load_stderr.log" 2>/dev/null
