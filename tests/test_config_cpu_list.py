@@ -4,7 +4,15 @@ the CPU daemon leaves to the GPU daemon (affinity.cpu_daemon_cores)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
 import pytest
+import torch
 
 from hybridgen.config.file import ConfigError, parse_config, parse_cpu_list
 from hybridgen.runtime.affinity import cpu_daemon_cores
@@ -67,7 +75,38 @@ def test_cpu_list_must_be_quoted(value: object) -> None:
 def test_the_cpu_daemon_leaves_the_gpu_daemon_its_cores(
     cores: tuple[int, ...] | None, spare: int, expected: list[int]
 ) -> None:
-    assert cpu_daemon_cores(cores, spare, available=range(16)) == expected
+    for device in ("cuda", "cuda:1"):
+        assert cpu_daemon_cores(cores, spare, device, available=range(16)) == expected
+
+
+def test_with_the_engine_on_the_cpu_the_cpu_daemon_takes_every_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No thread spins on a device: the GPU daemon sleeps while the CPU daemon answers."""
+    assert cpu_daemon_cores(None, 1, "cpu", available=range(16)) == list(range(16))
+    for gpu in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        assert len(cpu_daemon_cores((2, 3, 4, 5), 1, "auto", available=range(16))) == 4 - gpu
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to leave")
+def test_the_cpu_daemon_binds_before_it_waits_for_the_gpu_daemon(tmp_path: Path) -> None:
+    """`hybridgen.cpu_daemon.main --device cuda` binds to every core but the last at once, while
+    it still waits for the GPU daemon's rings (this machine needs no GPU for that)."""
+    available = sorted(os.sched_getaffinity(0))
+    config = tmp_path / "c.yaml"
+    config.write_text("device_topology:\n  cpu:\n    gpu_daemon_cores: 1\n")
+    cmd = [sys.executable, "-m", "hybridgen.cpu_daemon.main", "--config", str(config)]
+    cmd += ["--instance", f"t{uuid.uuid4().hex[:12]}", "--device", "cuda"]
+    proc = subprocess.Popen([*cmd, "--attach-timeout", "60"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while sorted(os.sched_getaffinity(proc.pid)) != available[:-1]:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_gpu_daemon_cores_is_checked() -> None:
@@ -83,4 +122,4 @@ def test_gpu_daemon_cores_is_checked() -> None:
     ):
         parse_config(_with("device_topology.cpu.gpu_daemon_cores", -1))
     with pytest.raises(ConfigError, match="not available to this process"):
-        cpu_daemon_cores((4000,), 1, available=range(16))
+        cpu_daemon_cores((4000,), 1, "cuda", available=range(16))

@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="unix:PATH for the gateway (default: <server.runtime_dir>/cpu.sock)",
     )
     ap.add_argument(
+        "--device",
+        default="auto",
+        help="the GPU daemon's --device: on a GPU this daemon leaves it "
+        "device_topology.cpu.gpu_daemon_cores of its cores",
+    )
+    ap.add_argument(
         "--attach-timeout",
         type=float,
         default=600.0,
@@ -97,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         cpu = config.device_topology.cpu
-        bind(cpu_daemon_cores(cpu.cores, cpu.gpu_daemon_cores), "device_topology.cpu.cores")
+        cores = cpu_daemon_cores(cpu.cores, cpu.gpu_daemon_cores, args.device)
+        bind(cores, "device_topology.cpu.cores")
     except ConfigError as e:
         return startup_failed("hybridgen-cpu", str(e))
     config = config.with_model(args.model)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             engine_config = config.engine_config(args.device)
             cpu = config.device_topology.cpu  # the CPU daemon's pool computes the CPU's experts
-            threads = len(cpu_daemon_cores(cpu.cores, cpu.gpu_daemon_cores))
+            threads = len(cpu_daemon_cores(cpu.cores, cpu.gpu_daemon_cores, args.device))
             engine = Engine(
                 dataclasses.replace(
                     engine_config, shm_instance=instance, cpu_expert_threads=threads

@@ -205,6 +205,7 @@ def child_specs(config_file: Path, device: str, rt: Path, instance: str) -> list
     py = sys.executable
     common = ("--config", str(config_file), "--instance", instance)
     cpu_sock = rt / "cpu.sock"
+    listen = ("--listen", f"unix:{cpu_sock}")
     gateway = (py, "-m", "hybridgen.gateway.main", "--upstream", f"unix:{cpu_sock}")
     return [
         ChildSpec(
@@ -214,7 +215,7 @@ def child_specs(config_file: Path, device: str, rt: Path, instance: str) -> list
         ),
         ChildSpec(
             "cpu",
-            (py, "-m", "hybridgen.cpu_daemon.main", *common, "--listen", f"unix:{cpu_sock}"),
+            (py, "-m", "hybridgen.cpu_daemon.main", *common, "--device", device, *listen),
             depends_on=("gpu",),  # the GPU daemon re-creates the rings the CPU daemon maps
             log_path=rt / "cpu.log",
         ),

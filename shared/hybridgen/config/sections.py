@@ -81,9 +81,10 @@ class CpuTopology:
     """CPUs both daemons bind to, as "0-15" or "0,2,4-7"; null: the process's current
     affinity."""
     gpu_daemon_cores: int = at_least(1, 0)
-    """How many of those CPUs (the last ones) the CPU daemon leaves to the GPU daemon, whose
-    thread waits on the device by spinning: the CPU daemon's torch pool (its experts, its Warm
-    attention) takes one thread per other core, never fewer than one. 0: it takes them all,
+    """How many of those CPUs (the last ones) the CPU daemon leaves to the GPU daemon when it
+    drives a GPU, whose thread waits on the device by spinning: the CPU daemon's torch pool
+    (its experts, its Warm attention) takes one thread per other core, never fewer than one
+    (with the engine on the CPU, all of them). 0: it takes them all,
     and a parallel region waits whenever the spinning thread holds one of its cores (on the
     2-core CI machine a mixtral-8x7b expert at one token took ~16 ms alone on both cores and
     ~31 ms beside one spinning process, on two threads or on one: the second thread bought

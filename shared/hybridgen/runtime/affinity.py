@@ -42,15 +42,21 @@ def check_cores(
 
 
 def cpu_daemon_cores(
-    cores: Sequence[int] | None, gpu_daemon_cores: int, available: Iterable[int] | None = None
+    cores: Sequence[int] | None,
+    gpu_daemon_cores: int,
+    device: str,
+    available: Iterable[int] | None = None,
 ) -> list[int]:
     """The CPU daemon's cores: `cores` (or every core this process may use, or `available`)
-    less the last `gpu_daemon_cores` of them, which the GPU daemon's spinning thread keeps
-    for itself; at least one core."""
+    less the last `gpu_daemon_cores` of them, which the GPU daemon's thread keeps for itself
+    while it spins on the device; at least one core. With the engine on the CPU (`device`,
+    the GPU daemon's --device) it takes them all: the GPU daemon then waits for the CPU
+    daemon's answers asleep, and a core left out would only idle."""
     pool = sorted(set(os.sched_getaffinity(0) if available is None else available))
     if cores is not None:
         pool = check_cores(cores, "device_topology.cpu.cores", pool)
-    return pool[: max(len(pool) - gpu_daemon_cores, 1)]
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return pool[: max(len(pool) - (gpu_daemon_cores if on_gpu else 0), 1)]
 
 
 def bind(cores: Sequence[int] | None, key: str) -> list[int]:
