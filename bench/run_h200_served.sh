@@ -15,7 +15,7 @@
 #          of each part of the MoE layers' expert step (bench/moe_batch_profile.py)
 #   moe_kernels  the int4 expert kernels' CUDA tests (test_kernels.py -k "int4 or quant"), the
 #          prefill dequantization against torch's ops (expert_dequant_bench.py) and a CPU expert
-#          beside a spinning process and beside H2D copies (cpu_expert_contention.py)
+#          beside a spinning process and beside H2D copies (cpu_contention.py)
 #   b4c_hf HF's Qwen3-MoE of the same shape under accelerate in the same budget (moe_bench's
 #          accelerate case), for B4c's comparison
 #   b7     llama3-70b, int4 weights, 24 GB budget, layers past gpu_layers auto in host memory
@@ -106,7 +106,7 @@ for what in "$@"; do
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "int4 or quant" \
         >"$OUT/moe_kernel_tests.log" 2>&1; tail -n 3 "$OUT/moe_kernel_tests.log"
       python3 bench/expert_dequant_bench.py 2>>"$OUT/moe_stderr.log"
-      timeout 120 python3 bench/cpu_expert_contention.py 2>>"$OUT/moe_stderr.log"
+      timeout 120 python3 bench/cpu_contention.py 2>>"$OUT/moe_stderr.log"
       ;;
     b4c_hf)
       timeout 540 python3 -m hybridgen.benchmarks.moe_bench --model qwen3-30b-a3b --budget-mb 12288 \

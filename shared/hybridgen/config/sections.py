@@ -86,9 +86,9 @@ class CpuTopology:
     (its experts, its Warm attention) takes one thread per other core, never fewer than one
     (with the engine on the CPU, all of them). 0: it takes them all,
     and a parallel region waits whenever the spinning thread holds one of its cores (on the
-    2-core CI machine a mixtral-8x7b expert at one token took ~16 ms alone on both cores and
-    ~31 ms beside one spinning process, on two threads or on one: the second thread bought
-    nothing; bench/cpu_expert_contention.py)."""
+    2-core CI machine a mixtral-8x7b expert at one token took ~14 ms alone on both cores and
+    26-30 ms beside one spinning process, on two threads or on one: the second thread bought
+    nothing; bench/cpu_contention.py)."""
     memory_mb: int | None = shared(None, "device_topology.cpu.memory_mb")
     """Host memory budget for Warm-KV, Cold tiers and experts; null: derived from free RAM."""
     bandwidth_gbps: float | None = shared(None, "device_topology.cpu.bandwidth_gbps")
