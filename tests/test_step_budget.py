@@ -283,6 +283,81 @@ def test_bursts_in_a_row_keep_their_ttft(
     assert max(gaps[1:]) < 0.05, gaps
 
 
+def test_a_fixed_cost_of_prefill_steps_is_not_charged_per_token() -> None:
+    """Steps that pay 300 ms for any prefill and 50 us a token (a MoE model's experts): once
+    one kind of step carried prefill of sizes 2x apart, per_unit is their slope, not the
+    prefill-only step's average (1.2 ms a token), and the fixed part goes to mixed(B)."""
+    sb = StepBudget(target_s=0.025, key_weight=0.0, decode={1: 0.014})
+    sb.observe(0, [(256, 0)], 0.300 + 256 * 50e-6)
+    assert sb.per_unit == pytest.approx(0.3128 / 256)
+    sb.observe(1, [(48, 0)], 0.314 + 48 * 50e-6)
+    assert sb.per_unit == pytest.approx(0.3128 / 256), "one size of each kind: no slope"
+    sb.observe(1, [(200, 0)], 0.314 + 200 * 50e-6)
+    assert sb.per_unit == pytest.approx(50e-6)
+    assert sb.average == pytest.approx(0.3128 / 256)
+    sb.observe(1, [(100, 0)], 0.314 + 100 * 50e-6)
+    assert sb.mixed_s(1) == pytest.approx(0.314, rel=0.02)
+    # 289 ms over the target: prefill may add as much, ~5,800 tokens at the slope
+    assert sb.allowance(1) == pytest.approx((0.314 - 0.025) / 50e-6, rel=0.02)
+    noisy = StepBudget(target_s=0.025, key_weight=0.0, per_unit=1e-3)
+    for units, seconds in [(50, 0.32), (200, 0.31)]:  # longer with fewer tokens: noise
+        noisy.observe(0, [(units, 0)], seconds)
+    assert noisy.per_unit == pytest.approx(step_budget.SLOPE_FLOOR * noisy.average)
+
+
+def _clock_moe(rows: int, tokens: int, first: bool) -> tuple[float, float | None]:
+    """B4c on the H100 (qwen3-30b-a3b, half its int4 experts in host memory): decode-only
+    steps 14-34 ms; any step with prefill ~300 ms more (nearly every expert touched, a third
+    fetched), and 50 us a prompt token beyond that."""
+    decode = 0.0087 + 0.0063 * rows if rows else 0.0
+    return decode + (0.300 + 50e-6 * tokens if tokens else 0.0), None
+
+
+def test_prompts_beside_decodes_go_in_whole_where_prefill_costs_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B4c's 4 streams at once, served: one prompt goes in alone, three arrive while it
+    decodes. Every step with prefill costs ~300 ms, so small chunks waste them: the three
+    have their first tokens 0.98 s after they came, three such steps (with per_unit the
+    average cost per token, the last waited 2.6 s on this clock)."""
+    engine = Engine(
+        EngineConfig(
+            model="tiny-llama",
+            device="cpu",
+            max_model_len=512,
+            max_num_seqs=4,
+            max_num_batched_tokens=2048,
+            decode_steps=1,
+            step_latency_ms=25.0,
+        )
+    )
+    engine.step_times.key_weight = 0.0
+    clock = [0.0]
+    observe = engine.step_times.observe
+
+    def simulated(rows: int, chunks: list[tuple[int, int]], seconds: float, _: object) -> None:
+        seconds, launch = _clock_moe(rows, sum(n for n, _ in chunks), False)
+        clock[0] += seconds
+        observe(rows, chunks, seconds, launch)
+
+    monkeypatch.setattr(engine.step_times, "observe", simulated)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request("a", list(range(3, 259)), params)
+    engine.step()
+    came = clock[0]
+    for i in range(3):
+        engine.add_request(f"b{i}", list(range(10 + i, 266 + i)), params)
+    ttft: dict[str, float] = {}
+    while len(ttft) < 3:
+        engine.step()
+        ttft.update(
+            (rid, clock[0] - came)
+            for rid, seq in engine.seqs.items()
+            if rid.startswith("b") and rid not in ttft and seq.num_output_tokens
+        )
+    assert max(ttft.values()) < 1.1, ttft
+
+
 def test_model_info_reports_both_step_models() -> None:
     """GetModelInfo carries what the step budget goes by: decode-only steps and the part of
     mixed ones beside their prefill, by batch bucket, also when they come as JSON (the

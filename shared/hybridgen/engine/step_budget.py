@@ -32,12 +32,21 @@ so the room a step with decodes has is max(target, launch) - mixed(B). (Without 
 steps of 8 decodes and 16 prompt tokens took 30 ms, and 64 prompts of 512 waited 7 s for
 their first tokens.)
 
-per_unit and mixed(B) are the low medians of their last WINDOW samples, launch the least of
-its last WINDOW (noise only adds to a launch): a step that compiles a kernel the first time
-(up to 1.7 s on the H100) must not set the budget for the bursts after it, and prefill-only
-steps come once a burst (an average they entered first held B2's prefill to MIN_TOKENS a
-step at 12x the true cost per token). A figure given at construction stands until the first
-measurement replaces it.
+Where a step that carries prefill pays a large cost whatever its size (a MoE model's first
+touch of nearly every expert: B4c's steps with a 16-token chunk took 330 ms beside 14 ms
+decodes), a prefill-only step's time over its units is its average cost, not what one more
+token costs, and prefill beside decodes crept in small chunks (four 256-token prompts at
+once: TTFT p50 2.9 s, p99 4.6 s on the H100). So once steps of one kind (the same bucket of
+decode rows, or none) carried prefill whose units differ SPREAD-fold, per_unit is the slope
+of their time against their units (a line per kind, one slope), where that is below the
+average: the fixed part falls to mixed(B).
+
+per_unit's average and mixed(B) are the low medians of their last WINDOW samples, launch
+the least of its last WINDOW (noise only adds to a launch): a step that compiles a kernel
+the first time (up to 1.7 s on the H100) must not set the budget for the bursts after it,
+and prefill-only steps come once a burst (an average they entered first held B2's prefill
+to MIN_TOKENS a step at 12x the true cost per token). A figure given at construction stands
+until the first measurement replaces it.
 """
 
 from __future__ import annotations
@@ -65,6 +74,13 @@ OVERRUN_SHARE = 1.0
 step only starves arrivals (64 streams at once: 27.3 s there, 11.6 s with this, 12.3 with no
 limit; served SmolLM2, 8 tokens each): the
 prefill beside them may then take this share of the overrun (0: MIN_TOKENS, as before)."""
+
+
+SPREAD = 2.0
+"""Least ratio of the largest prefill to the smallest, among one kind's recent steps, for
+their slope to be a per-unit cost (module doc)."""
+SLOPE_FLOOR = 0.01
+"""A slope is taken down to this share of the average per unit (noise can make it zero)."""
 
 
 def key_weight(spec: ModelSpec) -> float:
@@ -115,7 +131,13 @@ class StepBudget:
     launch: float | None = None
     """Measured host seconds to queue an eager forward pass (the least of the last WINDOW,
     from the second on); None until measured, and where steps run as they are called."""
+    average: float | None = field(default=None, init=False)
+    """The low median of prefill-only steps' seconds per unit (per_unit where no slope is
+    known, and its ceiling)."""
     _per_unit: _Window = field(default_factory=_Window, init=False, repr=False)
+    _lines: dict[int, deque[tuple[float, float]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
     _mixed: dict[int, _Window] = field(default_factory=dict, init=False, repr=False)
     _launch: _Window = field(default_factory=_Window, init=False, repr=False)
 
@@ -160,6 +182,10 @@ class StepBudget:
         if launch_s is not None:  # a floor once two launches were seen (one may compile)
             floor = self._launch.least(launch_s)
             self.launch = floor if len(self._launch.samples) > 1 else None
+        if not host_bound:
+            kind = _bucket(decode_rows) if decode_rows else 0
+            line = self._lines.setdefault(kind, deque(maxlen=WINDOW))
+            line.append((units, seconds - self._decode_s(decode_rows)))
         if not decode_rows or self.per_unit is None:
             # Prefill alone; or, with nothing else to go by, a mixed step's time beyond its
             # decodes (a noisy decode figure never makes the prefill free: at least a quarter).
@@ -167,14 +193,33 @@ class StepBudget:
             if host_bound:  # the prefill cost at most this: a bound on a figure, not one
                 if self.per_unit is None:
                     return
-                per = min(per, self.per_unit)
-            self.per_unit = self._per_unit.median(per)
+                per = min(per, self.average or self.per_unit)
+            self.average = self._per_unit.median(per)
+            self.per_unit = self._marginal(self.average)
             return
+        self.per_unit = self._marginal(self.average or self.per_unit)
         bucket = _bucket(decode_rows)
         fixed = max(seconds - self.per_unit * units, 0.0)
         if host_bound:
             fixed = min(fixed, self.mixed_s(decode_rows))
         self.mixed[bucket] = self._mixed.setdefault(bucket, _Window()).median(fixed)
+
+    def _marginal(self, average: float) -> float:
+        """`average`, or where it is higher, the slope of recent prefill steps' time against
+        their units, fitted with one intercept per kind of step (module doc)."""
+        sxx = sxy = 0.0
+        spread = False
+        for line in self._lines.values():
+            if len(line) < 2:
+                continue
+            xs = [u for u, _ in line]
+            spread = spread or max(xs) >= SPREAD * min(xs)
+            mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in line)
+            sxx += sum((u - mx) ** 2 for u in xs)
+            sxy += sum((u - mx) * (t - my) for u, t in line)
+        if not spread or sxx <= 0:
+            return average
+        return min(average, max(sxy / sxx, SLOPE_FLOOR * average))
 
     def mixed_s(self, rows: int) -> float:
         """The part of a step with `rows` decodes and some prefill that is not the prefill's:
