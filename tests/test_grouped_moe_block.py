@@ -19,6 +19,7 @@ from hybridgen.experts import latency as latency_module
 from hybridgen.experts.grouped import HitLaunches
 from hybridgen.experts.store import ExpertCache, MoeStats
 from hybridgen.kernels import ops
+from hybridgen.kernels import triton_quant_gemv as t_qgemv
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import enable_cold_weights, moe_blocks
 from tests.kernel_helpers import DEVICE, rel_err
@@ -106,6 +107,46 @@ def test_grouped_block_equals_per_expert_path(
     assert 0 < len(launches) <= len(expected)  # one per layer and step at most
     if limit == 1:
         assert mine.cpu_experts > 0
+
+
+def test_a_chunk_beside_decodes_groups_its_experts_of_few_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of 48 rows (a prompt's chunk beside decodes, past MAX_ROWS and within
+    GROUPED_STEP_ROWS): its experts of up to MAX_ROWS rows run in the layer's launch, the
+    others on their own (dequantized), and the outputs are the per-expert path's. Before,
+    every expert of such a step ran on its own."""
+    tokens = 24
+    assert t_qgemv.MAX_ROWS < tokens <= ops.GROUPED_STEP_ROWS
+    launches = _counted_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(24)
+    # 20 rows of one token route to the same two experts (past MAX_ROWS); 4 others spread
+    xs = [
+        torch.cat([torch.randn(1, 128, generator=gen).expand(20, -1), torch.randn(4, 128)])
+        .contiguous()
+        .to(DEVICE)
+        for _ in range(2)
+    ]
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
+    expected, theirs = _run("tiny-mixtral", "int4", 0, xs, launches)
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", True)
+    alone: list[int] = []  # rows of the experts run on their own
+    run_alone = ExpertCache.run
+
+    def counted(self: ExpertCache, slot: int, x: torch.Tensor) -> torch.Tensor:
+        alone.append(x.shape[0])
+        return run_alone(self, slot, x)
+
+    monkeypatch.setattr(ExpertCache, "run", counted)
+    got, mine = _run("tiny-mixtral", "int4", 0, xs, launches)
+    for out, ref in zip(got, expected, strict=True):
+        assert rel_err(out, ref) < 1e-5
+    assert (mine.gpu_experts, mine.routed) == (theirs.gpu_experts, theirs.routed)
+    assert len(launches) == len(expected), "a launch in every layer and step"
+    big = [n for n in alone if n > t_qgemv.MAX_ROWS]  # `alone` has the calibration's, too
+    assert big and sum(launches) > 0, (launches, alone)
+    # the rest ran in the launches, but for misses with no scratch slot left
+    assert 0 <= mine.gpu_experts - sum(launches) - len(big) <= mine.cache_misses
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

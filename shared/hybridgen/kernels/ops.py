@@ -45,6 +45,7 @@ __all__ = [
     "decode_attention",
     "expert_weighted_sum",
     "grouped_expert_swiglu",
+    "grouped_expert_takes",
     "grouped_experts_usable",
     "linear",
     "merge_attention_partials",
@@ -108,16 +109,32 @@ GROUPED_EXPERTS = True
 (False: one call per expert; for benchmarks that compare the two)."""
 
 
+GROUPED_STEP_ROWS = 64
+"""Most rows of a step whose experts go through grouped_expert_swiglu. Its experts of up to
+triton_quant_gemv.MAX_ROWS rows each join the launch (the per-expert kernels' range: they
+too read an expert's weights once a row), those with more dequantize and multiply on their
+own. A prompt's chunk beside decodes was past MAX_ROWS as a whole, so every expert of a
+step with 16 prompt tokens ran alone, ~10 launches each (qwen3-30b-a3b: ~80 experts in each
+of 48 layers); past 64 rows the host's grouping of T x k pairs (pack_step) costs more than
+the launches it saves, and few experts have so few rows."""
+
+
 def grouped_experts_usable(x: Tensor, fmt: str) -> bool:
-    """Whether the experts of a step on x [T, H], stored in `fmt`, run through
-    grouped_expert_swiglu: int8 / int4 on CUDA for up to triton_quant_gemv.MAX_ROWS rows, the
-    per-expert kernels' range (more rows dequantize and multiply)."""
+    """Whether the experts of a step on x [T, H], stored in `fmt`, go through
+    grouped_expert_swiglu (those it takes: grouped_expert_takes): int8 / int4 on CUDA, for
+    up to GROUPED_STEP_ROWS rows."""
     return (
         GROUPED_EXPERTS
         and fmt in ("int8", "int4")
         and _use_triton(x)
-        and x.shape[0] <= triton_quant_gemv.MAX_ROWS
+        and x.shape[0] <= GROUPED_STEP_ROWS
     )
+
+
+def grouped_expert_takes(tokens: int) -> bool:
+    """Whether an expert with `tokens` routed rows runs in the grouped launch (up to
+    triton_quant_gemv.MAX_ROWS; more: on its own, dequantized)."""
+    return tokens <= triton_quant_gemv.MAX_ROWS
 
 
 def grouped_expert_swiglu(

@@ -251,7 +251,11 @@ class SparseMoeBlock(nn.Module):
         assert self.cold is not None and self.store is not None
         layer, cache, _ = self.cold
         placed = self._place(x, ids, x.device)  # rows on the device: x[rows] waits for nothing
-        on_device = [r for r in placed.routed if r.expert not in placed.on_cpu]
+        on_device = [
+            r
+            for r in placed.routed
+            if r.expert not in placed.on_cpu and ops.grouped_expert_takes(r.tokens)
+        ]
         # Hits first, so that no miss's copy takes the slot of one of the step's hits.
         on_device.sort(key=lambda r: (layer, r.expert) not in cache)
         slots: dict[int, int] = {}
@@ -264,7 +268,7 @@ class SparseMoeBlock(nn.Module):
         cache.stats.gpu_experts += len(slots)
         others = [r for r in placed.routed if r.expert not in slots]
         packed = pack_step(ids, slots, [r.expert for r in others])
-        if not others and cache.hit_launches is not None:
+        if not others and cache.hit_launches is not None and ops.grouped_expert_takes(len(x)):
             return cache.hit_launches.run(x, packed, weights)
         table = step_table(packed, ids.shape[1], x.device)
         y = launch_hits(x, table, cache, GROUP)
