@@ -120,4 +120,4 @@ for what in "$@"; do
     *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_profile] [moe_kernels] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
   esac
 done
-tail -n 3 "$OUT/load_stderr.log" 2>/dev/null
+if [ -f "$OUT/load_stderr.log" ]; then tail -n 3 "$OUT/load_stderr.log"; fi
