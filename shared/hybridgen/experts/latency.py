@@ -24,7 +24,7 @@ the crossover outright.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -50,13 +50,15 @@ CPU_SCALE_WEIGHT = 0.1
 """Weight of each observation in LatencyModel.cpu_scale's moving average."""
 CPU_SCALE_LIMIT = 8.0
 """One observation counts as at most this factor either way (a page fault, a stall)."""
-CPU_SCALE_FORGET = 0.002
-"""cpu_scale only learns from experts the CPU computes, so each layer whose misses all go to
-the device moves it this much back towards the start-up timing (1.0): a few slow early
-experts (B4a served learned 4.3 from 27, then fetched every other miss) cannot keep the CPU
-out for good. A CPU 4x slower in earnest, chosen below 1.2x, is tried again once every ~440
-such layers: one observation takes the scale from 1.2 to 1.48, which takes that long to
-forget (~9 steps of B4c's 48 layers)."""
+EXPLORE_LAYERS = 64
+"""cpu_scale learns only from experts the CPU computes, so a layer with misses, after this
+many in a row that put none on the CPU, sends its fewest-token miss there anyway and learns
+its time. A start-up timing or a few early experts that read too slow cannot keep the CPU
+out for good: on the H200 (503b927) B4a's start-up timed an expert at 4.8 ms (1.1-1.7 in the
+contention probe on the same host), and the CPU daemon computed 163 of 46,042 experts. At
+B4a's 32 layers that is one CPU expert every two steps, at worst a few ms of a ~80 ms step
+where the CPU is as slow as timed. (Before: each such layer moved cpu_scale 0.2 % towards the
+start-up timing, which kept a pessimistic one.)"""
 
 
 @dataclass
@@ -85,6 +87,9 @@ class LatencyModel:
     """Under the daemons: what one EXPERT_RUN round trip adds to the CPU daemon's compute (the
     rings, the wake-ups, the copies), a moving average (observe_remote); a layer that sends
     any expert to the CPU daemon pays it once."""
+
+    _unused: int = field(default=0, init=False, repr=False)
+    """Layers with misses in a row that put none on the CPU (_explore)."""
 
     def observe_remote(self, seconds: float) -> None:
         """One EXPERT_RUN took `seconds` from hand-over to answer beyond its compute."""
@@ -127,8 +132,7 @@ class LatencyModel:
         chosen: set[int] = set()
         if not overlap or self.max_cpu_tokens_override is not None:
             chosen = {e for e, tokens in uncached if tokens <= self.cpu_max_tokens}
-            self._forget(bool(uncached) and not chosen)
-            return chosen
+            return self._explore(uncached, chosen)
         device_s, cpu_s = cached * self.gpu_s, 0.0
         for expert, tokens in sorted(uncached, key=lambda job: job[1]):
             cost = self.cpu_s(tokens) + (0.0 if chosen else self.remote_s)
@@ -139,13 +143,19 @@ class LatencyModel:
                 cpu_s += cost
             else:
                 device_s += self.fetch_s + self.gpu_s
-        self._forget(bool(uncached) and not chosen)
-        return chosen
+        return self._explore(uncached, chosen)
 
-    def _forget(self, unused: bool) -> None:
-        """A layer with misses and none of them on the CPU: cpu_scale drifts back to 1."""
-        if unused and self.max_cpu_tokens_override is None:
-            self.cpu_scale += CPU_SCALE_FORGET * (1.0 - self.cpu_scale)
+    def _explore(self, uncached: list[tuple[int, int]], chosen: set[int]) -> set[int]:
+        """`chosen`, or after EXPLORE_LAYERS layers with misses in a row and none on the CPU,
+        the fewest-token miss (not where the crossover is pinned)."""
+        if chosen or not uncached or self.max_cpu_tokens_override is not None:
+            self._unused = 0 if chosen else self._unused
+            return chosen
+        self._unused += 1
+        if self._unused < EXPLORE_LAYERS:
+            return chosen
+        self._unused = 0
+        return {min(uncached, key=lambda job: job[1])[0]}
 
     def figures(self) -> dict[str, float]:
         return {
