@@ -55,6 +55,7 @@ def _copy_to_device(stop: Event) -> None:
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     gate_up, down = (PackedMatrices.pack(w, "int4") for w in expert_weights(gen))
+    x = torch.randn(4, HIDDEN, generator=gen).bfloat16()
     cold = itertools.cycle(
         list(zip(_copies(gate_up, COLD_COPIES), _copies(down, COLD_COPIES), strict=True))
     )
@@ -62,7 +63,6 @@ def main() -> None:
     def cold_call() -> None:  # each call another copy: read from memory, not the cache
         swiglu_packed(x[:1], *next(cold), 0)
 
-    x = torch.randn(4, HIDDEN, generator=gen).bfloat16()
     cpu = torch.device("cpu")
     cores = torch.get_num_threads()
     besides: dict[str, Callable[[Event], None] | None] = {"alone": None, "a spinner": _spin}

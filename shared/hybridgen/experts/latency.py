@@ -148,8 +148,9 @@ class LatencyModel:
     def _explore(self, uncached: list[tuple[int, int]], chosen: set[int]) -> set[int]:
         """`chosen`, or after EXPLORE_LAYERS layers with misses in a row and none on the CPU,
         the fewest-token miss (not where the crossover is pinned)."""
+        if chosen:
+            self._unused = 0
         if chosen or not uncached or self.max_cpu_tokens_override is not None:
-            self._unused = 0 if chosen else self._unused
             return chosen
         self._unused += 1
         if self._unused < EXPLORE_LAYERS:

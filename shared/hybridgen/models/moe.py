@@ -268,6 +268,7 @@ class SparseMoeBlock(nn.Module):
         cache.stats.gpu_experts += len(slots)
         others = [r for r in placed.routed if r.expert not in slots]
         packed = pack_step(ids, slots, [r.expert for r in others])
+        # graphs only for steps of up to MAX_ROWS rows (decode batches), not each chunk size
         if not others and cache.hit_launches is not None and ops.grouped_expert_takes(len(x)):
             return cache.hit_launches.run(x, packed, weights)
         table = step_table(packed, ids.shape[1], x.device)
