@@ -9,7 +9,13 @@ import time
 import pytest
 
 from hybridgen.engine.engine import Engine
-from hybridgen.kvtiers.prefix_cache import EXPLORE_EVERY, KeepGate, PrefixHits
+from hybridgen.kvtiers.prefix_cache import (
+    COST_SAMPLES,
+    EXPLORE_EVERY,
+    MIN_SAMPLES,
+    KeepGate,
+    PrefixHits,
+)
 from hybridgen.kvtiers.warm_pool import HEADER_SIZE, slot_bytes_for
 from hybridgen.kvtiers.warm_tier import warm_codec_for
 from hybridgen.sampling.params import SamplingParams
@@ -26,8 +32,9 @@ def test_gate_keeps_while_kept_blocks_come_back() -> None:
     candidate, so that reuse starting again reopens it."""
     gate = KeepGate()
     assert gate.pays(None) and gate.pays(1e-3)  # nothing measured: keep
-    gate.kept_blocks(100, 100 * 1e-5)  # 10 us a block to keep
-    gate.returned_blocks(100)
+    for _ in range(MIN_SAMPLES):
+        gate.kept_blocks(100, 100 * 1e-5)  # 10 us a block to keep
+    gate.returned_blocks(MIN_SAMPLES * 100)
     assert gate.pays(1e-3)  # all came back, 1 ms to recompute
     gate.kept_blocks(20_000, 0.2)  # distinct prompts: nothing comes back
     assert gate.share < 0.01
@@ -36,6 +43,24 @@ def test_gate_keeps_while_kept_blocks_come_back() -> None:
     gate.returned_blocks(20_000)  # a chat workload starts
     assert gate.pays(1e-3)
     assert not gate.pays(5e-6)  # cheaper to compute than to copy: never
+
+
+def test_one_slow_copy_does_not_shut_the_gate() -> None:
+    """The gate's costs are medians of the latest timings: a first copy slowed 100 times (the
+    first writes into fresh pool memory, a preempted process) neither shuts the gate nor,
+    among copies of the usual cost, moves it; copies that stay slow do."""
+    gate = KeepGate()
+    gate.kept_blocks(4, 4 * 1e-2)  # 10 ms a block, once
+    for _ in range(MIN_SAMPLES - 1):
+        assert gate.keep_s is None and gate.pays(1e-3)
+        gate.kept_blocks(4, 4 * 1e-4)  # 100 us a block, as copies take
+    gate.returned_blocks(12)
+    assert gate.keep_s == 1e-4 and gate.pays(1e-3)
+    assert all(gate.pays(1e-3) for _ in range(2 * EXPLORE_EVERY)) and gate.shut == 0
+    for _ in range(COST_SAMPLES):
+        gate.kept_blocks(4, 4 * 1e-2)
+    gate.returned_blocks(4 * COST_SAMPLES)
+    assert gate.keep_s == 1e-2 and not gate.pays(1e-3)
 
 
 def test_hits_by_tier() -> None:
@@ -174,7 +199,8 @@ def test_writes_back_stop_when_they_do_not_pay(checkpoint) -> None:  # type: ign
     engine = small_engine(path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2)
     assert engine.offload is not None
     gate = engine.offload.keep_gate
-    gate.kept_blocks(1, 10.0)  # ten seconds a block: never worth it
+    for _ in range(MIN_SAMPLES):
+        gate.kept_blocks(1, 10.0)  # ten seconds a block: never worth it
     gate.kept_blocks = lambda n, s: None  # type: ignore[method-assign]
     engine.step_times.per_unit = 1e-6  # and a block computes in microseconds
     chat(engine, path, system, users)

@@ -11,7 +11,8 @@ greedy with EOS ignored. At most C conversations are in flight (one holds its sl
 first turn to its last answer). Each turn is one request of the load client's figures
 (load.py: TTFT, gaps, tok/s; no steady window, as turns never all decode at once), and each
 run also reports what GetModelInfo counted during it: prefix hits and tokens not computed,
-by tier (hot, warm, cold), the blocks written back for reuse, and the spill decisions.
+by tier (hot, warm, cold), the blocks written back for reuse and those the keep gate skipped,
+and the spill decisions.
 
 A warm-up run replays the first 4 conversations' first 2 turns with ids of their own (it
 compiles the kernels at the lengths that matter without warming the cache of the timed run).
@@ -38,6 +39,7 @@ COUNTERS = (
     *(f"prefix_{tier}_{what}" for what in ("hits", "tokens") for tier in ("hot", "warm", "cold")),
     "prefix_cached_tokens",
     "warm_kept_blocks",
+    "warm_keep_skipped",
     *(f"spill_decisions_{c}" for c in ("wait", "swap", "turns", "spill")),
 )
 """GetModelInfo counters a run reports the growth of."""
@@ -199,5 +201,6 @@ def prefix_line(counts: dict[str, float]) -> str:
     )
     return (
         f"prefix cache: {counts['prefix_cached_tokens']:.0f} prompt tokens not computed ({tiers});"
-        f" {counts['warm_kept_blocks']:.0f} blocks kept in Warm; spill decisions: {decisions}"
+        f" {counts['warm_kept_blocks']:.0f} blocks kept in Warm"
+        f" ({counts['warm_keep_skipped']:.0f} skipped); spill decisions: {decisions}"
     )

@@ -13,6 +13,8 @@ thus stops paying for copies nobody reads, and a chat workload keeps them.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 PRIOR_BLOCKS = 64.0
@@ -25,8 +27,12 @@ workload that changes."""
 EXPLORE_EVERY = 8
 """While the gate is shut, every this-many-th candidate is kept anyway, so that a workload
 that starts reusing is seen."""
-COST_EMA = 0.2
-"""Weight of a new timing in the gate's cost averages."""
+COST_SAMPLES = 9
+"""The gate's costs are the median of this many latest timings: a copy slowed by a page
+fault or a preemption (the first writes into fresh pool memory, a loaded host) must not shut
+the gate, as one such timing did when the costs were running averages."""
+MIN_SAMPLES = 3
+"""Until this many copies are timed, the gate keeps (one timing has no median)."""
 
 
 class KeepGate:
@@ -43,10 +49,10 @@ class KeepGate:
         """Blocks kept (decayed)."""
         self.returned = PRIOR_BLOCKS
         """Blocks taken back from the tier (decayed the same way)."""
-        self.keep_s: float | None = None
-        """Seconds to copy one block into the tier (measured)."""
-        self.back_s: float | None = None
-        """Seconds to bring one block back (measured; the copy in until measured)."""
+        self._keep: deque[float] = deque(maxlen=COST_SAMPLES)
+        """Seconds a block took to copy into the tier, latest copies."""
+        self._back: deque[float] = deque(maxlen=COST_SAMPLES)
+        """Seconds a block took to come back, latest timed returns."""
         self.shut = 0
         """Candidates not kept because it did not pay."""
         self._asked = 0
@@ -56,13 +62,25 @@ class KeepGate:
         """Kept blocks that came back, as a share (decayed)."""
         return min(self.returned / self.kept, 1.0)
 
+    @property
+    def keep_s(self) -> float | None:
+        """Seconds to copy one block into the tier (COST_SAMPLES; None: fewer than
+        MIN_SAMPLES copies timed)."""
+        return _median(self._keep)
+
+    @property
+    def back_s(self) -> float | None:
+        """Seconds to bring one block back (as keep_s; None: the copy in stands for it)."""
+        return _median(self._back)
+
     def pays(self, recompute_s: float | None) -> bool:
         """Whether to keep a candidate whose blocks take `recompute_s` each to compute (None:
         not measured yet: keep)."""
-        if recompute_s is None or self.keep_s is None:
+        keep = self.keep_s
+        if recompute_s is None or keep is None:
             return True
-        back = self.back_s if self.back_s is not None else self.keep_s
-        if self.share * (recompute_s - back) > self.keep_s:
+        back = self.back_s
+        if self.share * (recompute_s - (keep if back is None else back)) > keep:
             return True
         self._asked += 1
         if self._asked % EXPLORE_EVERY == 0:
@@ -77,7 +95,7 @@ class KeepGate:
         decay = 0.5 ** (n / HALF_LIFE_BLOCKS)
         self.kept = self.kept * decay + n
         self.returned *= decay
-        self.keep_s = _ema(self.keep_s, seconds / n)
+        self._keep.append(seconds / n)
 
     def returned_blocks(self, n: int, seconds: float | None = None) -> None:
         """`n` kept blocks were taken back (in `seconds`, when timed)."""
@@ -85,11 +103,11 @@ class KeepGate:
             return
         self.returned += n
         if seconds is not None:
-            self.back_s = _ema(self.back_s, seconds / n)
+            self._back.append(seconds / n)
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + COST_EMA * (new - old)
+def _median(timings: deque[float]) -> float | None:
+    return statistics.median(timings) if len(timings) >= MIN_SAMPLES else None
 
 
 @dataclass
