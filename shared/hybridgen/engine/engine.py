@@ -21,6 +21,11 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+# The prefill kernels' CausalBias (kernels/reference.py imports it where it is used): its
+# module imports torch._dynamo, ~2 s on 2 cores that the processes without an engine (the CPU
+# daemon, the gateway) need not pay, and that an engine pays here, at start, not in a request.
+import torch.nn.attention.bias
+
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.engine.block_pool import BlockPool
 from hybridgen.engine.host_layer_setup import setup_host_layers

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from hybridgen.kernels import int4_layout
 from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks, quantize_tokens
@@ -166,6 +165,8 @@ def _prefill_one(
         # A chunk after cached context: causal aligned to the last key. As a CausalBias (not a
         # tensor mask) it keeps SDPA on a fused CUDA kernel, with no [Hq, n, keys] scores or
         # mask in memory, which long contexts cannot afford.
+        from torch.nn.attention.bias import causal_lower_right  # engine.py: why here
+
         bias = causal_lower_right(n, n_keys)
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, scale=scale)
     else:

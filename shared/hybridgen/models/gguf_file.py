@@ -1,9 +1,9 @@
 """A GGUF file (ggml's format, what llama.cpp and Ollama serve): its metadata as a ModelSpec,
 its tensors under the HF names the loader knows.
 
-Read with the `gguf` package (ggml's own reader, which memory-maps the file), so nothing is
-read twice and a tensor is dequantized only when the loader asks for it. What llama.cpp's
-converter changed is undone here, as transformers undoes it:
+Read by gguf_reader.py, which memory-maps the file, so nothing is read twice and a tensor
+is dequantized (by the `gguf` package, ggml's own code) only when the loader asks for it.
+What llama.cpp's converter changed is undone here, as transformers undoes it:
   - names: `blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, and so on;
   - the llama architecture's q and k rows are permuted for ggml's interleaved rotary
     embedding (`permute` in convert_hf_to_gguf.py); `unpermute_rows` restores HF's order.
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hybridgen.models.errors import ModelLoadError
+from hybridgen.models.gguf_reader import GgufFormatError, GgufReader
 from hybridgen.models.spec import ModelSpec, RopeSpec
 
 GGUF_SUFFIX = ".gguf"
@@ -111,10 +112,8 @@ class GgufFile:
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: no such GGUF file")
         try:
-            from gguf import GGUFReader
-
-            self._reader = GGUFReader(str(self.path))
-        except Exception as exc:  # bad magic, truncated tables or data, garbage lengths
+            self._reader = GgufReader(self.path)
+        except (GgufFormatError, OSError) as exc:
             raise ModelLoadError(
                 f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
                 "the file is truncated or corrupt, download it again"
@@ -125,15 +124,11 @@ class GgufFile:
 
     def get(self, key: str, default: Any = None, required: bool = False) -> Any:
         """A metadata value (a string, number, or a list for arrays)."""
-        field = self._reader.fields.get(key)
-        if field is None:
+        if key not in self._reader.fields:
             if required:
                 raise ModelLoadError(f"{self.path}: metadata key '{key}' is missing")
             return default
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise ModelLoadError(f"{self.path}: metadata key '{key}' is corrupt ({exc})") from None
+        return self._reader.fields[key]
 
     def arch_key(self, key: str, default: Any = None, required: bool = False) -> Any:
         """`{architecture}.{key}`, e.g. llama.block_count."""
@@ -141,9 +136,9 @@ class GgufFile:
 
     def _check_types(self) -> None:
         for t in self._reader.tensors:
-            if t.tensor_type.name not in SUPPORTED_TYPES:
+            if t.qtype.name not in SUPPORTED_TYPES:
                 raise ModelLoadError(
-                    f"{self.path}: tensor '{t.name}' has ggml type {t.tensor_type.name}, which is "
+                    f"{self.path}: tensor '{t.name}' has ggml type {t.qtype.name}, which is "
                     f"not supported; supported: {', '.join(SUPPORTED_TYPES)}"
                 )
 
@@ -151,7 +146,7 @@ class GgufFile:
         """How many tensors of each ggml type the file holds."""
         counts: dict[str, int] = {}
         for t in self._reader.tensors:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+            counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
         return counts
 
     def has_tensor(self, name: str) -> bool:
@@ -160,12 +155,11 @@ class GgufFile:
     def tensor(self, name: str) -> GgufTensor:
         """One tensor by its ggml name, as stored."""
         t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return GgufTensor(t.tensor_type.name, shape, t.data)
+        return GgufTensor(t.qtype.name, tuple(reversed(t.dims)), t.data)
 
     def rows(self, name: str) -> int:
         """Leading dimension of a tensor in HF order (a matrix's output rows)."""
-        return int(self._tensors[name].shape[-1])
+        return self._tensors[name].dims[-1]
 
     def spec(self) -> ModelSpec:
         """The model's shape from the metadata, validated, naming the bad key."""
