@@ -316,6 +316,7 @@ def test_container_reader_checks_counts_before_it_reads(tmp_path) -> None:  # ty
         (header + (2**62).to_bytes(8, "little") + data[24:], "the table counts"),
         (data[:24] + (2**40).to_bytes(8, "little") + data[32:], "a value needs"),
         (data[: len(data) - 4], "past the end of the file"),
+        (b"", "empty"),
     ]:
         bad.write_bytes(blob)
         with pytest.raises(GgufFormatError, match=match):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.gguf_reader import GgufFormatError, GgufReader
+from hybridgen.models.gguf_reader import GgufReader
 from hybridgen.models.spec import ModelSpec, RopeSpec
 
 GGUF_SUFFIX = ".gguf"
@@ -113,7 +113,7 @@ class GgufFile:
             raise ModelLoadError(f"{self.path}: no such GGUF file")
         try:
             self._reader = GgufReader(self.path)
-        except (GgufFormatError, OSError) as exc:
+        except Exception as exc:  # GgufFormatError, or an OSError reading it
             raise ModelLoadError(
                 f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
                 "the file is truncated or corrupt, download it again"

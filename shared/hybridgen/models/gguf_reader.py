@@ -12,7 +12,9 @@ a huge allocation or a read past the end.
 
 from __future__ import annotations
 
+import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,8 @@ class GgufReader:
 
     def __init__(self, path: str | Path) -> None:
         with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise GgufFormatError("the file is empty")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0
         if self._take(4) != MAGIC:
@@ -169,7 +173,7 @@ class GgufReader:
         self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, at: int
     ) -> RawTensor:
         block, block_bytes = GGML_QUANT_SIZES[qtype]
-        elements = int(np.prod(dims, dtype=np.uint64))
+        elements = math.prod(dims)  # exact: garbage dims must not wrap around
         if dims[0] % block:
             raise GgufFormatError(f"tensor '{name}': rows of {dims[0]} are not whole blocks")
         n_bytes = elements // block * block_bytes
