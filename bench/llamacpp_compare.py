@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/llamacpp_cpu.json"))
     args = ap.parse_args(argv)
     path = resolve_model(args.model)
-    from hybridgen.models.loader import load_tokenizer
+    from hybridgen.models.tokenizer_source import load_tokenizer
 
     tok = load_tokenizer(path)
     prompts = [chat_prompt_ids(tok, [ChatMessage("user", q)]) for q in QUESTIONS]

@@ -17,7 +17,8 @@ from hybridgen.engine.engine import Engine
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.gguf_file import GgufFile
 from hybridgen.models.gguf_reader import GgufFormatError, GgufReader
-from hybridgen.models.loader import load_tokenizer, model_spec
+from hybridgen.models.loader import model_spec
+from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.sampling.params import SamplingParams
 from tests.checkpoints import CORPUS, build_checkpoint
 from tests.gguf_files import encode, roundtrip, write_gguf

@@ -27,7 +27,7 @@ from hybridgen.experts.link import ExpertLinkWorker
 from hybridgen.ipc.channels import Channels
 from hybridgen.kvtiers.warm_link import WarmLinkWorker
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.loader import load_tokenizer
+from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime.affinity import bind, cpu_daemon_cores
 from hybridgen.runtime.startup_error import startup_failed

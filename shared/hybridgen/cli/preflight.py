@@ -56,7 +56,8 @@ def check_model(config: HybridGenConfig) -> ModelSpec:
     path_error = bad_model_path(name)  # before the model code's imports: a second or two
     if path_error is not None:
         raise PreflightError(str(path_error))
-    from hybridgen.models.loader import load_tokenizer, model_spec
+    from hybridgen.models.loader import model_spec
+    from hybridgen.models.tokenizer_source import load_tokenizer
 
     try:
         spec = model_spec(name)

@@ -28,10 +28,9 @@ import numpy as np
 import torch
 
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.gguf_reader import GgufReader
+from hybridgen.models.gguf_reader import GgufReader, read_gguf
 from hybridgen.models.spec import ModelSpec, RopeSpec
 
-GGUF_SUFFIX = ".gguf"
 ROPE_FREQS = "rope_freqs.weight"
 # general.architecture -> (HF architecture, family) of a dense model (llama with experts is
 # Mixtral), or of Qwen3-MoE.
@@ -77,11 +76,6 @@ _STACKED_EXPERTS = re.compile(r"(ffn_gate|ffn_up|ffn_down)_exps\.weight")
 _ONE_EXPERT = re.compile(r"(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 
 
-def is_gguf(model: str) -> bool:
-    """Whether `model` names a GGUF file (by its suffix; the file is checked when opened)."""
-    return model.lower().endswith(GGUF_SUFFIX)
-
-
 @dataclass(frozen=True)
 class GgufTensor:
     """One tensor of the file: ggml type, HF shape and its rows as stored.
@@ -109,26 +103,14 @@ class GgufFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelLoadError(f"{self.path}: no such GGUF file")
-        try:
-            self._reader = GgufReader(self.path)
-        except Exception as exc:  # GgufFormatError, or an OSError reading it
-            raise ModelLoadError(
-                f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
-                "the file is truncated or corrupt, download it again"
-            ) from None
+        self._reader: GgufReader = read_gguf(self.path)
         self.arch = str(self.get("general.architecture", required=True))
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_types()
 
     def get(self, key: str, default: Any = None, required: bool = False) -> Any:
-        """A metadata value (a string, number, or a list for arrays)."""
-        if key not in self._reader.fields:
-            if required:
-                raise ModelLoadError(f"{self.path}: metadata key '{key}' is missing")
-            return default
-        return self._reader.fields[key]
+        """A metadata value (GgufReader.get)."""
+        return self._reader.get(key, default, required)
 
     def arch_key(self, key: str, default: Any = None, required: bool = False) -> Any:
         """`{architecture}.{key}`, e.g. llama.block_count."""

@@ -12,6 +12,7 @@ a huge allocation or a read past the end.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -24,6 +25,9 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
+from hybridgen.models.errors import ModelLoadError
+
+GGUF_SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 """The versions this reads (gguf-py's reader reads the same ones)."""
@@ -60,6 +64,11 @@ VALUE_DTYPES = {
 as gguf-py gives them."""
 
 
+def is_gguf(model: str) -> bool:
+    """Whether `model` names a GGUF file (by its suffix; the file is checked when read)."""
+    return model.lower().endswith(GGUF_SUFFIX)
+
+
 class GgufFormatError(ValueError):
     """The file is not a readable GGUF container (bad magic, version, or a truncated or
     corrupt table)."""
@@ -82,6 +91,7 @@ class GgufReader:
     order the file lists them."""
 
     def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 raise GgufFormatError("the file is empty")
@@ -110,6 +120,14 @@ class GgufReader:
                 raise GgufFormatError(f"tensor '{name}' is listed twice")
             names.add(name)
             self.tensors.append(self._tensor(name, dims, qtype, start + offset))
+
+    def get(self, key: str, default: Any = None, required: bool = False) -> Any:
+        """A metadata value (a string, number, or a list for arrays)."""
+        if key in self.fields:
+            return self.fields[key]
+        if required:
+            raise ModelLoadError(f"{self.path}: metadata key '{key}' is missing")
+        return default
 
     def _room(self, n: int, what: str) -> None:
         if n < 0 or self._pos + n > len(self._map):
@@ -190,3 +208,26 @@ class GgufReader:
         else:
             data = np.frombuffer(self._map, dtype, elements, at).reshape(shape)
         return RawTensor(name, qtype, dims, data)
+
+
+def read_gguf(path: str | Path) -> GgufReader:
+    """The GGUF file at `path`, read once per process (the tokenizer, the spec and the weights
+    all read it), again only when the file changed. A missing, unreadable, truncated or
+    corrupt file is a ModelLoadError that says so."""
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    stat = resolved.stat()
+    try:
+        return _read(str(resolved), stat.st_mtime_ns, stat.st_size)
+    except (OSError, ValueError, KeyError) as exc:  # GgufFormatError is a ValueError
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "the file is truncated or corrupt, download it again"
+        ) from None
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str, mtime_ns: int, size: int) -> GgufReader:
+    del mtime_ns, size  # part of the cache key only: a rewritten file is read again
+    return GgufReader(path)

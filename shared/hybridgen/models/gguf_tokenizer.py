@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
 from hybridgen.models.errors import ModelLoadError
-from hybridgen.models.gguf_file import GgufFile
+from hybridgen.models.gguf_reader import GgufReader
 from hybridgen.models.tokenizer import Tokenizer, TokenizerSettings, bytes_to_unicode
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -55,7 +55,7 @@ PRE_TOKENIZER_SPLITS = {
 TOKENIZER_MODELS = ("gpt2", "llama")
 
 
-def gguf_tokenizer(f: GgufFile) -> Tokenizer:
+def gguf_tokenizer(f: GgufReader) -> Tokenizer:
     """The file's tokenizer, with its special tokens and chat template."""
     model = f.get("tokenizer.ggml.model")
     tokens = f.get("tokenizer.ggml.tokens")
@@ -90,7 +90,7 @@ def gguf_tokenizer(f: GgufFile) -> Tokenizer:
     return Tokenizer(backend, settings, source=f.path)
 
 
-def _byte_level(tokens: list[str], merges: list[str], f: GgufFile) -> Backend:
+def _byte_level(tokens: list[str], merges: list[str], f: GgufReader) -> Backend:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     # Tokens outside the byte alphabet (a mislabelled control token) are respelled byte by byte.
@@ -113,7 +113,7 @@ def _byte_level(tokens: list[str], merges: list[str], f: GgufFile) -> Backend:
     return backend
 
 
-def _sentencepiece(tokens: list[str], f: GgufFile, prefix_space: bool) -> Backend:
+def _sentencepiece(tokens: list[str], f: GgufReader, prefix_space: bool) -> Backend:
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = f.get("tokenizer.ggml.merges")
     if merges:
@@ -142,7 +142,7 @@ def _pairs(merges: list[str]) -> list[tuple[str, str]]:
 
 
 def _merges_from_scores(
-    vocab: dict[str, int], scores: list[float], f: GgufFile
+    vocab: dict[str, int], scores: list[float], f: GgufReader
 ) -> list[tuple[str, str]]:
     """SentencePiece pieces -> BPE merges, best score first: each piece's splits into two
     known pieces (transformers' generate_merges, with the scores)."""
@@ -181,7 +181,7 @@ def _add_typed_tokens(
     backend.add_tokens(user)
 
 
-def _special_tokens(f: GgufFile, tokens: list[str]) -> dict[str, AddedToken]:
+def _special_tokens(f: GgufReader, tokens: list[str]) -> dict[str, AddedToken]:
     out: dict[str, AddedToken] = {}
     for name, key in _SPECIAL_IDS.items():
         token_id: Any = f.get(f"tokenizer.ggml.{key}")

@@ -31,8 +31,8 @@ from hybridgen.models.dense_quant import (
 )
 from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
-from hybridgen.models.gguf_file import GgufFile, is_gguf
-from hybridgen.models.gguf_tokenizer import gguf_tokenizer
+from hybridgen.models.gguf_file import GgufFile
+from hybridgen.models.gguf_reader import is_gguf
 from hybridgen.models.host_layers import offload_layers
 from hybridgen.models.host_load import empty_split_model
 from hybridgen.models.llama import CausalLM, empty_model
@@ -40,6 +40,7 @@ from hybridgen.models.moe import moe_blocks
 from hybridgen.models.presets import build_synthetic, preset_spec
 from hybridgen.models.spec import ModelSpec, parse_config
 from hybridgen.models.tokenizer import Tokenizer
+from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.runtime.log import Progress
 
 log = structlog.get_logger()
@@ -323,18 +324,6 @@ def open_gguf(model: str) -> GgufFile:
 def _open_gguf(path: str, mtime_ns: int, size: int) -> GgufFile:
     del mtime_ns, size  # part of the cache key only: a rewritten file is opened again
     return GgufFile(path)
-
-
-def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer of a checkpoint directory or GGUF file, or the byte-level one of a
-    preset."""
-    model = resolve_model(model)
-    path = Path(model)
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    if is_gguf(model):
-        return gguf_tokenizer(open_gguf(model))
-    return Tokenizer.synthetic(preset_spec(model).vocab_size)
 
 
 def model_spec(model: str) -> ModelSpec:

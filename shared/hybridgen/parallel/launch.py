@@ -30,7 +30,8 @@ import torch.distributed as dist
 from hybridgen.config.engine import ConfigError, EngineConfig
 from hybridgen.models.default_model import resolve_model
 from hybridgen.models.generation_config import GenerationDefaults, load_generation_defaults
-from hybridgen.models.loader import LoadedModel, load_tokenizer
+from hybridgen.models.loader import LoadedModel
+from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.parallel import step
 from hybridgen.parallel.model import RankLost, ShardedCausalLM
 from hybridgen.parallel.shard_loader import full_spec, load_shard

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hybridgen.models.default_model import resolve_model
-from hybridgen.models.gguf_file import is_gguf
+from hybridgen.models.gguf_reader import is_gguf
 from hybridgen.models.llama import CausalLM
 from hybridgen.models.loader import (
     _split_fused_experts,

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest
 from hybridgen.models.tokenizer import ChatTemplateError, Tokenizer
+from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter
 from hybridgen.serving.backend import BackendUnavailable
 from hybridgen.serving.delta import Delta
@@ -354,8 +355,7 @@ class OpenAIApi:
 
     async def warm(self) -> None:
         """Load the served model's name, tokenizer and length as soon as the backend is
-        ready: the first HTTP call would (torch and the tokenizer in the gateway, ~9 s on a
-        2-core machine). A failure is logged; the first call tries again."""
+        ready: the first HTTP call would. A failure is logged; the first call tries again."""
         while not self.service.backend.ready():
             await asyncio.sleep(WARM_POLL_S)
         try:
@@ -391,10 +391,6 @@ class OpenAIApi:
             self._check_available()
             async with self._model_lock:
                 if self._model is None:
-                    # Imported here: the loader brings torch, which the gateway process
-                    # loads only once an HTTP call needs the served model's tokenizer.
-                    from hybridgen.models.loader import load_tokenizer
-
                     info = await self.service.backend.model_info()
                     tokenizer = await asyncio.to_thread(load_tokenizer, info["model"])
                     self._model = (info["model"], tokenizer, int(info["max_model_len"]))
