@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 import grimp
+import pytest
 from importlinter.cli import lint_imports
+
+from hybridgen.models.default_model import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / ".importlinter"
@@ -66,19 +69,39 @@ def test_every_module_lives_at_its_import_path() -> None:
             assert str(Path(*path.parts[1:])) in expected, (info.name, path)
 
 
-def test_the_gateway_loads_no_torch() -> None:
-    """The gateway process reads the config and proxies to the CPU daemon: no model code."""
+def _loaded_by(code: str) -> set[str]:
+    """The modules a fresh interpreter imports running `code`."""
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import hybridgen.gateway.main"],
+        [sys.executable, "-X", "importtime", "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=True,
     )
-    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    return {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+
+
+def test_the_gateway_loads_no_torch() -> None:
+    """The gateway process reads the config, proxies to the CPU daemon and, before it reports
+    ready, loads the served model's tokenizer: no model code (torch's import alone is ~2.5 s
+    of every start on 2 cores)."""
+    loaded = _loaded_by(
+        "import hybridgen.gateway.main\n"
+        "from hybridgen.models.tokenizer_source import load_tokenizer\n"
+        f"assert load_tokenizer({DEFAULT_MODEL!r}).encode('Hello')"
+    )
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "triton", "transformers")}
     assert not heavy, sorted(heavy)[:10]
-    assert "hybridgen.gateway.main" in loaded
+    assert {"hybridgen.gateway.main", "hybridgen.models.gguf_tokenizer"} <= loaded
+
+
+@pytest.mark.slow
+def test_only_the_engine_loads_torch_dynamo() -> None:
+    """torch._dynamo (1.2-1.8 s on 2 cores) comes with the prefill's CausalBias, which the
+    engine imports at start (not in its first request) and the CPU daemon never needs."""
+    cpu = _loaded_by("import hybridgen.cpu_daemon.main")
+    assert "torch" in cpu and "torch._dynamo" not in cpu
+    assert "torch.nn.attention.bias" in _loaded_by("import hybridgen.engine.engine")
 
 
 def test_the_readme_walks_one_request_through_at_most_eight_real_files() -> None:
