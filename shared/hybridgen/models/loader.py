@@ -7,7 +7,6 @@ way, dequantized one at a time under their HF names (gguf_file.py).
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -313,17 +312,8 @@ def gguf_stored(f: GgufFile, spec: ModelSpec) -> dict[str, QuantWeight]:
 
 
 def open_gguf(model: str) -> GgufFile:
-    """The GGUF file `model`, opened once per process (gguf-py parses a 49K-token vocabulary
-    in seconds, and spec, tokenizer and weights all read it)."""
-    path = Path(model).resolve()
-    stat = path.stat() if path.is_file() else None
-    return _open_gguf(str(path), stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
-
-
-@functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int, size: int) -> GgufFile:
-    del mtime_ns, size  # part of the cache key only: a rewritten file is opened again
-    return GgufFile(path)
+    """The GGUF file `model`, checked (its container is read once per process: read_gguf)."""
+    return GgufFile(model)
 
 
 def model_spec(model: str) -> ModelSpec:
