@@ -8,6 +8,9 @@
 #   b3a    one 131,072-token prompt, int4 Hot, 24 GB budget
 #   b4a    mixtral-8x7b, int4 experts, 24 GB budget: 1 stream (in-process beside it), 4 streams
 #   b4c    qwen3-30b-a3b, int4 experts, 12 GB budget: 1 stream (in-process beside it), 4 streams
+#   b4a_q4, b4c_q4  B4a and B4c with the dense weights at int4 too (bench/served/*_q4.yaml: the
+#          attention and LM head at 4 bits, the memory freed going to the expert cache), 1 and
+#          4 streams: a row beside B4a / B4c, as llama.cpp users run these models
 #   b4c_ab B4c at one stream served twice in one call, as configured and with no expert on the
 #          CPU daemon (b4c_gpu_experts.yaml): whether the CPU daemon's experts cost the served
 #          step (1.86x the in-process one at 8cb5b74)
@@ -89,6 +92,12 @@ for what in "$@"; do
       load --config bench/served/b4c.yaml --requests 4 --prompt-len 256 --max-new-tokens 64 \
         --name b4c_4 --out "$OUT/b4c_4.json"
       ;;
+    b4a_q4|b4c_q4)
+      load --config "bench/served/$what.yaml" --requests 1 --prompt-len 256 --max-new-tokens 64 \
+        --name "${what}_1" --out "$OUT/${what}_1.json"
+      load --config "bench/served/$what.yaml" --requests 4 --prompt-len 256 --max-new-tokens 64 \
+        --name "${what}_4" --out "$OUT/${what}_4.json"
+      ;;
     b4c_ab)
       load --config bench/served/b4c.yaml --requests 1 --prompt-len 256 --max-new-tokens 64 \
         --name b4c_1 --out "$OUT/b4c_1.json"
@@ -117,7 +126,7 @@ for what in "$@"; do
         --budget-mb 24576 --prompt-len 1024 --max-new-tokens 4 --layers 56 \
         --out "$OUT/b7_accelerate.json" 2>>"$OUT/dense_offload_stderr.log"
       ;;
-    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4c_ab] [b4c_profile] [moe_kernels] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
+    *) echo "usage: $0 [tests] [tests_wait] [b12] [b3a] [b4a] [b4c] [b4a_q4] [b4c_q4] [b4c_ab] [b4c_profile] [moe_kernels] [b4c_hf] [b7] [b7_hf] [speech]" >&2; exit 2 ;;
   esac
 done
 if [ -f "$OUT/load_stderr.log" ]; then tail -n 3 "$OUT/load_stderr.log"; fi

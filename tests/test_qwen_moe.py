@@ -384,3 +384,19 @@ def test_qwen3moe_gguf_matches_transformers_on_the_same_weights(tmp_path: Path, 
     cold = _cold(path)
     assert [c.token_ids for c in cold.generate(prompts, GREEDY)] == expected
     assert cold.moe_stats()["cpu_experts"] > 0
+
+
+@pytest.mark.parametrize("bench", ["b4a", "b4c"])
+def test_q4_twins_differ_only_in_the_dense_weights_format(bench: str) -> None:
+    """bench/served/{b4a,b4c}_q4.yaml (run_h200_served.sh b4a_q4 / b4c_q4) are B4a / B4c with
+    weights.format int4, everything else as the benchmark's own config."""
+    from dataclasses import replace
+
+    from hybridgen.config.file import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    base = load_config(root / f"bench/served/{bench}.yaml").engine_config("cuda")
+    twin = load_config(root / f"bench/served/{bench}_q4.yaml").engine_config("cuda")
+    assert (base.weights_format, twin.weights_format) == ("native", "int4")
+    assert replace(twin, weights_format="native") == base
+    assert f"{bench}_q4" in (root / "bench/run_h200_served.sh").read_text()
