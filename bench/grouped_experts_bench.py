@@ -13,11 +13,15 @@ Two figures per case, both with every routed expert a cache hit:
               their table built beforehand, against cache.run per expert plus the weighted
               sum in torch.
 Each call routes a fresh random set of experts, so qwen3's 2.6 MB experts come from HBM, not
-L2. Prints a table; writes $OUT/grouped_experts.json.
+L2. Then a prompt's step (PREFILL: qwen3 at T=256, ~16 rows an expert; mixtral at T=1024, four
+256-token prompts, ~256 rows an expert), int4: block us of the grouped GEMM
+(kernels/triton_grouped_gemm.py) against each expert dequantized and multiplied on its own.
+Prints a table; writes $OUT/grouped_experts.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 
@@ -34,6 +38,8 @@ from hybridgen.models.moe import SparseMoeBlock
 from hybridgen.models.presets import preset_spec
 
 CASES = (("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("mixtral-8x7b", 4))
+PREFILL = (("qwen3-30b-a3b", 256), ("mixtral-8x7b", 1024))
+PREFILL_CALLS = 10
 ROUTES = 64
 """Random routings cycled through (each call a fresh one)."""
 CALLS = 200
@@ -72,16 +78,46 @@ def routings(e: int, k: int, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def block_us(block: SparseMoeBlock, x: torch.Tensor, routes: list, grouped: bool) -> float:
+def block_us(
+    block: SparseMoeBlock, x: torch.Tensor, routes: list, grouped: bool, calls: int = CALLS
+) -> float:
     ops.GROUPED_EXPERTS = grouped
     for ids, w in routes[:4]:
         block.combine(x, ids, w)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for n in range(CALLS):
+    for n in range(calls):
         block.combine(x, *routes[n % len(routes)])
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / CALLS * 1e6
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def prefill_rows(results: dict[str, dict[str, float]]) -> None:
+    """PREFILL's int4 cases: block us per expert (dequantized) against the grouped GEMM."""
+    head = f"{'prompt step, int4':28} {'block us: per-expert':>21} {'grouped':>8} {'x':>5}"
+    print(head + " | rel err")
+    for model, t in PREFILL:
+        block, _cache = make_block(model, "int4")
+        x = torch.randn(t, preset_spec(model).hidden_size, device=DEVICE, dtype=torch.bfloat16)
+        routes = routings(block.num_experts, block.top_k, t)[:PREFILL_CALLS]
+        ops.GROUPED_EXPERTS = False
+        ref = block.combine(x, *routes[0]).float()
+        ops.GROUPED_EXPERTS = True
+        err = float((block.combine(x, *routes[0]).float() - ref).norm() / ref.norm())
+        row = {
+            "per_expert_block_us": block_us(block, x, routes, False, PREFILL_CALLS),
+            "grouped_block_us": block_us(block, x, routes, True, PREFILL_CALLS),
+            "rel_err": err,
+        }
+        label = f"{model} int4 T={t} top-{block.top_k}"
+        results[label] = row
+        print(
+            f"{label:28} {row['per_expert_block_us']:21.1f} {row['grouped_block_us']:8.1f} "
+            f"{row['per_expert_block_us'] / row['grouped_block_us']:5.1f} | {err:.1e}",
+            flush=True,
+        )
+        del block, _cache
+        torch.cuda.empty_cache()
 
 
 def kernels_us(block: SparseMoeBlock, cache: ExpertCache, x: torch.Tensor, routes: list) -> dict:
@@ -137,7 +173,14 @@ def replay_us(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill-only", action="store_true", help="only the prompt steps")
+    args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    if args.prefill_only:
+        prefill_rows(results)
+        write_out("grouped_experts_prefill.json", {"us": results, "machine": machine_info()})
+        return
     print(
         f"{'case':28} {'block us: per-expert':>21} {'grouped':>8} {'x':>5} | "
         f"{'kernels us: per-expert':>22} {'grouped':>8} | rel err | graph us, equal"
@@ -175,6 +218,7 @@ def main() -> None:
         )
         del block, cache
         torch.cuda.empty_cache()
+    prefill_rows(results)
     ops.GROUPED_EXPERTS = True
     write_out("grouped_experts.json", {"us": results, "machine": machine_info()})
 

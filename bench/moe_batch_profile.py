@@ -39,6 +39,7 @@ PARTS: list[tuple[Any, str]] = [
     (moe, "pack_step"),
     (moe, "step_table"),
     (moe, "launch_hits"),
+    (moe, "launch_many"),
     (moe, "finish_step"),
     (HitLaunches, "run"),
 ]

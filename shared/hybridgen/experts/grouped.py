@@ -12,6 +12,10 @@ to the device in one copy:
     outs  [P]      its row of Y
     other [M]      the rows of Y of the other experts (misses, CPU), expert by expert
     widx  [T * k]  each row of Y's flat index into the routing weights [T, k]
+    many_rows [G]  the tokens of the experts with more rows than the grouped GEMV takes
+                   (a prompt's step), expert by expert in blocks of BLOCK_M, -1 padded
+    many_outs [G]  their rows of Y (-1 for padding)
+    many_slots [G / BLOCK_M]  each block's cache slot (kernels/triton_grouped_gemm.py)
 
 `other` is None when every pair hits the cache in Y's order (then the launch's output is Y).
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,15 +46,34 @@ class StepTable:
     """Rows of Y the other experts fill, in `others` order; None when there are none."""
     widx: Tensor
     top_k: int
+    many_rows: Tensor | None = None
+    """The many-row experts' GEMM layout (None: there are none)."""
+    many_outs: Tensor | None = None
+    many_slots: Tensor | None = None
 
 
-Packed = tuple[array, int, int]
-"""A step's table on the host: (rows + slots + outs + other + widx as int32, P, M)."""
+class Packed(NamedTuple):
+    """A step's table on the host: rows + slots + outs + other + widx + many_rows + many_outs
+    + many_slots as int32, and the lengths that split it."""
+
+    host: array
+    pairs: int
+    others: int
+    positions: int = 0
+    """Of the many-row experts' layout (a multiple of its BLOCK_M)."""
+    blocks: int = 0
 
 
-def pack_step(ids: Tensor, hits: dict[int, int], others: list[int]) -> Packed:
-    """ids [T, k] on the host (route()'s), hits {expert: cache slot}, others: the step's other
-    experts in the order their outputs come -> the table on the host."""
+def pack_step(
+    ids: Tensor,
+    hits: dict[int, int],
+    others: list[int],
+    many: dict[int, int] | None = None,
+    block_m: int = 16,
+) -> Packed:
+    """ids [T, k] on the host (route()'s), hits {expert: cache slot} (the grouped GEMV's),
+    others: the step's other experts in the order their outputs come, many {expert: cache
+    slot} (the grouped GEMM's, laid out in blocks of block_m) -> the table on the host."""
     top_k = ids.shape[1]
     flat: list[int] = []  # Y's rows' experts
     widx: list[int] = []
@@ -65,24 +88,38 @@ def pack_step(ids: Tensor, hits: dict[int, int], others: list[int]) -> Packed:
     rows = [r // top_k for r in outs]
     slots = [hits[flat[r]] for r in outs]
     other = [r for e in others for r in at[e]]
-    return array("i", rows + slots + outs + other + widx), len(outs), len(other)
+    many_rows: list[int] = []
+    many_outs: list[int] = []
+    many_slots: list[int] = []
+    for e, slot in sorted((many or {}).items()):
+        blocks = -(-len(at[e]) // block_m)
+        pad = [-1] * (blocks * block_m - len(at[e]))
+        many_rows += [r // top_k for r in at[e]] + pad
+        many_outs += at[e] + pad
+        many_slots += [slot] * blocks
+    host = array("i", rows + slots + outs + other + widx + many_rows + many_outs + many_slots)
+    return Packed(host, len(outs), len(other), len(many_rows), len(many_slots))
 
 
 def step_table(packed: Packed, top_k: int, device: torch.device) -> StepTable:
     """pack_step's table on `device`, in one copy."""
-    host, p, m = packed
-    table = upload(torch.frombuffer(host, dtype=torch.int32), device)
-    return _slices(table, p, m, top_k)
+    table = upload(torch.frombuffer(packed.host, dtype=torch.int32), device)
+    return _slices(table, packed, top_k)
 
 
-def _slices(table: Tensor, p: int, m: int, top_k: int) -> StepTable:
+def _slices(table: Tensor, packed: Packed, top_k: int) -> StepTable:
+    p, m, g = packed.pairs, packed.others, packed.positions
+    end = table.shape[0] - 2 * g - packed.blocks  # where widx ends
     return StepTable(
         rows=table[:p],
         slots=table[p : 2 * p],
         outs=table[2 * p : 3 * p],
         other=table[3 * p : 3 * p + m] if m else None,
-        widx=table[3 * p + m :],
+        widx=table[3 * p + m : end],
         top_k=top_k,
+        many_rows=table[end : end + g] if g else None,
+        many_outs=table[end + g : end + 2 * g] if g else None,
+        many_slots=table[end + 2 * g :] if g else None,
     )
 
 
@@ -95,17 +132,43 @@ def launch_hits(x: Tensor, table: StepTable, cache: ExpertCache, group: int) -> 
     )
 
 
+def launch_many(x: Tensor, table: StepTable, cache: ExpertCache, group: int) -> Tensor | None:
+    """The many-row experts of `table` in one grouped GEMM launch per matrix, written into
+    their rows of a new Y [T * k, H] (returned; the other rows unwritten), or None: none."""
+    if table.many_rows is None:
+        return None
+    assert table.many_outs is not None and table.many_slots is not None
+    full = torch.empty(table.widx.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    ops.grouped_expert_gemm_swiglu(
+        x,
+        cache.gate_up.parts,
+        cache.down.parts,
+        (table.many_rows, table.many_outs, table.many_slots),
+        group,
+        full,
+    )
+    return full
+
+
 def finish_step(
-    x: Tensor, table: StepTable, y: Tensor | None, other_ys: list[Tensor], weights: Tensor
+    x: Tensor,
+    table: StepTable,
+    y: Tensor | None,
+    other_ys: list[Tensor],
+    weights: Tensor,
+    full: Tensor | None = None,
 ) -> Tensor:
-    """The hits' outputs `y` and the other experts' (in the table's order) in their rows of Y,
-    every token's experts weighted and summed -> [T, H]."""
+    """The hits' outputs `y` and the other experts' (in the table's order) in their rows of Y
+    (`full`: launch_many's Y, its many-row experts' rows written), every token's experts
+    weighted and summed -> [T, H]."""
     tokens, top_k = weights.shape
-    if table.other is not None:
-        full = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    if table.other is not None or full is not None:
+        if full is None:
+            full = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
         if y is not None:
             full.index_copy_(0, table.outs.long(), y)
-        full.index_copy_(0, table.other.long(), torch.cat(other_ys).to(x.dtype))
+        if table.other is not None:
+            full.index_copy_(0, table.other.long(), torch.cat(other_ys).to(x.dtype))
         y = full
     assert y is not None
     return ops.expert_weighted_sum(y, weights.contiguous(), table.widx, top_k)
@@ -137,17 +200,16 @@ class HitLaunch:
                 self.out = self._launch()
 
     def _launch(self) -> Tensor:
-        table = _slices(self.table, self.pairs, 0, self.top_k)
+        table = _slices(self.table, Packed(array("i"), self.pairs, 0), self.top_k)
         y = launch_hits(self.x, table, self.cache, GROUP)
         return finish_step(self.x, table, y, [], self.weights)
 
     def run(self, x: Tensor, packed: Packed, weights: Tensor) -> Tensor:
         """combine()'s output for x and weights, the step's table `packed` (every pair a hit)."""
-        host, p, m = packed
-        assert p == self.pairs and m == 0
+        assert packed.pairs == self.pairs and packed.others == packed.positions == 0
         self.x.copy_(x)
         self.weights.copy_(weights)
-        upload_into(self.table, torch.frombuffer(host, dtype=torch.int32))
+        upload_into(self.table, torch.frombuffer(packed.host, dtype=torch.int32))
         if self.graph is None:
             return self._launch()
         self.graph.replay()

@@ -24,6 +24,7 @@ try:
         triton_dense_quant,
         triton_gemv,
         triton_grouped_experts,
+        triton_grouped_gemm,
         triton_norm,
         triton_paged_decode,
         triton_paged_prefill,
@@ -44,9 +45,11 @@ __all__ = [
     "add_rms_norm",
     "decode_attention",
     "expert_weighted_sum",
+    "grouped_expert_gemm_swiglu",
     "grouped_expert_swiglu",
     "grouped_expert_takes",
     "grouped_experts_usable",
+    "grouped_gemm_block_m",
     "linear",
     "merge_attention_partials",
     "paged_decode_attention",
@@ -110,31 +113,54 @@ GROUPED_EXPERTS = True
 
 
 GROUPED_STEP_ROWS = 64
-"""Most rows of a step whose experts go through grouped_expert_swiglu. Its experts of up to
-triton_quant_gemv.MAX_ROWS rows each join the launch (the per-expert kernels' range: they
-too read an expert's weights once a row), those with more dequantize and multiply on their
-own. A prompt's chunk beside decodes was past MAX_ROWS as a whole, so every expert of a
+"""Most rows of an int8 step whose experts go through grouped_expert_swiglu. Its experts of
+up to triton_quant_gemv.MAX_ROWS rows each join the launch (the per-expert kernels' range:
+they too read an expert's weights once a row), those with more dequantize and multiply on
+their own. A prompt's chunk beside decodes was past MAX_ROWS as a whole, so every expert of a
 step with 16 prompt tokens ran alone, ~10 launches each (qwen3-30b-a3b: ~80 experts in each
 of 48 layers); past 64 rows the host's grouping of T x k pairs (pack_step) costs more than
-the launches it saves, and few experts have so few rows."""
+the launches it saves, and few experts have so few rows. int4 steps have no such limit: their
+experts with more rows go through grouped_expert_gemm_swiglu, one launch a matrix."""
 
 
 def grouped_experts_usable(x: Tensor, fmt: str) -> bool:
-    """Whether the experts of a step on x [T, H], stored in `fmt`, go through
-    grouped_expert_swiglu (those it takes: grouped_expert_takes): int8 / int4 on CUDA, for
-    up to GROUPED_STEP_ROWS rows."""
+    """Whether the experts of a step on x [T, H], stored in `fmt`, go through the grouped
+    launches (which take which: grouped_expert_takes): int8 / int4 on CUDA, int8 for up to
+    GROUPED_STEP_ROWS rows."""
     return (
         GROUPED_EXPERTS
         and fmt in ("int8", "int4")
         and _use_triton(x)
-        and x.shape[0] <= GROUPED_STEP_ROWS
+        and (fmt == "int4" or x.shape[0] <= GROUPED_STEP_ROWS)
     )
 
 
-def grouped_expert_takes(tokens: int) -> bool:
-    """Whether an expert with `tokens` routed rows runs in the grouped launch (up to
-    triton_quant_gemv.MAX_ROWS; more: on its own, dequantized)."""
-    return tokens <= triton_quant_gemv.MAX_ROWS
+def grouped_expert_takes(tokens: int, fmt: str) -> str | None:
+    """Which grouped launch an expert with `tokens` routed rows runs in: "gemv" for up to
+    triton_quant_gemv.MAX_ROWS, "gemm" for more in int4 (triton_grouped_gemm), None: on its
+    own (more rows in int8: dequantized)."""
+    if tokens <= triton_quant_gemv.MAX_ROWS:
+        return "gemv"
+    return "gemm" if fmt == "int4" else None
+
+
+def grouped_gemm_block_m(rows: int, experts: int) -> int:
+    """The grouped GEMM's row block for `rows` (token, expert) pairs over `experts` experts."""
+    return triton_grouped_gemm.block_m(rows, experts)
+
+
+def grouped_expert_gemm_swiglu(
+    x: Tensor,
+    gate_up: dict[str, Tensor],
+    down: dict[str, Tensor],
+    layout: tuple[Tensor, Tensor, Tensor],
+    group: int,
+    y: Tensor,
+) -> Tensor:
+    """int4 experts with many rows each: layout (rows, outs, block_slots) as
+    triton_grouped_gemm lays them out; each used position's expert MLP of x[rows[i]] into
+    y[outs[i]] (returned)."""
+    return triton_grouped_gemm.int4_grouped_swiglu(x, *layout, gate_up, down, group, y)
 
 
 def grouped_expert_swiglu(

@@ -31,7 +31,13 @@ import torch
 from torch import nn
 
 from hybridgen.experts.format import GROUP, PackedMatrices
-from hybridgen.experts.grouped import finish_step, launch_hits, pack_step, step_table
+from hybridgen.experts.grouped import (
+    finish_step,
+    launch_hits,
+    launch_many,
+    pack_step,
+    step_table,
+)
 from hybridgen.experts.latency import LatencyModel, calibrate
 from hybridgen.experts.store import ExpertCache, ExpertStore, MoeStats, RemoteDown
 from hybridgen.kernels import ops
@@ -241,21 +247,26 @@ class SparseMoeBlock(nn.Module):
     def _combine_grouped(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """combine() with the device's experts in one grouped launch (experts/grouped.py); ids
+        """combine() with the device's experts in grouped launches (experts/grouped.py); ids
         on the host. The CPU's experts go first (to the CPU daemon, if any); then the cache's
         hits take their slots and the misses are copied into slots no other expert of the step
-        reads (ExpertCache.fetch_beside), and all of them run in the launch. A miss that finds
-        no such slot (every scratch slot taken) runs on its own after the launch, and
-        the CPU daemon's answer is collected last. One expert run at a time cost a miss some
-        ten launches and ~0.2 ms of host time (B4c at 4 streams, ~3 misses a layer)."""
+        reads (ExpertCache.fetch_beside), and all of them run in the launches: the grouped
+        GEMV for experts of up to MAX_ROWS rows, the grouped GEMM (int4) for more, a prompt's
+        step. A miss that finds no such slot (every scratch slot taken) runs on its own after
+        the launches, and the CPU daemon's answer is collected last. One expert run at a time
+        cost a miss some ten launches and ~0.2 ms of host time (B4c at 4 streams, ~3 misses a
+        layer)."""
         assert self.cold is not None and self.store is not None
         layer, cache, _ = self.cold
+        fmt = cache.gate_up.fmt
         placed = self._place(x, ids, x.device)  # rows on the device: x[rows] waits for nothing
-        on_device = [
-            r
+        launch = {
+            r.expert: how
             for r in placed.routed
-            if r.expert not in placed.on_cpu and ops.grouped_expert_takes(r.tokens)
-        ]
+            if r.expert not in placed.on_cpu
+            and (how := ops.grouped_expert_takes(r.tokens, fmt)) is not None
+        }
+        on_device = [r for r in placed.routed if r.expert in launch]
         # Hits first, so that no miss's copy takes the slot of one of the step's hits.
         on_device.sort(key=lambda r: (layer, r.expert) not in cache)
         slots: dict[int, int] = {}
@@ -266,16 +277,30 @@ class SparseMoeBlock(nn.Module):
                 slots[r.expert] = slot
                 taken.add(slot)
         cache.stats.gpu_experts += len(slots)
+        few = {e: s for e, s in slots.items() if launch[e] == "gemv"}
+        many = {e: s for e, s in slots.items() if launch[e] == "gemm"}
         others = [r for r in placed.routed if r.expert not in slots]
-        packed = pack_step(ids, slots, [r.expert for r in others])
+        many_rows = sum(r.tokens for r in placed.routed if r.expert in many)
+        packed = pack_step(
+            ids,
+            few,
+            [r.expert for r in others],
+            many,
+            ops.grouped_gemm_block_m(many_rows, len(many)),
+        )
         # graphs only for steps of up to MAX_ROWS rows (decode batches), not each chunk size
-        if not others and cache.hit_launches is not None and ops.grouped_expert_takes(len(x)):
+        if (
+            not others
+            and cache.hit_launches is not None
+            and ops.grouped_expert_takes(len(x), fmt) == "gemv"
+        ):
             return cache.hit_launches.run(x, packed, weights)
         table = step_table(packed, ids.shape[1], x.device)
         y = launch_hits(x, table, cache, GROUP)
+        full = launch_many(x, table, cache, GROUP)
         ys = self._run_placed(x, placed, others)
         other_ys = [ys[r.expert] for r in others]
-        return finish_step(x, table, y, other_ys, weights)
+        return finish_step(x, table, y, other_ys, weights, full)
 
     def _place(self, x: torch.Tensor, ids: torch.Tensor, device: torch.device) -> Placement:
         """What both combine paths do before computing: the step's experts grouped (their rows
