@@ -119,7 +119,9 @@ def test_grouped_block_equals_per_expert_path(
         assert mine.cpu_experts > 0
 
 
-@pytest.mark.parametrize(("tokens", "fmt"), [(24, "int4"), (80, "int4"), (24, "int8")])
+@pytest.mark.parametrize(
+    ("tokens", "fmt"), [(24, "int4"), (60, "int4"), (80, "int4"), (24, "int8")]
+)
 def test_a_prompts_step_groups_its_experts_of_many_rows(
     monkeypatch: pytest.MonkeyPatch, tokens: int, fmt: str
 ) -> None:
@@ -171,6 +173,10 @@ def test_a_prompts_step_groups_its_experts_of_many_rows(
         assert big and sum(launches) > 0 and not gemms, (launches, alone)
     elif fmt == "int8":
         assert big and not launches and not gemms
+    elif tokens - 4 > ops.GEMM_MAX_ROWS:
+        # past the GEMM's rows the two busy experts run alone (cuBLAS's tiles win there),
+        # the few-row ones still in the layer's grouped GEMV
+        assert not gemms and sum(launches) > 0 and len(big) >= len(expected), (gemms, big)
     else:
         # a layer's many-row experts in one GEMM, the few-row ones in the GEMV; on its own
         # only a miss that found no scratch slot (one here, 6 slots in all, which a few-row

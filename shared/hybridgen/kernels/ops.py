@@ -135,13 +135,21 @@ def grouped_experts_usable(x: Tensor, fmt: str) -> bool:
     )
 
 
+GEMM_MAX_ROWS = 64
+"""Most rows of an int4 expert that the grouped GEMM takes; one with more is dequantized and
+multiplied by cuBLAS on its own. H200 at 08336d0 (bench/grouped_experts_bench.py
+--prefill-only), one layer's block: qwen3-30b-a3b at T=256 (~16 rows an expert) 36.4 ms
+per expert -> 4.7 ms grouped; mixtral-8x7b at T=1024 (~256 rows an expert) 4.1 ms per expert
+-> 7.7 ms grouped, where cuBLAS's tiles beat the GEMM's [64, 2 x 32] ones."""
+
+
 def grouped_expert_takes(tokens: int, fmt: str) -> str | None:
     """Which grouped launch an expert with `tokens` routed rows runs in: "gemv" for up to
-    triton_quant_gemv.MAX_ROWS, "gemm" for more in int4 (triton_grouped_gemm), None: on its
-    own (more rows in int8: dequantized)."""
+    triton_quant_gemv.MAX_ROWS, "gemm" for up to GEMM_MAX_ROWS in int4 (triton_grouped_gemm),
+    None: on its own (dequantized)."""
     if tokens <= triton_quant_gemv.MAX_ROWS:
         return "gemv"
-    return "gemm" if fmt == "int4" else None
+    return "gemm" if fmt == "int4" and tokens <= GEMM_MAX_ROWS else None
 
 
 def grouped_gemm_block_m(rows: int, experts: int) -> int:
