@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from hybridgen.engine.engine import Engine
 from hybridgen.kvtiers.prefix_cache import (
@@ -217,4 +218,52 @@ def test_prefix_reuse_off_keeps_nothing(checkpoint, reuse: bool) -> None:  # typ
     )
     generate(engine, sample_prompts(path, 1, [60])[0])
     assert engine.offload is not None and (engine.offload.kept_blocks > 0) == reuse
+    engine.release()
+
+
+def test_a_write_back_that_fails_costs_no_request_and_no_slot(
+    checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A finished turn's write-back whose encode runs out of device memory (the GPU daemon
+    died of it in B6 (i) on the H200 at 08336d0): the turn still ends with HF's tokens, the
+    write-back is counted as failed, the Warm slots it took are free again, and the next turn
+    (computed again where Hot lost its history) is HF's too."""
+    path = checkpoint("llama3")
+    system, *users = sample_prompts(path, 4, [16, 24, 60, 16])
+    engine = small_engine(path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2)
+    assert engine.offload is not None
+    pool = engine.offload.tier.pool
+    free = pool.num_free
+
+    def no_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(pool, "store_many", no_memory)
+    chat(engine, path, system, users)  # every turn's tokens checked against HF's
+    assert engine.offload.keep_failed == 3 and engine.offload.kept_blocks == 0
+    assert pool.num_free == free
+    from hybridgen.cli.explain import prefix_lines
+    from hybridgen.engine.info import engine_info
+    from hybridgen.serving.service import model_info_to_pb
+
+    pb = model_info_to_pb({**engine_info(engine), **engine.tier_stats(), "max_queue": 1})
+    assert pb.warm_keep_failed == 3 and ", 3 failed, " in prefix_lines(pb)[0]
+    engine.release()
+
+
+def test_a_failed_steps_requests_write_nothing_back(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A step that raises ends its requests without writing their KV back to Warm (it may be
+    incomplete, and the failure may be the device out of memory); the next request is HF's."""
+    from hybridgen.engine.step_faults import FaultDrill
+
+    path = checkpoint("llama3")
+    first, second = sample_prompts(path, 2, [40, 40])
+    engine = small_engine(path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2)
+    assert engine.offload is not None
+    engine.faults = FaultDrill("3:error")
+    engine.add_request("r0", first, GREEDY)
+    errors = [o.error for _ in range(8) for o in engine.step() if o.error is not None]
+    assert errors and not engine.has_unfinished()
+    assert engine.offload.kept_blocks == 0 and engine.offload.keep_failed == 0
+    assert generate(engine, second) == hf_greedy(path, [second], NEW)[0]
     engine.release()

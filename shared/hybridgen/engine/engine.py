@@ -272,6 +272,7 @@ class Engine:
         if self.offload is not None:
             stats["warm_kept_blocks"] = self.offload.kept_blocks
             stats["warm_keep_skipped"] = self.offload.keep_gate.shut
+            stats["warm_keep_failed"] = self.offload.keep_failed
         if sched.policy is not None:
             stats.update(sched.policy.info())
         return stats
@@ -474,7 +475,7 @@ class Engine:
             if self.seqs.pop(seq.request_id, None) is None:
                 continue  # it had finished in an earlier step of the batch
             seq.finish_reason = FinishReason.CANCELLED
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, keep=False)
             outputs.append(
                 RequestOutput(
                     seq.request_id,

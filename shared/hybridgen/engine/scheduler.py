@@ -162,14 +162,17 @@ class Scheduler:
         seqs = (*self.waiting, *self.running)
         return any(not s.waits_for_prompt for s in seqs)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence that finished or was aborted, and free its blocks."""
+    def finish(self, seq: Sequence, keep: bool = True) -> None:
+        """Remove a sequence that finished or was aborted, and free its blocks; `keep`: its
+        prefix may be written back to Warm (not for a failed step's, whose KV is suspect and
+        whose failure may have been the device running out of memory)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache_blocks(seq)
-        if self.offload is not None and self.config.prefix_reuse:
+        if keep:
+            self.cache_blocks(seq)
+        if keep and self.offload is not None and self.config.prefix_reuse:
             self.offload.keep(seq, self._recompute_block_s(seq))
         self.pool.free(seq.block_ids)
         seq.block_ids = []

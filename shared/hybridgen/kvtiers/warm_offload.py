@@ -11,12 +11,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 
+import structlog
+import torch
+
 from hybridgen.engine.block_pool import BlockPool
 from hybridgen.engine.sequence import Sequence
 from hybridgen.engine.spill_policy import SpillCosts
 from hybridgen.kernels import ops
 from hybridgen.kvtiers.prefix_cache import KeepGate
 from hybridgen.kvtiers.warm_tier import WarmTier
+
+log = structlog.get_logger()
 
 
 class WarmOffload:
@@ -38,6 +43,8 @@ class WarmOffload:
         """Whether writing a finished sequence's blocks back pays (prefix_cache.py)."""
         self.kept_blocks = 0
         """Hot blocks written back to Warm when their sequence finished."""
+        self.keep_failed = 0
+        """Write-backs that raised (a device allocation that failed): skipped, nothing kept."""
         self._copies: dict[int, Sequence] = {}
         """Sequences keeping Warm copies of Hot blocks (warm_copy), by id."""
 
@@ -119,7 +126,14 @@ class WarmOffload:
         missing = missing[: self.tier.room(len(missing))]
         if missing:
             start = time.perf_counter()
-            stored = self.store([seq.block_ids[i - warm] for i in missing])
+            try:
+                stored = self.store([seq.block_ids[i - warm] for i in missing])
+            except Exception as exc:  # a write-back is a cache fill: no request waits on it
+                self.keep_failed += 1
+                log.warning("warm_keep_failed", blocks=len(missing), error=repr(exc))
+                if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                return 0
             self.keep_gate.kept_blocks(len(missing), time.perf_counter() - start)
             new = dict(zip(missing, stored, strict=True))
             chain: list[int] = []  # the chain's slots from its head, as far as Warm holds it

@@ -71,10 +71,12 @@ log = structlog.get_logger()
 LOW_WATER_SHARE = 0.25
 """`age` moves idle cached blocks to Cold only while fewer than this share of Warm's slots is
 free: Warm keeps what it has room for, and keeps room for spills and swaps."""
-STORE_CHUNK = 64
-"""Hot blocks encoded and copied to Warm at once: 64 MiB of K and V for llama3-8b, within
-the step workspace. One block at a time took ~2 ms each on the H200 (a swap of 3,452 blocks
-cost seconds, more than recomputing them)."""
+STORE_CHUNK = 16
+"""Hot blocks encoded and copied to Warm at once: 32 MiB of K and V for llama3-8b, and the
+encode's fp32 temporaries some 3x that, within the step workspace (store runs between steps).
+One block at a time took ~2 ms each on the H200 (a swap of 3,452 blocks cost seconds, more
+than recomputing them); 64 at once asked ~0.5 GiB, and a finished turn's write-back ran the
+GPU daemon out of its 24 GB budget on the H200 (B6 (i) at 08336d0)."""
 
 
 class WarmTier:
@@ -255,6 +257,14 @@ class WarmTier:
         """Copy Hot blocks (every layer) into fresh Warm slots, STORE_CHUNK blocks per encode
         and copy (a quantized Hot cache's blocks as they are); the caller frees the blocks."""
         slots = self.index.alloc(len(blocks))
+        try:
+            self._store_into(kv_caches, blocks, slots)
+        except BaseException:
+            self.pool.free(slots)  # a failed copy (a device allocation) leaks no Warm slot
+            raise
+        return slots
+
+    def _store_into(self, kv_caches: Seq[ops.KvCache], blocks: Seq[int], slots: Seq[int]) -> None:
         for lo in range(0, len(blocks), STORE_CHUNK):
             index = torch.tensor(blocks[lo : lo + STORE_CHUNK], device=self.device)
             if self.hot_quantized:
@@ -270,7 +280,6 @@ class WarmTier:
                 crossed = 2 * k.numel() * k.element_size()
             self.pool.store_many(slots[lo : lo + STORE_CHUNK], k, v)
             self.stats.d2h_bytes += crossed
-        return slots
 
     def load(self, kv_caches: Seq[ops.KvCache], slots: Seq[int], blocks: Seq[int]) -> None:
         """Decode Warm `slots` (every layer) into the Hot `blocks`, in order, read in place
