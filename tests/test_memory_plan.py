@@ -69,3 +69,48 @@ def test_plan_counts_what_loading_left_held(monkeypatch: pytest.MonkeyPatch) -> 
     assert plan.weights == plain.weights + extra and plan.workspace == plain.workspace
     assert plan.kv_pool <= plain.kv_pool - extra
     assert plan.weights + plan.workspace + plan.kv_pool <= plan.budget
+
+
+def test_auto_expert_cache_leaves_room_for_what_loading_left_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """expert_cache_slots: auto sizes the cache with the allocator's held bytes counted as
+    the final plan counts them: with F bytes held beyond the weights (segments int4 dense
+    weights pin on CUDA) the cache takes F fewer bytes and the engine starts; sized from the
+    weights alone it took them, and the final plan found too few KV blocks for one sequence
+    (B4a with weights.format int4 on the H200). The CPU holds nothing: F is injected."""
+    from hybridgen.engine import engine as engine_module
+    from hybridgen.engine.memory import weights_bytes
+
+    config = EngineConfig(
+        model="tiny-mixtral",
+        device="cpu",
+        gpu_memory_mb=128,
+        max_model_len=256,
+        max_num_seqs=1,
+        expert_cache_slots="auto",
+        expert_format="int4",
+    )
+    plain = Engine(config)
+    cache = plain.experts[0] if plain.experts is not None else None
+    assert cache is not None
+    plan, slots, slot = plain.plan, cache.capacity, cache.expert_bytes
+    leftover = plan.budget - plan.weights - plan.workspace - plan.min_blocks * plan.block_bytes
+    plain.release()
+    fragments = leftover + (slots - 4) * slot  # held beyond the weights: room for 3 more
+    loaded: list[object] = []
+    real_load = engine_module.load_configured
+
+    def load(config: EngineConfig) -> object:
+        loaded.append(real_load(config))
+        return loaded[-1]
+
+    def held(device: torch.device) -> int:  # nothing before loading, then weights + F
+        return fragments + weights_bytes(loaded[-1].model) if loaded else 0  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(engine_module, "load_configured", load)
+    monkeypatch.setattr(engine_module, "_reserved_elsewhere", held)
+    engine = Engine(config)
+    assert engine.experts is not None and engine.experts[0].capacity == 4
+    assert engine.plan.weights + engine.plan.workspace + engine.plan.kv_pool <= engine.plan.budget
+    engine.release()

@@ -153,7 +153,10 @@ class Engine:
         self.host_layers = setup_host_layers(config, self.loaded.model, self.device)
         """Layers whose projections live in host memory (weights.gpu_layers), if any."""
         self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(
-            config, self.loaded.model, self.device
+            config,
+            self.loaded.model,
+            self.device,
+            lambda: _reserved_elsewhere(self.device) - self._foreign,
         )
         """Cold-Weights: the shared device cache of experts and the latency model."""
         held = _reserved_elsewhere(self.device) - self._foreign  # what loading left held

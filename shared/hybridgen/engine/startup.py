@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -67,10 +67,11 @@ def place_moe_gate(model: CausalLM, placement: str) -> None:
 
 
 def setup_moe(
-    config: EngineConfig, model: CausalLM, device: torch.device
+    config: EngineConfig, model: CausalLM, device: torch.device, held: Callable[[], int]
 ) -> tuple[ExpertCache, LatencyModel] | None:
     """The routers' configured placement, and Cold-Weights when expert_cache_slots is set:
-    (the device cache, the latency model); None for a dense model or resident experts."""
+    (the device cache, the latency model); None for a dense model or resident experts.
+    `held`: the device bytes the engine's allocator holds now (plan_engine_memory's)."""
     blocks = moe_blocks(model)
     place_moe_gate(model, config.moe_gate_placement)
     slots = config.expert_cache_slots
@@ -85,17 +86,27 @@ def setup_moe(
         config.cpu_expert_threads,
     )
     if slots == "auto":
-        _size_expert_cache(config, model, device, experts[0], len(blocks) * blocks[0].num_experts)
+        total = len(blocks) * blocks[0].num_experts
+        _size_expert_cache(config, model, device, experts[0], total, held())
     return experts
 
 
 def _size_expert_cache(
-    config: EngineConfig, model: CausalLM, device: torch.device, cache: ExpertCache, experts: int
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    cache: ExpertCache,
+    experts: int,
+    held: int,
 ) -> None:
     """expert_cache_slots: auto: plan with a one-slot cache, then give the cache what the
-    budget leaves beyond the KV pool's minimum (memory.spare_expert_slots)."""
+    budget leaves beyond the KV pool's minimum (memory.spare_expert_slots). `held`: what the
+    allocator holds with the one slot, which the final plan counts as weights where it is
+    above their bytes (int4 dense weights quantized on the device leave segments pinned):
+    sized without it, B4a with weights.format int4 left 242 KV blocks of the 256 a sequence
+    needs and did not start (H200, 08336d0)."""
     try:
-        plan, _ = plan_engine_memory(config, model, device)
+        plan, _ = plan_engine_memory(config, model, device, held)
     except BudgetTooSmall as exc:
         raise BudgetTooSmall(
             f"cold_weights.expert_cache_slots=auto: not even one expert fits: {exc}"
