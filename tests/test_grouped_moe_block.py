@@ -20,6 +20,7 @@ from hybridgen.experts.grouped import HitLaunches
 from hybridgen.experts.store import ExpertCache, MoeStats
 from hybridgen.kernels import ops
 from hybridgen.kernels import triton_quant_gemv as t_qgemv
+from hybridgen.models import moe as moe_module
 from hybridgen.models.loader import load_model
 from hybridgen.models.moe import enable_cold_weights, moe_blocks
 from tests.kernel_helpers import DEVICE, rel_err
@@ -183,6 +184,42 @@ def test_a_prompts_step_groups_its_experts_of_many_rows(
         # miss of a lower id may have taken first)
         assert len(gemms) > len(expected) // 2 and all(g >= 16 for g in gemms), gemms
         assert len(big) <= mine.cache_misses and len(big) < len(expected), (big, gemms)
+
+
+def test_a_step_whose_experts_all_have_many_rows_runs_them_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of 80 rows of one token (every expert it routes to past GEMM_MAX_ROWS): no
+    grouped launch at all (its host table would buy nothing), the per-expert path's outputs."""
+    tokens = 80
+    assert tokens > ops.GEMM_MAX_ROWS
+    launches = _counted_launches(monkeypatch)
+    gemms: list[int] = []
+    real_gemm = ops.grouped_expert_gemm_swiglu
+
+    def counted_gemm(*args: Any) -> torch.Tensor:
+        gemms.append(args[3][0].shape[0])
+        return real_gemm(*args)
+
+    monkeypatch.setattr(ops, "grouped_expert_gemm_swiglu", counted_gemm)
+    tables: list[int] = []  # steps that built the grouped path's host table
+    real_pack = moe_module.pack_step
+
+    def counted_pack(ids: torch.Tensor, *args: Any) -> Any:
+        tables.append(ids.shape[0])
+        return real_pack(ids, *args)
+
+    monkeypatch.setattr(moe_module, "pack_step", counted_pack)
+    gen = torch.Generator().manual_seed(80)
+    xs = [torch.randn(1, 128, generator=gen).expand(tokens, -1).contiguous().to(DEVICE)]
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
+    expected, theirs = _run("tiny-mixtral", "int4", 0, xs, launches)
+    monkeypatch.setattr(ops, "GROUPED_EXPERTS", True)
+    got, mine = _run("tiny-mixtral", "int4", 0, xs, launches)
+    for out, ref in zip(got, expected, strict=True):
+        assert rel_err(out, ref) < 1e-5
+    assert (mine.gpu_experts, mine.routed) == (theirs.gpu_experts, theirs.routed)
+    assert not launches and not gemms and not tables
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -226,7 +226,9 @@ class SparseMoeBlock(nn.Module):
         """The routed experts' outputs on x [T, H], weighted and summed -> [T, H]. ids [T, k]
         on the host or x's device (route()'s), weights [T, k] on x's device."""
         if self.cold is not None and ops.grouped_experts_usable(x, self.cold[1].gate_up.fmt):
-            return self._combine_grouped(x, ids.cpu(), weights)
+            ids = ids.cpu()
+            if len(x) <= ops.GROUPED_STEP_ROWS or self._any_grouped(ids):
+                return self._combine_grouped(x, ids, weights)
         placed = self._place(x, ids, x.device)
         routed = placed.routed
         ys = self._run_placed(x, placed, routed)
@@ -243,6 +245,17 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, r.rows, y)
         assert out is not None
         return out
+
+    def _any_grouped(self, ids: torch.Tensor) -> bool:
+        """Whether an expert of a large step (ids [T, k] on the host) runs in a grouped
+        launch: its fewest-token expert does if any does. A step whose experts all have more
+        rows than the grouped GEMM takes (a mixtral prompt of 1,024 tokens: ~256 an expert)
+        would pay the grouped path's host table (~1-2.6 ms a layer for 2,048 pairs) for
+        nothing."""
+        assert self.cold is not None
+        counts = torch.bincount(ids.flatten())
+        fewest = int(counts[counts > 0].min())
+        return ops.grouped_expert_takes(fewest, self.cold[1].gate_up.fmt) is not None
 
     def _combine_grouped(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
