@@ -1,6 +1,8 @@
-"""A step's routed experts as one table for the grouped device launch (Cold-Weights, int8 /
-int4 at decode): models/moe.py's combine runs the experts that hit the device cache in one
-launch per matrix (kernels/triton_grouped_experts.py) instead of one call per expert.
+"""A step's routed experts as one table for the grouped device launches (Cold-Weights, int8 /
+int4): models/moe.py's combine runs the experts that hit the device cache in one launch per
+matrix instead of one call per expert: those of few rows (decode) in the grouped GEMV
+(kernels/triton_grouped_experts.py), int4 ones of more (a prompt's step) in the grouped GEMM
+(kernels/triton_grouped_gemm.py).
 
 Every (token, expert) of the step has a row in the output table Y [T * k, H]: row t * k + j
 is token t's j-th expert in ascending id, the order in which combine (and HF) adds them up.
