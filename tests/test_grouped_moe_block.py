@@ -66,6 +66,19 @@ def _counted_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return launches
 
 
+def _counted_gemms(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The grouped GEMM launch, each launch's padded positions recorded in the list returned."""
+    gemms: list[int] = []
+    real = ops.grouped_expert_gemm_swiglu
+
+    def counted(*args: Any) -> torch.Tensor:
+        gemms.append(args[3][0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(ops, "grouped_expert_gemm_swiglu", counted)
+    return gemms
+
+
 PAIRWISE = [
     ("tiny-mixtral", "int4", 1, 0),
     ("tiny-qwen3-moe", "int8", 1, 0),
@@ -133,14 +146,7 @@ def test_a_prompts_step_groups_its_experts_of_many_rows(
     the outputs are the per-expert path's. Before, every expert of such a step ran alone."""
     assert tokens - 4 > t_qgemv.MAX_ROWS
     launches = _counted_launches(monkeypatch)
-    gemms: list[int] = []  # each grouped GEMM launch's padded positions
-    real_gemm = ops.grouped_expert_gemm_swiglu
-
-    def counted_gemm(*args: Any) -> torch.Tensor:
-        gemms.append(args[3][0].shape[0])
-        return real_gemm(*args)
-
-    monkeypatch.setattr(ops, "grouped_expert_gemm_swiglu", counted_gemm)
+    gemms = _counted_gemms(monkeypatch)
     gen = torch.Generator().manual_seed(tokens)
     # tokens - 4 rows of one token route to the same two experts; 4 others spread
     xs = [
@@ -194,14 +200,7 @@ def test_a_step_whose_experts_all_have_many_rows_runs_them_alone(
     tokens = 80
     assert tokens > ops.GEMM_MAX_ROWS
     launches = _counted_launches(monkeypatch)
-    gemms: list[int] = []
-    real_gemm = ops.grouped_expert_gemm_swiglu
-
-    def counted_gemm(*args: Any) -> torch.Tensor:
-        gemms.append(args[3][0].shape[0])
-        return real_gemm(*args)
-
-    monkeypatch.setattr(ops, "grouped_expert_gemm_swiglu", counted_gemm)
+    gemms = _counted_gemms(monkeypatch)
     tables: list[int] = []  # steps that built the grouped path's host table
     real_pack = moe_module.pack_step
 
