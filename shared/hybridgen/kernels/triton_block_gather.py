@@ -74,7 +74,7 @@ def _move_tile(
     tl.store(dst_ptr + dst_off, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _gather_kernel(
     slots_ptr,
     k_ptr,
@@ -187,7 +187,7 @@ def gather_blocks(
 _ROW_WORDS = 1024  # 4 KiB of a row per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["index_ptr"])
 def _rows_kernel(index_ptr, src_ptr, dst_ptr, row_stride, words, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -40,7 +40,7 @@ SUM_BLOCK = 1024
 """Hidden values per program of weighted_sum."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["in_ptr", "slot_ptr"])
 def _int8_grouped_kernel(
     x_ptr,
     in_ptr,
@@ -81,7 +81,7 @@ def _int8_grouped_kernel(
     tl.store(y_ptr + p * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["in_ptr", "slot_ptr"])
 def _int4_grouped_kernel(
     x_ptr,
     in_ptr,
@@ -126,7 +126,7 @@ def _int4_grouped_kernel(
     tl.store(out + HALF, hi.to(part_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["widx_ptr", "w_ptr"])
 def _weighted_sum_kernel(
     y_ptr, w_ptr, widx_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr
 ):

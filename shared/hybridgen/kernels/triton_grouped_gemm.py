@@ -40,7 +40,7 @@ def block_m(rows: int, experts: int) -> int:
     return next((m for m in BLOCK_MS if m >= mean), BLOCK_MS[-1])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["rows_ptr", "outs_ptr", "block_slot_ptr"])
 def _int4_grouped_gemm_kernel(
     x_ptr,
     rows_ptr,

@@ -37,6 +37,8 @@ _MIN_TILES_PER_SPLIT = 2
 _CTAS_PER_SM = 4  # H200 sweep: ~4 resident programs per SM saturate HBM best
 _MAX_SPLITS = 64
 _DEFAULT_SMS = 132
+_MERGE_SPLITS = triton.next_power_of_2(_MAX_SPLITS)  # the merge's lanes: one compile for all
+_MERGE_TILE = 4096  # fp32 elements of the merge's [splits, head dims] tile (CHUNK_D from it)
 _NO_WINDOW = 1 << 30  # longer than any sequence; keeps the kernel free of a window branch
 # Launch tunables (module-level so a benchmark can sweep them).
 _TILE_KEYS = 64  # keys per inner-loop tile for head dims <= 128 (halved above)
@@ -142,7 +144,10 @@ def _load_kv_tile(
     return x
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_splits", "s_bt"],
+    do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr"],
+)
 def _decode_split_kernel(
     q_ptr,
     kc_ptr,
@@ -287,7 +292,7 @@ def _decode_split_kernel(
         tl.store(l_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     acc_ptr,
     m_ptr,
@@ -301,6 +306,7 @@ def _decode_merge_kernel(
     so_h,
     SPLITS_BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     # Grid (B, Hq): rescales each split's partial to the global max and sums them.
@@ -309,22 +315,24 @@ def _decode_merge_kernel(
     row = b * n_q_heads + h
     sp = tl.arange(0, SPLITS_BLOCK)
     sp_ok = sp < num_splits
-    d = tl.arange(0, BLOCK_D)
     m = tl.load(m_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))
     l_part = tl.load(l_ptr + row * num_splits + sp, mask=sp_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max > float("-inf"), m_max, 0.0)
     w = tl.exp2(m - m_safe)  # empty splits: exp2(-inf) = 0
-    acc = tl.load(
-        acc_ptr + (row * num_splits + sp[:, None]) * BLOCK_D + d[None, :],
-        mask=sp_ok[:, None],
-        other=0.0,
-    )
     l_tot = tl.sum(l_part * w, axis=0)
     has_keys = l_tot > 0
-    o = tl.sum(acc * w[:, None], axis=0) / tl.where(has_keys, l_tot, 1.0)
-    o_ptrs = out_ptr + b * so_b + h * so_h + d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    denom = tl.where(has_keys, l_tot, 1.0)
+    for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):  # [SPLITS_BLOCK, CHUNK_D] tiles
+        d = d0 + tl.arange(0, CHUNK_D)
+        acc = tl.load(
+            acc_ptr + (row * num_splits + sp[:, None]) * BLOCK_D + d[None, :],
+            mask=sp_ok[:, None],
+            other=0.0,
+        )
+        o = tl.sum(acc * w[:, None], axis=0) / denom
+        o_ptrs = out_ptr + b * so_b + h * so_h + d
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
     if WRITE_LSE:
         tl.store(lse_ptr + row, _natural_lse(m_safe, l_tot))
 
@@ -549,8 +557,9 @@ def _decode(
             head_dim,
             out.stride(0),
             out.stride(1),
-            SPLITS_BLOCK=triton.next_power_of_2(num_splits),
+            SPLITS_BLOCK=_MERGE_SPLITS,
             BLOCK_D=block_d,
+            CHUNK_D=min(block_d, _MERGE_TILE // _MERGE_SPLITS),
             WRITE_LSE=return_lse,
             num_warps=4,
         )

@@ -45,7 +45,9 @@ _NUM_WARPS = 8
 _NUM_STAGES = 2
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["s_bt"], do_not_specialize_on_alignment=["bt_ptr", "tiles_ptr", "meta_ptr"]
+)
 def _prefill_kernel(
     q_ptr,
     kc_ptr,

@@ -70,7 +70,7 @@ def _cos_sin(cos_ptr, sin_ptr, pos, s_cos, s_sin, HALF: tl.constexpr, BLOCK_HALF
     return c1, c2, s1, s2
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_and_cache_kernel(
     q_ptr,
     k_ptr,
@@ -329,7 +329,7 @@ def _quantize_heads(
         tl.store(scale_ptr + meta, scale, mask=g_ok & slot_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_and_cache_quant_kernel(
     q_ptr,
     k_ptr,
