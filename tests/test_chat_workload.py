@@ -151,4 +151,6 @@ def test_served_chat_run_reports_prefix_hits_by_tier(checkpoint, tmp_path: Path)
     assert counts["warm_kept_blocks"] > 0 and counts["prefix_warm_tokens"] > 0, seen
     assert result["workload"]["kind"] == "chat" and result["workload"]["turns"] == 9
     assert result["server_info"]["spill_policy"] == "auto"
+    spent = run["server_time"]  # the engine's time by phase, Warm loads under schedule
+    assert spent["schedule"] > 0 and spent["prefill"] > 0 and spent["wall"] > 0
     assert result["server"]["serve_exit_code"] == 0

@@ -111,6 +111,10 @@ def test_compare_runs_both_modes_and_reports_ratios(tmp_path: Path) -> None:
     assert ratios["gpu_mem_peak_mb"] is None
     table = stdout.splitlines()
     assert {"hybrid", "pure_gpu"} <= {line.split(" ")[0] for line in table}
+    for mode in ("hybrid", "pure_gpu"):  # each server's account of its time
+        spent = result[mode]["server_time"]
+        assert spent["decode"] > 0 and spent["wall"] == pytest.approx(result[mode]["wall_s"])
+        assert any(line.startswith(f"{mode}: server time over the run") for line in table)
     assert table[-1].lstrip().startswith("gpu_mem_peak_mb")  # the ratios close the table
 
 

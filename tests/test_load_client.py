@@ -69,5 +69,11 @@ def test_served_run_reports_what_a_client_sees(checkpoint, tmp_path: Path) -> No
     assert med["served_step_ms"] == steps["4"] > 0
     assert med["gap_over_served_step"] == pytest.approx(med["gap_ms_p50"] / steps["4"])
     assert result["server_info"]["max_model_len"] == 128
+    # The server's account of the run's time, from its GetModelInfo before and after.
+    spent = med["server_time"]
+    assert spent["decode"] > 0 and spent["prefill"] > 0 and spent["outputs"] > 0
+    phases = sum(v for k, v in spent.items() if k not in ("idle", "wall"))
+    assert phases + spent["idle"] == pytest.approx(spent["wall"]) and phases <= spent["wall"]
+    assert any(line.startswith("server time over the run") for line in done.stdout.splitlines())
     assert result["server"]["serve_exit_code"] == 0 and not result["server"]["shm_left_after_stop"]
     assert result["machine"]["commit"] and result["command"].startswith("python -m hybridgen")

@@ -32,6 +32,7 @@ import structlog
 from hybridgen.benchmarks.chat_workload import ChatWorkload, Conversation, load
 from hybridgen.benchmarks.e2e_benchmark import BenchmarkError
 from hybridgen.benchmarks.load import Stream, median_of, summarize
+from hybridgen.benchmarks.server_time import median_phases, phase_seconds, run_phases
 
 log = structlog.get_logger()
 
@@ -164,17 +165,21 @@ def bench_chat(target: str, args: argparse.Namespace) -> dict[str, Any]:
         log.info("chat_warmup", run=r, failed=sum(s.error is not None for s in streams))
     runs = []
     for r in range(args.runs):
-        before = counters(model_info())
+        first = model_info()
+        before, start = counters(first), time.perf_counter()
         streams = asyncio.run(
             replay(target, work, info.vocab_size, args.seed + r, concurrency, args.timeout)
         )
+        wall_s = time.perf_counter() - start
         after = model_info()
         figures = summarize(streams, "chat")
         figures["counters"] = {k: v - before[k] for k, v in counters(after).items()}
+        figures["server_time"] = run_phases(phase_seconds(first), phase_seconds(after), wall_s)
         log.info("chat_run", run=r, **{k: v for k, v in figures.items() if k != "counters"})
         runs.append(figures)
     median = median_of(runs)
     median["counters"] = {k: statistics.median(r["counters"][k] for r in runs) for k in COUNTERS}
+    median["server_time"] = median_phases(runs)
     shape = {
         "file": str(args.chat),
         "concurrency": concurrency,

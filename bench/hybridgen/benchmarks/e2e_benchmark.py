@@ -46,6 +46,7 @@ from hybridgen.benchmarks.e2e_plot import (
 )
 from hybridgen.benchmarks.prompt_file import Prompt, load_prompts
 from hybridgen.benchmarks.report import machine_info
+from hybridgen.benchmarks.server_time import phase_seconds, run_phases
 from hybridgen.benchmarks.serving_overhead import _free_port, _wait_serving, stop_served
 from hybridgen.config.file import ConfigError, load_config
 from hybridgen.runtime import log as hlog
@@ -297,6 +298,7 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
             for i, p in enumerate(prompts)
         ]
         progress = hlog.Progress("e2e_requests_done", len(prompts), unit="requests")
+        before = phase_seconds(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30))
         start = time.perf_counter()
         run_batch(stub, list(zip(results, [p.text for p in prompts], strict=True)), args, progress)
         wall_s = time.perf_counter() - start
@@ -312,6 +314,7 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
         **summarize(results, wall_s),
         "gpu_mem_peak_mb": peak,
         "gpu_mem_peak_source": source,
+        "server_time": run_phases(before, phase_seconds(info), wall_s),
         "per_request": [asdict(r) for r in results],
     }
 

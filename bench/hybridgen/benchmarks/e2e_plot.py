@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import structlog
 
+from hybridgen.benchmarks.server_time import phase_line
+
 log = structlog.get_logger()
 
 PERCENTILES = (50, 90, 95, 99)
@@ -149,6 +151,9 @@ def print_table(result: Mapping[str, Any], runs: Mapping[str, Run]) -> None:
             + f"{_num(run['tok_per_s'], 10)}{_num(run['gpu_mem_peak_mb'], 12, 0)}"
         )
     print("latencies in ms")
+    for mode, run in runs.items():
+        if "server_time" in run:
+            print(f"{mode}: {phase_line(run['server_time'])}")
     if first["gpu_mem_peak_mb"] is None:
         print(f"gpu_mem_peak_mb: {first['gpu_mem_peak_source']}")
     if "ratios" in result:

@@ -55,6 +55,12 @@ from hybridgen.benchmarks.chat_workload import load as load_chat
 from hybridgen.benchmarks.e2e_benchmark import BenchmarkError, int_range, served
 from hybridgen.benchmarks.e2e_plot import percentile
 from hybridgen.benchmarks.report import machine_info
+from hybridgen.benchmarks.server_time import (
+    median_phases,
+    phase_line,
+    phase_seconds,
+    run_phases,
+)
 from hybridgen.config.file import ConfigError, load_config
 from hybridgen.runtime import log as hlog
 
@@ -248,21 +254,28 @@ def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
             f"beyond the served context of {info.max_model_len} tokens ({info.model}); shorten "
             "them or serve a longer context (model.max_model_len)"
         )
+
+    def model_info() -> Any:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+
     runs = []
     for r in range(args.warmup + args.runs):
         ids = prompts(work, info.vocab_size, seed=args.seed + r)
+        before, start = phase_seconds(model_info()), time.perf_counter()
         streams = asyncio.run(run_once(target, work, ids, args.seed + r, args.timeout))
+        wall_s = time.perf_counter() - start
+        info = model_info()
         figures = summarize(streams, work.arrival)
         log.info("load_run", run=r, warmup=r < args.warmup, **_rounded(figures))
         if r >= args.warmup:
+            figures["server_time"] = run_phases(before, phase_seconds(info), wall_s)
             runs.append(figures)
-    with grpc.insecure_channel(target) as channel:
-        info = pb_grpc.GenerationServiceStub(channel).GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=30
-        )
     from google.protobuf.json_format import MessageToDict
 
     median = median_of(runs)
+    median["server_time"] = median_phases(runs)
     bucket = 1 << max(work.concurrency - 1, 0).bit_length()  # step_budget's batch buckets
     step = info.decode_step_ms.get(bucket)
     median["served_step_ms"] = step
@@ -309,6 +322,8 @@ def print_table(name: str, result: dict[str, Any]) -> None:
         from hybridgen.benchmarks.chat_replay import prefix_line
 
         print(prefix_line(med["counters"]))
+    if "server_time" in med:
+        print(phase_line(med["server_time"]))
     if med.get("served_step_ms"):
         print(
             f"served: the server's decode step {med['served_step_ms']:.2f} ms"

@@ -16,7 +16,7 @@ import itertools
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -82,6 +82,15 @@ TIER_LOG_STEPS = 256
 """With a Warm tier in use, the KV tier figures are logged every this many steps."""
 
 
+STEP_PHASES = ("schedule", "decode", "prefill", "warm", "outputs")
+"""The engine's time by phase (EngineStats.seconds; GetModelInfo step_s_<phase>): schedule,
+choosing each step's batch (admissions, Warm loads of prefix hits, spills, swaps, preemption);
+decode, prefill and warm, forward passes until their tokens are on the host, of decodes alone
+from Hot, of batches that carry prompt tokens, and of batches that read Warm keys; outputs,
+turning tokens into outputs, stops and finishes (a finished sequence's write-back to Warm
+included)."""
+
+
 @dataclass
 class EngineStats:
     """Counters since start."""
@@ -93,6 +102,8 @@ class EngineStats:
     max_step_tokens: int = 0
     """Most tokens computed in one step (never above max_num_batched_tokens)."""
     peak_blocks_used: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+    """Where the engine's time went, by STEP_PHASES: the step loop's account of itself."""
 
 
 def load_configured(config: EngineConfig) -> LoadedModel:
@@ -114,6 +125,26 @@ def load_configured(config: EngineConfig) -> LoadedModel:
         config.weights_format,
         config.gpu_layers,
     )
+
+
+def _forward_phase(batch: ScheduledBatch) -> str:
+    """The STEP_PHASES entry a batch's forward pass counts under."""
+    if any(s.warm_slots for s in batch.seqs):
+        return "warm"
+    return "prefill" if any(n > 1 for n in batch.num_tokens) else "decode"
+
+
+def _timed(
+    steps: Iterator[list[Sampled]], seconds: dict[str, float], phase: str
+) -> Iterator[list[Sampled]]:
+    """`steps`, the time each one takes to come added to seconds[phase]."""
+    while True:
+        start = time.perf_counter()
+        step = next(steps, None)
+        seconds[phase] += time.perf_counter() - start
+        if step is None:
+            return
+        yield step
 
 
 def _pick(seq: Sequence, cands: Candidates) -> Sampled:
@@ -361,7 +392,9 @@ class Engine:
         error) or a lost tensor-parallel rank is not survivable: that exception propagates."""
         batch: ScheduledBatch | None = None
         try:
+            start = time.perf_counter()
             batch = self.scheduler.schedule()
+            self.stats.seconds["schedule"] += time.perf_counter() - start
             self.stats.preemptions += len(batch.preempted)
             if batch.seqs:
                 self.faults.check(self.stats.steps, self.device)
@@ -389,7 +422,11 @@ class Engine:
             per_step = iter([self.runner.execute(batch)])
         first = None if on_host else next(per_step)  # the batch's forward pass is done
         launch = self.runner.queued_at - start if self._runs_ahead(batch, steps, drafts) else None
-        self._observe(batch, time.perf_counter() - start, on_host or bool(first), launch)
+        forward = time.perf_counter() - start
+        self._observe(batch, forward, on_host or bool(first), launch)
+        phase = _forward_phase(batch)
+        self.stats.seconds[phase] += forward
+        per_step = _timed(per_step, self.stats.seconds, phase)  # decode_steps' later steps
         self._account(batch)
         if on_host and defer_sampling:
             yield [self._await_token(seq, c) for seq, c in picked]
@@ -398,6 +435,7 @@ class Engine:
             first = [_pick(seq, c) for seq, c in picked]
         assert first is not None
         for j, sampled in enumerate(itertools.chain([first], per_step)):
+            start = time.perf_counter()
             outputs: dict[str, RequestOutput] = {}
             for s in sampled:
                 seq = s.seq
@@ -406,6 +444,7 @@ class Engine:
                 if j:
                     seq.num_computed_tokens += 1  # the previous step's token went through
                 self._record(seq, s, outputs)
+            self.stats.seconds["outputs"] += time.perf_counter() - start
             yield list(outputs.values())
 
     def _runs_ahead(self, batch: ScheduledBatch, steps: int, drafts: int) -> bool:

@@ -82,6 +82,7 @@ def counter_info(engine: Engine) -> dict[str, float | int | str]:
         **moe_info(engine),
         **host_layer_info(engine),
         **launch_info(engine),
+        **{f"step_s_{phase}": s for phase, s in engine.stats.seconds.items()},
     }
 
 
