@@ -161,7 +161,8 @@ def test_rope_and_cache_compiles_once_whatever_the_tokens() -> None:
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_linear_compiles_once_per_tile_shape(fmt: str) -> None:
     """int8 / int4 weights at 1, 2, 3, 5, 16 and 17 rows (a decode batch, a prompt chunk): the
-    token count is not specialized on, so each tile shape compiles once."""
+    GEMM's token count is not specialized on, so each tile shape compiles once. (The GEMVs
+    take one row only, so their T stays the constant 1 Triton makes of it.)"""
     w = quantize(torch.randn(64, 128) * 0.05, fmt).to(DEVICE)  # type: ignore[arg-type]
     with launch_keys() as keys:
         for t in [1, 2, 3, 5, 16, 17]:

@@ -287,7 +287,7 @@ def _store(y_ptr, b_ptr, acc, rm, rn, T, N, HAS_BIAS: tl.constexpr):
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < T)[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _int4_gemv(
     x_ptr,
     q_ptr,
@@ -364,7 +364,7 @@ def _nibble_fma(mask, u, x, p, two23, Q: tl.constexpr):
     return p + (f * (1.0 / (1 << (4 * Q))) - two23 * (1.0 / (1 << (4 * Q)))) * x
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _int4_gemv_words(
     x_ptr,
     q_ptr,
@@ -449,7 +449,7 @@ def _bf16_hi(v):
     return (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _int4_gemv_mma(
     x_ptr,
     q_ptr,
@@ -545,7 +545,7 @@ def _sum_splits(y, part_ptr, lock_ptr, y_ptr, b_ptr, t, rn, T, N, HAS_BIAS: tl.c
         tl.atomic_xchg(lock, 0)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _int8_gemv(
     x_ptr,
     q_ptr,
