@@ -33,7 +33,10 @@
 # names the commit being measured. Results land in $OUT as JSON; a table is printed last.
 source scripts/device_setup.sh
 set -o pipefail
-load() { python3 -m hybridgen.benchmarks.load --serve-dir /tmp/serve "$@" 2>>"$OUT/load_stderr.log"; }
+load() {  # and the server's start-up by stage (engine_ready's startup_s) beside its stderr
+  python3 -m hybridgen.benchmarks.load --serve-dir /tmp/serve "$@" 2>>"$OUT/load_stderr.log"
+  grep -h engine_ready /tmp/serve/gpu.log >>"$OUT/startup.txt" 2>/dev/null || true
+}
 rate() { python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
 print(round(0.8 * d['median']['total_tok_s'] / d['workload']['max_new_tokens'], 2))" "$1"; }
 wait_tests() {  # up to $1 s for the background suite, then its log (and exit code) into $OUT

@@ -37,6 +37,7 @@ from hybridgen.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfi
 from hybridgen.engine.sequence import FinishReason, Sequence
 from hybridgen.engine.spill_policy import SpillCosts
 from hybridgen.engine.startup import (
+    StartupClock,
     measure_moe_gate,
     measure_regions,
     measure_spill_costs,
@@ -167,7 +168,9 @@ class Engine:
         why = latent_kv_unsupported(spec, config.hot_codec, config.warm_pool_mb)
         if why is not None:
             raise ConfigError(why)
+        self._clock = StartupClock()
         self.loaded = loaded or load_configured(config)
+        self._clock.mark("load")
         self.warm: WarmTier | None = None
         try:
             self._start()
@@ -181,8 +184,10 @@ class Engine:
         sd_notify.status("warming up")  # under a supervisor; a no-op in-process
         config = self.config
         spec = self.spec = self.loaded.spec  # tensor parallel: the model's is one rank's
+        clock = self._clock
         self.host_layers = setup_host_layers(config, self.loaded.model, self.device)
         """Layers whose projections live in host memory (weights.gpu_layers), if any."""
+        clock.mark("host_layers")
         self.experts: tuple[ExpertCache, LatencyModel] | None = setup_moe(
             config,
             self.loaded.model,
@@ -190,17 +195,21 @@ class Engine:
             lambda: _reserved_elsewhere(self.device) - self._foreign,
         )
         """Cold-Weights: the shared device cache of experts and the latency model."""
+        clock.mark("moe")
         held = _reserved_elsewhere(self.device) - self._foreign  # what loading left held
         self.plan, self.max_model_len = plan_engine_memory(
             config, self.loaded.model, self.device, held
         )
+        clock.mark("memory_plan")
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             cap = (self.plan.budget + self._foreign) / total
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap), self.device)
         if config.warm_pool_mb > 0:
             self.warm = WarmTier.from_config(config, spec, self.device)
+        clock.mark("warm_tier")
         self.runner = self._runner()
+        clock.mark("kv_pool_and_graphs")
         self.pool = BlockPool(self.plan.num_blocks, config.block_size)
         self.step_times = StepBudget(config.step_latency_ms / 1e3, key_weight(spec))
         """Measured step times: decode-first steps' budget (with step_latency_ms), and the
@@ -211,6 +220,7 @@ class Engine:
             self.spill_costs = SpillCosts(self.step_times)
             if config.spill_policy == "auto":
                 measure_spill_costs(self.spill_costs, self.warm, self.runner.kv_caches, config)
+                clock.mark("spill_costs")
             self.warm.step_times = self.step_times
             self.offload = WarmOffload(
                 self.warm, self.pool, self.runner.kv_caches, config.prefix_reuse, self.spill_costs
@@ -244,14 +254,19 @@ class Engine:
         self.degrade = Degrade(config, self.warm, spec.vocab_size, "attn_warm" in self.measured)
         """Backpressure degrade: placements shifted toward the CPU while it holds."""
         self._place(measure_regions(config, self.device, spec.vocab_size, self.warm))
+        clock.mark("regions")
         if self.experts is not None:  # counted from the first served step: the start-up's
             self.experts[0].stats = MoeStats()  # profiling prefill repeats one token
         if self.host_layers is not None:  # likewise: served steps only
             self.host_layers.stats = HostLayerStats()
         self._next_age = 0.0  # when to look for Warm blocks to move to Cold
         self._arrivals = 0
+        clock.mark("other")
+        self.startup_s = clock.seconds
+        """Seconds each start-up stage took (StartupClock), the weights' load first."""
         log.info(
             "engine_ready",
+            startup_s={stage: round(s, 2) for stage, s in self.startup_s.items()},
             model=spec.name,
             synthetic=spec.synthetic,
             device=str(self.device),
@@ -277,9 +292,11 @@ class Engine:
         config = self.config
         if self.warm is not None:
             self.measured.update(place_attn_warm(self.warm, config, self.device))
+            self._clock.mark("attn_warm")
         graph_batch = graph_batch_size(config, self.loaded.model)
         graphed = bool(graph_batch) and self.device.type == "cuda"
         self._place(measure_moe_gate(config, self.loaded.model, self.device, graphed))
+        self._clock.mark("moe_gate")
         self._check_reach()
         return ModelRunner(
             self.loaded.model,

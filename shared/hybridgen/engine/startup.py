@@ -11,6 +11,9 @@
     measure_spill_costs  spill_policy auto: a Warm block's read in a decode step and a block's
                       move Hot <-> Warm, for the spill decision (spill_policy.py)
 
+StartupClock times each stage (and the weights' load, the KV pool and CUDA graphs between
+them) for the engine_ready log line, so that a slow start names its stage.
+
 Each takes explicit inputs, not the engine; the measure_* ones return the figures and the
 faster side of each region, which the engine applies (Engine._place). The timers are
 placement/region_timing.py's, the ones hybridgen-profiler uses offline. On a
@@ -169,6 +172,20 @@ def measure_moe_gate(
         r = profile_moe_gate(blocks[0], START_SAMPLE_BATCH, START_RUNS, graphed)
     log.info("region_measured", region="moe_gate", placement=r.placement, **r.measured)
     return {"moe_gate": r}
+
+
+class StartupClock:
+    """Seconds each start-up stage took, in order (Engine.startup_s, in the engine_ready
+    log line): the stage named at each mark took the time since the last mark."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self._last = now
 
 
 def measure_regions(
