@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridgen.experts import grouped
 from hybridgen.models.moe import SparseMoeBlock
 from tests.kernel_helpers import DEVICE
 
@@ -49,3 +50,35 @@ def test_rows_reach_the_device_once_and_only_when_asked(monkeypatch: pytest.Monk
     assert routed[1].rows.tolist() == [0, 2] and routed[1].slot.tolist() == [0, 1]  # type: ignore[union-attr]
     assert routed[2].rows.tolist() == [1, 2] and routed[0].slot.tolist() == [1, 0]  # type: ignore[union-attr]
     assert len(copies) == 1
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts"), [(1, 8, 128), (3, 2, 8), (40, 8, 64), (300, 2, 8)]
+)
+def test_a_steps_table_packs_the_same_in_loops_and_in_arrays(
+    tokens: int, top_k: int, experts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pack_step's two ways (Python loops for few pairs, numpy from NUMPY_PAIRS on) give the
+    same table, byte for byte, for fresh random picks with cache hits, many-row experts and
+    the others in a shuffled order; a large step takes the arrays."""
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        step = torch.unique(ids)[torch.randperm(len(torch.unique(ids)), generator=gen)].tolist()
+        hits = {e: 2 * i for i, e in enumerate(step[0::3])}
+        many = {e: 2 * i + 1 for i, e in enumerate(step[1::3])}
+        others = step[2::3]
+        loop = grouped._pack_loop(ids, hits, others, many, 16)
+        assert loop == grouped._pack_arrays(ids, hits, others, many, 16)
+        assert loop.pairs == sum(int((ids == e).sum()) for e in hits)
+        every = {e: i for i, e in enumerate(step)}  # a decode step all in the cache
+        assert grouped._pack_loop(ids, every, [], {}, 16) == grouped._pack_arrays(
+            ids, every, [], {}, 16
+        )
+    if ids.numel() >= grouped.NUMPY_PAIRS:
+
+        def no_loop(*args: object) -> None:
+            raise AssertionError("a large step packed in loops")
+
+        monkeypatch.setattr(grouped, "_pack_loop", no_loop)
+    assert grouped.pack_step(ids, hits, others, many, 16) == loop

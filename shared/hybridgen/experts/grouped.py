@@ -28,6 +28,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,6 +67,13 @@ class Packed(NamedTuple):
     blocks: int = 0
 
 
+NUMPY_PAIRS = 256
+"""From this many (token, expert) pairs pack_step groups them with numpy: a qwen3-30b-a3b
+prompt step of 256 tokens (2,048 pairs) in 0.36 ms a layer against the loop's 0.75 on the
+2-core machine, mixtral's 1,024 x 2 in 0.15 against 0.92. Below it the loop is as fast or
+faster (a decode step of 8 pairs: 7 us against 45; they tie at 256 pairs of 8 experts a token)."""
+
+
 def pack_step(
     ids: Tensor,
     hits: dict[int, int],
@@ -76,6 +84,14 @@ def pack_step(
     """ids [T, k] on the host (route()'s), hits {expert: cache slot} (the grouped GEMV's),
     others: the step's other experts in the order their outputs come, many {expert: cache
     slot} (the grouped GEMM's, laid out in blocks of block_m) -> the table on the host."""
+    pack = _pack_arrays if ids.numel() >= NUMPY_PAIRS else _pack_loop
+    return pack(ids, hits, others, many or {}, block_m)
+
+
+def _pack_loop(
+    ids: Tensor, hits: dict[int, int], others: list[int], many: dict[int, int], block_m: int
+) -> Packed:
+    """pack_step in Python loops (few pairs)."""
     top_k = ids.shape[1]
     flat: list[int] = []  # Y's rows' experts
     widx: list[int] = []
@@ -93,7 +109,7 @@ def pack_step(
     many_rows: list[int] = []
     many_outs: list[int] = []
     many_slots: list[int] = []
-    for e, slot in sorted((many or {}).items()):
+    for e, slot in sorted(many.items()):
         blocks = -(-len(at[e]) // block_m)
         pad = [-1] * (blocks * block_m - len(at[e]))
         many_rows += [r // top_k for r in at[e]] + pad
@@ -101,6 +117,44 @@ def pack_step(
         many_slots += [slot] * blocks
     host = array("i", rows + slots + outs + other + widx + many_rows + many_outs + many_slots)
     return Packed(host, len(outs), len(other), len(many_rows), len(many_slots))
+
+
+def _pack_arrays(
+    ids: Tensor, hits: dict[int, int], others: list[int], many: dict[int, int], block_m: int
+) -> Packed:
+    """pack_step with numpy (many pairs): the same table as _pack_loop."""
+    tokens, top_k = ids.shape
+    routed = ids.numpy()
+    order = np.argsort(routed, axis=1, kind="stable")  # each token's experts ascending
+    flat = np.take_along_axis(routed, order, 1).ravel()
+    widx = (order + np.arange(tokens)[:, None] * top_k).ravel()
+    grouped = np.argsort(flat, kind="stable")  # rows of Y expert by expert, each ascending
+    experts, starts, counts = np.unique(flat[grouped], return_index=True, return_counts=True)
+    span = {int(e): (int(a), int(a + n)) for e, a, n in zip(experts, starts, counts, strict=True)}
+
+    def at(e: int) -> np.ndarray:  # an expert's rows of Y
+        lo, hi = span[e]
+        return grouped[lo:hi]
+
+    slot_of = np.full(int(max(flat.max(), *hits, 0)) + 1, -1, dtype=np.int64)
+    for e, slot in hits.items():
+        slot_of[e] = slot
+    outs = np.flatnonzero(slot_of[flat] >= 0)
+    parts = [outs // top_k, slot_of[flat[outs]], outs, *(at(e) for e in others), widx]
+    many_rows: list[np.ndarray] = []
+    many_outs: list[np.ndarray] = []
+    many_slots: list[np.ndarray] = []
+    for e, slot in sorted(many.items()):
+        rows = at(e)
+        blocks = -(-len(rows) // block_m)
+        pad = np.full(blocks * block_m - len(rows), -1)
+        many_rows += [rows // top_k, pad]
+        many_outs += [rows, pad]
+        many_slots.append(np.full(blocks, slot))
+    host = np.concatenate([*parts, *many_rows, *many_outs, *many_slots]).astype(np.int32)
+    other = sum(len(at(e)) for e in others)
+    positions, blocks = sum(map(len, many_outs)), sum(map(len, many_slots))
+    return Packed(array("i", host.tobytes()), len(outs), other, positions, blocks)
 
 
 def step_table(packed: Packed, top_k: int, device: torch.device) -> StepTable:

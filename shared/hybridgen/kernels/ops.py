@@ -118,8 +118,8 @@ up to triton_quant_gemv.MAX_ROWS rows each join the launch (the per-expert kerne
 they too read an expert's weights once a row), those with more dequantize and multiply on
 their own. A prompt's chunk beside decodes was past MAX_ROWS as a whole, so every expert of a
 step with 16 prompt tokens ran alone, ~10 launches each (qwen3-30b-a3b: ~80 experts in each
-of 48 layers); past 64 rows the host's grouping of T x k pairs (pack_step) costs more than
-the launches it saves, and few experts have so few rows. int4 steps have no such limit: their
+of 48 layers); past 64 rows the host's grouping of T x k pairs (pack_step, in loops then)
+cost more than the launches it saved, and few experts have so few rows. int4 steps have no such limit: their
 experts with more rows go through grouped_expert_gemm_swiglu, one launch a matrix."""
 
 

@@ -250,8 +250,8 @@ class SparseMoeBlock(nn.Module):
         """Whether an expert of a large step (ids [T, k] on the host) runs in a grouped
         launch: its fewest-token expert does if any does. A step whose experts all have more
         rows than the grouped GEMM takes (a mixtral prompt of 1,024 tokens: ~256 an expert)
-        would pay the grouped path's host table (~1-2.6 ms a layer for 2,048 pairs) for
-        nothing."""
+        would pay the grouped path's host table (0.15 ms a layer for 2,048 pairs since it is
+        built with numpy, 0.9-2.6 ms before) for nothing."""
         assert self.cold is not None
         counts = torch.bincount(ids.flatten())
         fewest = int(counts[counts > 0].min())
