@@ -31,7 +31,7 @@ import structlog
 
 from hybridgen.benchmarks.chat_workload import ChatWorkload, Conversation, load
 from hybridgen.benchmarks.e2e_benchmark import BenchmarkError
-from hybridgen.benchmarks.load import Stream, median_of, summarize
+from hybridgen.benchmarks.load import Stream, median_of, model_info, summarize
 from hybridgen.benchmarks.server_time import median_phases, phase_seconds, run_phases
 
 log = structlog.get_logger()
@@ -132,25 +132,11 @@ def counters(info: Any) -> dict[str, int]:
 
 def bench_chat(target: str, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up and measured runs of the --chat workload against the server at `target`."""
-    import grpc
     from google.protobuf.json_format import MessageToDict
-
-    from hybridgen.v1 import generation_pb2 as pb
-    from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
     work: ChatWorkload = load(args.chat)
     concurrency = args.concurrency or len(work.conversations)
-
-    def model_info() -> Any:
-        with grpc.insecure_channel(target) as channel:
-            try:
-                stub = pb_grpc.GenerationServiceStub(channel)
-                return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-            except grpc.RpcError as exc:
-                why = f"{exc.code().name}: {exc.details()}"
-                raise BenchmarkError(f"no HybridGen server answering at {target} ({why})") from exc
-
-    info = model_info()
+    info = model_info(target)
     if work.max_context > info.max_model_len:
         raise BenchmarkError(
             f"--chat {args.chat}: a conversation grows to {work.max_context} tokens, beyond the "
@@ -165,13 +151,13 @@ def bench_chat(target: str, args: argparse.Namespace) -> dict[str, Any]:
         log.info("chat_warmup", run=r, failed=sum(s.error is not None for s in streams))
     runs = []
     for r in range(args.runs):
-        first = model_info()
+        first = model_info(target)
         before, start = counters(first), time.perf_counter()
         streams = asyncio.run(
             replay(target, work, info.vocab_size, args.seed + r, concurrency, args.timeout)
         )
         wall_s = time.perf_counter() - start
-        after = model_info()
+        after = model_info(target)
         figures = summarize(streams, "chat")
         figures["counters"] = {k: v - before[k] for k, v in counters(after).items()}
         figures["server_time"] = run_phases(phase_seconds(first), phase_seconds(after), wall_s)

@@ -233,8 +233,8 @@ def median_of(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Warm-up and measured runs against the server at `target`."""
+def model_info(target: str) -> Any:
+    """The GetModelInfoResponse of the server at `target` (BenchmarkError: none answers)."""
     import grpc
 
     from hybridgen.v1 import generation_pb2 as pb
@@ -243,10 +243,15 @@ def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
             raise BenchmarkError(f"no HybridGen server answering at {target} ({why})") from exc
+
+
+def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm-up and measured runs against the server at `target`."""
+    info = model_info(target)
     work: Workload = args.workload
     if work.prompt_len[1] + work.max_new_tokens > info.max_model_len:
         raise BenchmarkError(
@@ -254,19 +259,13 @@ def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
             f"beyond the served context of {info.max_model_len} tokens ({info.model}); shorten "
             "them or serve a longer context (model.max_model_len)"
         )
-
-    def model_info() -> Any:
-        with grpc.insecure_channel(target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-
     runs = []
     for r in range(args.warmup + args.runs):
         ids = prompts(work, info.vocab_size, seed=args.seed + r)
-        before, start = phase_seconds(model_info()), time.perf_counter()
+        before, start = phase_seconds(model_info(target)), time.perf_counter()
         streams = asyncio.run(run_once(target, work, ids, args.seed + r, args.timeout))
         wall_s = time.perf_counter() - start
-        info = model_info()
+        info = model_info(target)
         figures = summarize(streams, work.arrival)
         log.info("load_run", run=r, warmup=r < args.warmup, **_rounded(figures))
         if r >= args.warmup:

@@ -119,8 +119,9 @@ they too read an expert's weights once a row), those with more dequantize and mu
 their own. A prompt's chunk beside decodes was past MAX_ROWS as a whole, so every expert of a
 step with 16 prompt tokens ran alone, ~10 launches each (qwen3-30b-a3b: ~80 experts in each
 of 48 layers); past 64 rows the host's grouping of T x k pairs (pack_step, in loops then)
-cost more than the launches it saved, and few experts have so few rows. int4 steps have no such limit: their
-experts with more rows go through grouped_expert_gemm_swiglu, one launch a matrix."""
+cost more than the launches it saved, and few experts have so few rows. int4 steps have no
+such limit: their experts with more rows go through grouped_expert_gemm_swiglu, one launch a
+matrix."""
 
 
 def grouped_experts_usable(x: Tensor, fmt: str) -> bool:
