@@ -150,15 +150,16 @@ def bench_chat(target: str, args: argparse.Namespace) -> dict[str, Any]:
         )
         log.info("chat_warmup", run=r, failed=sum(s.error is not None for s in streams))
     runs = []
+    after = model_info(target)  # each run starts from the last answer
     for r in range(args.runs):
-        first = model_info(target)
-        before, start = counters(first), time.perf_counter()
+        first, start = after, time.perf_counter()
         streams = asyncio.run(
             replay(target, work, info.vocab_size, args.seed + r, concurrency, args.timeout)
         )
         wall_s = time.perf_counter() - start
         after = model_info(target)
         figures = summarize(streams, "chat")
+        before = counters(first)
         figures["counters"] = {k: v - before[k] for k, v in counters(after).items()}
         figures["server_time"] = run_phases(phase_seconds(first), phase_seconds(after), wall_s)
         log.info("chat_run", run=r, **{k: v for k, v in figures.items() if k != "counters"})
