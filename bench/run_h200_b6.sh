@@ -5,7 +5,8 @@
 #   b6i            (i) bench/prompts_b6.jsonl (16 prompts, 1K-33K tokens) at batch 4, 128 new
 #   b6ii           (ii) bench/prompts_short.jsonl (68 prompts) at batch 16, 64 new
 #                  (both: e2e_benchmark --compare with bench/b6.yaml: hybrid with its 32 GB
-#                  int8 Warm tier, then pure_gpu)
+#                  int8 Warm tier, then pure_gpu; over 3 and 5 timed rounds, as one round
+#                  of (i) varies by +-10 % from run to run)
 #   chat_hybrid    (iii) the multi-turn workload bench/chat_b6.json (48 conversations x 6
 #   chat_pure_gpu  turns, a 2K system prompt, contexts to 8K-24K), 32 conversations in flight,
 #                  through the load client's --chat (bench/served/b6_chat*.yaml)
@@ -56,8 +57,8 @@ for what in "$@"; do
         tests/test_warm_device.py tests/test_hot_codec_kernels.py tests/test_kernels_attention.py \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 8
       ;;
-    b6i) e2e b6i bench/prompts_b6.jsonl 4 128 bench/b6.yaml --compare ;;
-    b6ii) e2e b6ii bench/prompts_short.jsonl 16 64 bench/b6.yaml --compare ;;
+    b6i) e2e b6i bench/prompts_b6.jsonl 4 128 bench/b6.yaml "--compare --rounds 3" ;;
+    b6ii) e2e b6ii bench/prompts_short.jsonl 16 64 bench/b6.yaml "--compare --rounds 5" ;;
     chat_hybrid) chat chat_hybrid bench/served/b6_chat.yaml ;;
     chat_pure_gpu) chat chat_pure_gpu bench/served/b6_chat_pure_gpu.yaml ;;
     mem:b6i:*) mb=${what##*:}; e2e "mem_b6i_$mb" bench/prompts_b6.jsonl 4 128 "$(budget bench/b6.yaml "$mb")" ;;

@@ -59,29 +59,41 @@ def run_benchmark(tmp: Path, *extra: str) -> tuple[dict[str, Any], str]:
     env = {**os.environ, "HYBRIDGEN_COMMIT": "test"}  # no git lookup from the benchmark
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "e2e_requests_done" in done.stderr and f"total={len(PROMPTS)}" in done.stderr
+    rounds = int(extra[extra.index("--rounds") + 1]) if "--rounds" in extra else 1
+    assert "e2e_requests_done" in done.stderr and f"total={len(PROMPTS) * rounds}" in done.stderr
     png = (tmp / "out" / "e2e_latency.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
     return json.loads((tmp / "out" / "e2e.json").read_text()), done.stdout
 
 
-def check_run(run: dict[str, Any], mode: str) -> None:
-    """One mode's figures: every request streamed exactly NEW_TOKENS, TTFT <= e2e, and the
-    summary agrees with the per-request rows."""
+def check_run(run: dict[str, Any], mode: str, rounds: int = 1) -> None:
+    """One mode's figures: every request of every timed round streamed exactly NEW_TOKENS,
+    TTFT <= e2e, and the summary agrees with the per-request rows and the rounds' own."""
     assert run.keys() >= SUMMARY_KEYS
     assert run["mode"] == mode and run["model"] == "tiny-llama" and run["synthetic"]
-    assert (run["requests"], run["failed"], run["batch_size"]) == (len(PROMPTS), 0, 2)
+    n = len(PROMPTS)
+    assert (run["requests"], run["failed"], run["batch_size"]) == (n * rounds, 0, 2)
     rows = run["per_request"]
-    assert [r["line"] for r in rows] == list(range(1, len(PROMPTS) + 1))
+    assert [r["line"] for r in rows] == list(range(1, n + 1)) * rounds
+    assert [r["round"] for r in rows] == [i // n for i in range(n * rounds)]
     for r in rows:
         assert r["error"] is None and r["finish_reason"] == "FINISH_REASON_LENGTH"
         assert r["tokens"] == r["max_new_tokens"] == NEW_TOKENS
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
     assert rows[0]["prompt_tokens"] < rows[2]["prompt_tokens"]  # from the server's usage
+    for later in rows[n:]:  # a later round's prompts carry its head: none is cached
+        assert later["prompt_tokens"] > rows[later["line"] - 1]["prompt_tokens"]
     e2e = [r["e2e_ms"] for r in rows]
     assert run["p95_e2e_latency_ms"] == pytest.approx(np.percentile(e2e, 95))
-    assert run["tok_per_s"] == pytest.approx(len(PROMPTS) * NEW_TOKENS / run["wall_s"])
-    assert run["wall_s"] * 1e3 >= max(e2e)
+    assert run["tok_per_s"] == pytest.approx(n * rounds * NEW_TOKENS / run["wall_s"])
+    each = run["per_round"]
+    assert run["rounds"] == len(each) == rounds
+    assert run["wall_s"] == pytest.approx(sum(r["wall_s"] for r in each))
+    for i, r in enumerate(each):
+        ttft = [x["ttft_ms"] for x in rows[i * n : (i + 1) * n]]
+        assert r["p50_first_token_latency_ms"] == pytest.approx(np.percentile(ttft, 50))
+        assert r["tok_per_s"] == pytest.approx(n * NEW_TOKENS / r["wall_s"])
+        assert r["wall_s"] * 1e3 >= max(e2e[i * n : (i + 1) * n])
     # tiny-llama runs on the CPU here: no GPU memory to report, and the JSON says why.
     assert run["device"] == "cpu" and run["gpu_mem_peak_mb"] is None
     assert run["gpu_mem_peak_source"]
@@ -99,14 +111,14 @@ def test_one_mode_through_the_gateway(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_compare_runs_both_modes_and_reports_ratios(tmp_path: Path) -> None:
-    result, stdout = run_benchmark(tmp_path, "--compare", "--warmup", "0")
+    result, stdout = run_benchmark(tmp_path, "--compare", "--warmup", "0", "--rounds", "2")
     assert result["mode"] == "compare"
     for mode in ("hybrid", "pure_gpu"):
-        check_run(result[mode], mode)
+        check_run(result[mode], mode, rounds=2)
     config = (tmp_path / "out" / "serve-pure_gpu" / "hybridgen_config.yaml").read_text()
     assert "mode: pure_gpu" in config
     ratios, hybrid, pure = result["ratios"], result["hybrid"], result["pure_gpu"]
-    for key in ("avg_first_token_latency_ms", "p95_e2e_latency_ms", "tok_per_s"):
+    for key in ("avg_first_token_latency_ms", "p50_first_token_latency_ms", "tok_per_s"):
         assert ratios[key] == pytest.approx(hybrid[key] / pure[key])
     assert ratios["gpu_mem_peak_mb"] is None
     table = stdout.splitlines()
@@ -115,6 +127,7 @@ def test_compare_runs_both_modes_and_reports_ratios(tmp_path: Path) -> None:
         spent = result[mode]["server_time"]
         assert spent["decode"] > 0 and spent["wall"] == pytest.approx(result[mode]["wall_s"])
         assert any(line.startswith(f"{mode}: server time over the run") for line in table)
+        assert any(line.startswith(f"{mode}: 2 rounds: tok/s ") for line in table)
     assert table[-1].lstrip().startswith("gpu_mem_peak_mb")  # the ratios close the table
 
 
@@ -160,6 +173,7 @@ def test_summary_of_nothing_has_no_latencies() -> None:
         ("--batch-size", "two", "argument --batch-size: 'two' is not an integer (allowed >= 1)"),
         ("--max-new-tokens", "-3", "argument --max-new-tokens: -3 is out of range: allowed >= 1"),
         ("--port", "70000", "argument --port: 70000 is out of range: allowed 1 <= N <= 65535"),
+        ("--rounds", "0", "argument --rounds: 0 is out of range: allowed 1 <= N <= 20"),
         ("--target", "localhost", "argument --target: 'localhost': expected HOST:PORT"),
     ],
 )

@@ -1,14 +1,17 @@
 """The article's end-to-end benchmark (BENCHMARKS.md B6), through the real gateway.
 
     python -m hybridgen.benchmarks.e2e_benchmark --model llama3-8b --prompt-file prompts.jsonl \
-        --batch-size 4 --max-new-tokens 128 [--compare] [--config FILE] [--out DIR] \
-        [--port P | --target HOST:PORT]
+        --batch-size 4 --max-new-tokens 128 [--compare] [--rounds N] [--config FILE] \
+        [--out DIR] [--port P | --target HOST:PORT]
 
 Starts `hybridgen serve` (or uses the server at --target), streams Generate for every prompt
 of the file with --batch-size requests in flight, and reports time to first token, end-to-end
 latency, tok/s and peak GPU memory. --compare runs it twice, in mode hybrid and pure_gpu,
-and reports hybrid/pure_gpu ratios. Writes <out>/e2e.json and <out>/e2e_latency.png, and
-prints a table last.
+and reports hybrid/pure_gpu ratios. --rounds N times N passes over the file back to back,
+each after the first under its own head (so no pass finds another's prefix cached), and
+reports the figures over all of them, with each pass's tok/s and TTFT p50 beside: one pass
+of B6 (i) varies by +-10 % from run to run on the same server (bench/NOTES.md, B6). Writes
+<out>/e2e.json and <out>/e2e_latency.png, and prints a table last.
 
 Prompt file: JSON lines `{"prompt": "...", "max_new_tokens": 64}` (max_new_tokens optional,
 default --max-new-tokens). Every request ignores EOS, so it generates exactly that many.
@@ -55,8 +58,14 @@ log = structlog.get_logger()
 
 MODES = ("hybrid", "pure_gpu")
 WARMUP_PROMPT = "Warm-up request {}, not timed.\n"
+ROUND_PROMPT = "Timed round {}.\n"
+"""Heads every prompt of a timed pass after the first: each pass computes its prompts."""
 """Heads the warm-up copies of the file's prompts: their lengths compile the same kernels,
 and their KV shares no prefix with the timed requests."""
+
+
+ROUND_KEYS = ("wall_s", "tok_per_s", "avg_first_token_latency_ms", "p50_first_token_latency_ms")
+"""Each timed pass's figures kept beside the pooled ones (per_round)."""
 
 
 class BenchmarkError(Exception):
@@ -113,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_range(0),
         default=1,
         help="untimed rounds of --batch-size requests (the file's prompts under another head)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int_range(1, 20),
+        default=1,
+        help="timed passes over the file (each after the first under its own head)",
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--out", type=Path, default=Path("bench/out/e2e"))
@@ -261,19 +276,35 @@ def warmup_jobs(prompts: Sequence[Prompt], n: int) -> list[tuple[RequestResult, 
     ]
 
 
+def round_jobs(
+    prompts: Sequence[Prompt], rnd: int, default_new: int
+) -> list[tuple[RequestResult, str]]:
+    """The timed requests of pass `rnd` (0 first): the file's prompts, under ROUND_PROMPT's
+    head after the first pass."""
+    head = ROUND_PROMPT.format(rnd) if rnd else ""
+    return [
+        (
+            RequestResult(rnd * len(prompts) + i, p.line, p.max_new_tokens or default_new, rnd),
+            head + p.text,
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
 def run_batch(
     stub: Any,
     jobs: Sequence[tuple[RequestResult, str]],
     args: argparse.Namespace,
     progress: hlog.Progress | None = None,
+    done: int = 0,
 ) -> None:
     """Every job, with --batch-size of them in flight at once (a closed loop: a new request
-    starts when one ends)."""
+    starts when one ends); `done`: requests the progress line counted before these."""
     with ThreadPoolExecutor(max_workers=args.batch_size) as pool:
         futures = [pool.submit(one_request, stub, r, text, args.timeout) for r, text in jobs]
-        for done, _ in enumerate(as_completed(futures), 1):
+        for n, _ in enumerate(as_completed(futures), done + 1):
             if progress is not None:
-                progress.update(done)
+                progress.update(n)
 
 
 def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, Any]:
@@ -293,15 +324,17 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
             raise BenchmarkError(f"no HybridGen server answering at {target} ({why})") from exc
         check_fit(stub, prompts, args.max_new_tokens, info)
         run_batch(stub, warmup_jobs(prompts, args.warmup * args.batch_size), args)
-        results = [
-            RequestResult(i, p.line, p.max_new_tokens or args.max_new_tokens)
-            for i, p in enumerate(prompts)
-        ]
-        progress = hlog.Progress("e2e_requests_done", len(prompts), unit="requests")
+        progress = hlog.Progress("e2e_requests_done", len(prompts) * args.rounds, unit="requests")
         before = phase_seconds(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30))
-        start = time.perf_counter()
-        run_batch(stub, list(zip(results, [p.text for p in prompts], strict=True)), args, progress)
-        wall_s = time.perf_counter() - start
+        results: list[RequestResult] = []
+        rounds = []
+        for rnd in range(args.rounds):
+            jobs = round_jobs(prompts, rnd, args.max_new_tokens)
+            start = time.perf_counter()
+            run_batch(stub, jobs, args, progress, done=len(results))
+            rounds.append(summarize([r for r, _ in jobs], time.perf_counter() - start))
+            results += [r for r, _ in jobs]
+        wall_s = sum(r["wall_s"] for r in rounds)
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
     peak, source = gpu_mem_peak(info)
     return {
@@ -312,6 +345,8 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
         "batch_size": args.batch_size,
         "max_new_tokens": args.max_new_tokens,
         **summarize(results, wall_s),
+        "rounds": args.rounds,
+        "per_round": [{k: v for k, v in r.items() if k in ROUND_KEYS} for r in rounds],
         "gpu_mem_peak_mb": peak,
         "gpu_mem_peak_source": source,
         "server_time": run_phases(before, phase_seconds(info), wall_s),

@@ -34,6 +34,8 @@ class RequestResult:
     index: int
     line: int
     max_new_tokens: int
+    round: int = 0
+    """The timed pass it belongs to (e2e_benchmark --rounds)."""
     prompt_tokens: int = 0
     tokens: int = 0
     ttft_ms: float | None = None
@@ -71,9 +73,22 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
     return out
 
 
+def round_line(rounds: Sequence[Mapping[str, Any]]) -> str:
+    """Each timed round's tok/s and TTFT p50: how far the rounds pooled above spread."""
+    tok = ", ".join(_num(r["tok_per_s"], 0, 1) for r in rounds)
+    p50 = ", ".join(_num(r["p50_first_token_latency_ms"], 0, 1) for r in rounds)
+    return f"{len(rounds)} rounds: tok/s {tok}; TTFT p50 {p50} ms"
+
+
 def ratios(hybrid: dict[str, Any], pure: dict[str, Any]) -> dict[str, float | None]:
     """hybrid / pure_gpu for each headline figure; None where either side has none."""
-    keys = ("avg_first_token_latency_ms", "p95_e2e_latency_ms", "tok_per_s", "gpu_mem_peak_mb")
+    keys = (
+        "avg_first_token_latency_ms",
+        "p50_first_token_latency_ms",
+        "p95_e2e_latency_ms",
+        "tok_per_s",
+        "gpu_mem_peak_mb",
+    )
     out: dict[str, float | None] = {}
     for key in keys:
         a, b = hybrid.get(key), pure.get(key)
@@ -151,6 +166,9 @@ def print_table(result: Mapping[str, Any], runs: Mapping[str, Run]) -> None:
             + f"{_num(run['tok_per_s'], 10)}{_num(run['gpu_mem_peak_mb'], 12, 0)}"
         )
     print("latencies in ms")
+    for mode, run in runs.items():
+        if len(run.get("per_round", ())) > 1:
+            print(f"{mode}: {round_line(run['per_round'])}")
     for mode, run in runs.items():
         if "server_time" in run:
             print(f"{mode}: {phase_line(run['server_time'])}")
