@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from hybridgen.cli.explain import prefix_lines
 from hybridgen.engine.engine import Engine
 from hybridgen.kvtiers.prefix_cache import (
     COST_SAMPLES,
@@ -20,6 +21,7 @@ from hybridgen.kvtiers.prefix_cache import (
 from hybridgen.kvtiers.warm_pool import HEADER_SIZE, slot_bytes_for
 from hybridgen.kvtiers.warm_tier import warm_codec_for
 from hybridgen.sampling.params import SamplingParams
+from hybridgen.serving.service import model_info_to_pb
 from tests.engine_helpers import small_engine
 from tests.hf_reference import hf_greedy, sample_prompts
 
@@ -44,6 +46,24 @@ def test_gate_keeps_while_kept_blocks_come_back() -> None:
     gate.returned_blocks(20_000)  # a chat workload starts
     assert gate.pays(1e-3)
     assert not gate.pays(5e-6)  # cheaper to compute than to copy: never
+
+
+def test_declined_blocks_a_request_misses_reopen_the_gate() -> None:
+    """A gate shut while Hot held every history (nothing came back from Warm) learns what
+    shutting costs: the blocks of a declined candidate that a later prefix runs on into
+    count as returned, once, from the chain's first missing block on; they reopen it."""
+    gate = KeepGate()
+    for _ in range(MIN_SAMPLES):
+        gate.kept_blocks(1_000, 1_000 * 1e-4)  # 100 us a block; none comes back
+    assert not gate.pays(3e-3)  # a share of 1.6 %; they pay from 3.4 % at 3 ms a block
+    turn = [bytes([i]) * 8 for i in range(200)]
+    gate.declined(turn)
+    share = gate.share
+    assert gate.missed([b"elsewhere", *turn]) == 0  # the chain must run on into them
+    assert gate.missed(turn[:150]) == 150 and gate.recomputed == 150
+    assert gate.share > share and gate.pays(3e-3)  # 6.7 % of the candidates came back
+    assert gate.missed(turn) == 0  # counted once: no longer declined
+    assert gate.missed(turn[150:]) == 50 and gate.recomputed == 200
 
 
 def test_one_slow_copy_does_not_shut_the_gate() -> None:
@@ -124,10 +144,8 @@ def test_the_next_turn_loads_its_history_from_warm(checkpoint) -> None:  # type:
 def check_model_info_and_metrics(engine: Engine) -> None:
     """The prefix counters by tier survive GetModelInfo's protobuf and land in the Prometheus
     gauges (the spill decisions': test_spill_policy.py)."""
-    from hybridgen.cli.explain import prefix_lines
     from hybridgen.engine.info import engine_info
     from hybridgen.serving.metrics import Metrics
-    from hybridgen.serving.service import model_info_to_pb
 
     stats = engine.tier_stats()
     pb = model_info_to_pb({**engine_info(engine), **stats, "max_queue": 1})
@@ -207,6 +225,34 @@ def test_writes_back_stop_when_they_do_not_pay(checkpoint) -> None:  # type: ign
     chat(engine, path, system, users)
     assert engine.offload.kept_blocks <= 2 * 7  # explored at most once every EXPLORE_EVERY
     assert gate.shut >= 1 and engine.tier_stats()["warm_keep_skipped"] == gate.shut
+    engine.release()
+
+
+def test_a_shut_gate_reopens_when_histories_outgrow_hot(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The gate shut by an earlier phase (candidates that never came back) declines A's
+    first turn; B's turn evicts it from Hot; A's second turn computes those blocks again,
+    and the gate learns it: its own end is written back, and GetModelInfo counts the
+    blocks computed again. Tokens are HF's."""
+    path = checkpoint("llama3")
+    system, *users = sample_prompts(path, 4, [16, 24, 60, 16])
+    engine = small_engine(path, num_kv_blocks=12, max_model_len=96, warm_pool_mb=2)
+    assert engine.offload is not None
+    gate, offload = engine.offload.keep_gate, engine.offload
+    for _ in range(MIN_SAMPLES):
+        gate.kept_blocks(1, 1e-4)  # 100 us to copy a block
+    engine.scheduler._recompute_block_s = lambda seq: 0.02  # type: ignore[method-assign]
+    # 20 ms to compute one: copies pay from a share of 0.503 %. An earlier phase left 1,000
+    # candidate blocks with 4.9 back (decayed): 0.49 %, shut.
+    gate.offered, gate.returned = 1_000.0, 4.9
+    assert not gate.pays(0.02)
+    chat(engine, path, system, users)
+    assert gate.shut >= 1  # A's first turn (and B's) were declined
+    assert gate.recomputed > 0 and engine.tier_stats()["warm_keep_recomputed"] == gate.recomputed
+    pb = model_info_to_pb({**engine.tier_stats(), "max_queue": 1})
+    assert pb.warm_keep_recomputed == gate.recomputed
+    assert f"({gate.recomputed} of their blocks computed again)" in prefix_lines(pb)[0]
+    assert offload.kept_blocks > 0  # A's second turn, after the gate reopened
+    assert engine.scheduler.prefix_hits.warm_hits == 0
     engine.release()
 
 

@@ -41,6 +41,7 @@ COUNTERS = (
     "prefix_cached_tokens",
     "warm_kept_blocks",
     "warm_keep_skipped",
+    "warm_keep_recomputed",
     *(f"spill_decisions_{c}" for c in ("wait", "swap", "turns", "spill")),
 )
 """GetModelInfo counters a run reports the growth of."""
@@ -194,5 +195,6 @@ def prefix_line(counts: dict[str, float]) -> str:
     return (
         f"prefix cache: {counts['prefix_cached_tokens']:.0f} prompt tokens not computed ({tiers});"
         f" {counts['warm_kept_blocks']:.0f} blocks kept in Warm"
-        f" ({counts['warm_keep_skipped']:.0f} skipped); spill decisions: {decisions}"
+        f" ({counts['warm_keep_skipped']:.0f} skipped, {counts['warm_keep_recomputed']:.0f} of"
+        f" their blocks computed again); spill decisions: {decisions}"
     )

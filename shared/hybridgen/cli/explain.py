@@ -53,7 +53,8 @@ def prefix_lines(info: Any) -> list[str]:
     return [
         f"prefix cache: {info.prefix_cached_tokens} prompt tokens not computed ({tiers}); "
         f"{info.warm_kept_blocks} finished blocks kept in Warm, {info.warm_keep_skipped} "
-        f"write-backs skipped as not paying, {info.warm_keep_failed} failed, "
+        f"write-backs skipped as not paying ({info.warm_keep_recomputed} of their blocks "
+        f"computed again), {info.warm_keep_failed} failed, "
         f"{info.cold_blocks} blocks in Cold"
     ]
 

@@ -324,6 +324,7 @@ class Engine:
             stats["warm_kept_blocks"] = self.offload.kept_blocks
             stats["warm_keep_skipped"] = self.offload.keep_gate.shut
             stats["warm_keep_failed"] = self.offload.keep_failed
+            stats["warm_keep_recomputed"] = self.offload.keep_gate.recomputed
         if sched.policy is not None:
             stats.update(sched.policy.info())
         return stats

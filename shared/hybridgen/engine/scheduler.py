@@ -111,6 +111,8 @@ class Offload(Protocol):
 
     def returned(self, blocks: int) -> None: ...
 
+    def missed(self, keys: Seq[bytes]) -> None: ...
+
 
 class Scheduler:
     def __init__(
@@ -310,6 +312,8 @@ class Scheduler:
         if self.offload is not None and len(seq.block_ids) < reusable:
             warm, cold = self._from_warm(seq, keys)
         blocks = len(seq.warm_slots) + len(seq.block_ids)
+        if self.offload is not None and blocks < reusable:
+            self.offload.missed(keys[blocks:])
         seq.num_computed_tokens = blocks * size
         seq.num_registered_blocks = blocks
         seq.prefix_from = (blocks - warm - cold, warm, cold)

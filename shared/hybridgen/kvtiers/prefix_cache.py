@@ -7,14 +7,22 @@ and a shared system prompt, is loaded instead of computed again beyond what Hot 
 of those copies costs time in the step loop (a device -> host copy, an lz4 pass), which pays
 only when enough of the kept blocks come back. `KeepGate` decides from measurements: the
 time a block's copy took, the time a block takes to compute (the step budget's prefill cost),
-and the share of kept blocks that a later request took back. A workload of distinct prompts
-thus stops paying for copies nobody reads, and a chat workload keeps them.
+and the share of candidate blocks that a later request took back, or would have taken back
+had they been kept. A workload of distinct prompts thus stops paying for copies nobody reads,
+and a chat workload keeps them.
+
+The second half of that share matters when a load grows: while Hot holds every history, no
+kept block comes back from Warm and the gate shuts; when the histories outgrow Hot, only
+blocks it declined to keep are missing. Those it remembers (by prefix hash, DECLINED_KEYS of
+them), and a later request whose prefix runs on into them counts them as blocks that would
+have come back: they are computed again, and they reopen the gate.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PRIOR_BLOCKS = 64.0
@@ -33,22 +41,30 @@ fault or a preemption (the first writes into fresh pool memory, a loaded host) m
 the gate, as one such timing did when the costs were running averages."""
 MIN_SAMPLES = 3
 """Until this many copies are timed, the gate keeps (one timing has no median)."""
+DECLINED_KEYS = 1 << 16
+"""Prefix hashes of declined blocks remembered (the latest; ~6 MB): a million tokens at
+16-token blocks, more than a Warm tier of 32 GB holds of llama3-8b."""
 
 
 class KeepGate:
     """Whether copying blocks into a lower tier pays (module doc): it does while
 
-        returned / kept * (recompute - back) > keep
+        returned / offered * (recompute - back) > keep
 
     per block, `keep` and `back` being the measured seconds to copy a block in and back out,
-    `recompute` the seconds to compute it again, and returned / kept the decayed share of
-    kept blocks that were taken back."""
+    `recompute` the seconds to compute it again, and returned / offered the decayed share of
+    candidate blocks (kept or declined) that were taken back or would have been."""
 
     def __init__(self) -> None:
-        self.kept = PRIOR_BLOCKS
-        """Blocks kept (decayed)."""
+        self.offered = PRIOR_BLOCKS
+        """Candidate blocks, kept or declined (decayed)."""
         self.returned = PRIOR_BLOCKS
-        """Blocks taken back from the tier (decayed the same way)."""
+        """Blocks taken back from the tier, or declined ones a request would have taken
+        back (decayed the same way)."""
+        self.recomputed = 0
+        """Declined blocks that a request would have taken back: computed again."""
+        self._declined: OrderedDict[bytes, None] = OrderedDict()
+        """Prefix hashes of the latest declined blocks (DECLINED_KEYS)."""
         self._keep: deque[float] = deque(maxlen=COST_SAMPLES)
         """Seconds a block took to copy into the tier, latest copies."""
         self._back: deque[float] = deque(maxlen=COST_SAMPLES)
@@ -59,8 +75,8 @@ class KeepGate:
 
     @property
     def share(self) -> float:
-        """Kept blocks that came back, as a share (decayed)."""
-        return min(self.returned / self.kept, 1.0)
+        """Candidate blocks that came back or would have, as a share (decayed)."""
+        return min(self.returned / self.offered, 1.0)
 
     @property
     def keep_s(self) -> float | None:
@@ -92,10 +108,36 @@ class KeepGate:
         """`n` blocks were copied into the tier in `seconds`."""
         if n <= 0:
             return
-        decay = 0.5 ** (n / HALF_LIFE_BLOCKS)
-        self.kept = self.kept * decay + n
-        self.returned *= decay
+        self._offer(n)
         self._keep.append(seconds / n)
+
+    def declined(self, keys: Sequence[bytes]) -> None:
+        """A candidate's blocks, by prefix hash, were not kept (pays said no)."""
+        self._offer(len(keys))
+        for key in keys:
+            self._declined[key] = None
+            self._declined.move_to_end(key)
+        while len(self._declined) > DECLINED_KEYS:
+            self._declined.popitem(last=False)
+
+    def missed(self, keys: Sequence[bytes]) -> int:
+        """A request's prefix hashes beyond what every tier holds, in order: those of a
+        declined candidate, from the first on, would have come back; they count as returned
+        (once) and are returned here."""
+        n = 0
+        for key in keys:
+            if key not in self._declined:
+                break
+            del self._declined[key]
+            n += 1
+        self.returned += n
+        self.recomputed += n
+        return n
+
+    def _offer(self, n: int) -> None:
+        decay = 0.5 ** (n / HALF_LIFE_BLOCKS)
+        self.offered = self.offered * decay + n
+        self.returned *= decay
 
     def returned_blocks(self, n: int, seconds: float | None = None) -> None:
         """`n` kept blocks were taken back (in `seconds`, when timed)."""

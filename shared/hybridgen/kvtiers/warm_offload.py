@@ -110,6 +110,11 @@ class WarmOffload:
         """`blocks` Warm blocks of a prefix hit were taken at a first admission."""
         self.keep_gate.returned_blocks(blocks)
 
+    def missed(self, keys: Seq[bytes]) -> None:
+        """A first admission's prefix hashes beyond what every tier held: those that a
+        write-back declined would have come back (KeepGate.missed)."""
+        self.keep_gate.missed(keys)
+
     def keep(self, seq: Sequence, recompute_s: float | None) -> int:
         """A finished sequence's full computed Hot blocks that Warm does not hold yet are
         written back there, head first, so that its prefix outlives Hot (the next turn of a
@@ -121,7 +126,10 @@ class WarmOffload:
         keys = seq.hashes(full, size)
         index = self.tier.index
         missing = [i for i in range(warm, full) if index.get(keys[i]) is None]
-        if not missing or not self.keep_gate.pays(recompute_s):
+        if not missing:
+            return 0
+        if not self.keep_gate.pays(recompute_s):
+            self.keep_gate.declined([keys[i] for i in missing])
             return 0
         missing = missing[: self.tier.room(len(missing))]
         if missing:
