@@ -33,14 +33,19 @@ e2e() {  # e2e <name> <prompt file> <batch> <new tokens> <config> [--compare]
     | tee "$OUT/$1_table.txt"
   tail -n 3 "$work/$1.log"
   cp "$work/$1/e2e.json" "$OUT/$1.json" && cp "$work/$1/e2e_latency.png" "$OUT/$1.png"
-  grep -h engine_ready "$work/$1"/serve-*/gpu.log >"$OUT/$1_startup.txt" 2>/dev/null || true
+  startup "$work/$1"/serve-* >"$OUT/$1_startup.txt"
 }
 chat() {  # chat <name> <config>
   timeout 560 python3 -m hybridgen.benchmarks.load --config "$2" --chat bench/chat_b6.json \
     --concurrency 32 --runs 1 --warmup 1 --serve-dir "$work" --name "$1" --out "$OUT/$1.json" \
     2>"$work/$1.log" | tee "$OUT/$1_table.txt"
   tail -n 3 "$work/$1.log"
-  grep -h engine_ready "$work/gpu.log" >"$OUT/$1_startup.txt" 2>/dev/null || true
+  startup "$work/serve-$1" >"$OUT/$1_startup.txt"
+}
+startup() {  # startup <serve folder>...: each process's start (the supervisor's "ready after"
+  # lines) and the engine's by stage (engine_ready's startup_s)
+  for d in "$@"; do grep -h "ready after" "$d/serve.log"; grep -h engine_ready "$d/gpu.log"; done \
+    2>/dev/null || true
 }
 budget() {  # budget <config> <MB>: the config with device_topology.gpu.memory_mb set to MB
   sed "s/memory_mb: 24576/memory_mb: $2/" "$1" >"$work/budget_$2_$(basename "$1")"

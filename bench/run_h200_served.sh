@@ -33,9 +33,12 @@
 # names the commit being measured. Results land in $OUT as JSON; a table is printed last.
 source scripts/device_setup.sh
 set -o pipefail
-load() {  # and the server's start-up by stage (engine_ready's startup_s) beside its stderr
+load() {  # and the server's start-up (each process's "ready after", the engine's by stage:
+  # engine_ready's startup_s) beside its stderr
+  rm -rf /tmp/serve
   python3 -m hybridgen.benchmarks.load --serve-dir /tmp/serve "$@" 2>>"$OUT/load_stderr.log"
-  grep -h engine_ready /tmp/serve/gpu.log >>"$OUT/startup.txt" 2>/dev/null || true
+  grep -h "ready after\|engine_ready" /tmp/serve/serve-*/serve.log /tmp/serve/serve-*/gpu.log \
+    >>"$OUT/startup.txt" 2>/dev/null || true
 }
 rate() { python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
 print(round(0.8 * d['median']['total_tok_s'] / d['workload']['max_new_tokens'], 2))" "$1"; }

@@ -153,4 +153,7 @@ def test_served_chat_run_reports_prefix_hits_by_tier(checkpoint, tmp_path: Path)
     assert result["server_info"]["spill_policy"] == "auto"
     spent = run["server_time"]  # the engine's time by phase, Warm loads under schedule
     assert spent["schedule"] > 0 and spent["prefill"] > 0 and spent["wall"] > 0
+    passes = run["server_passes"]  # each turn's first token from its prompt's pass
+    decode_rows = sum(p["passes"] * p["rows_per_pass"] for p in passes.values())
+    assert decode_rows == pytest.approx(9 * 8 - 9) and passes["prefill"]["passes"] > 0
     assert result["server"]["serve_exit_code"] == 0

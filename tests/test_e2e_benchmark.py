@@ -128,6 +128,10 @@ def test_compare_runs_both_modes_and_reports_ratios(tmp_path: Path) -> None:
         assert spent["decode"] > 0 and spent["wall"] == pytest.approx(result[mode]["wall_s"])
         assert any(line.startswith(f"{mode}: server time over the run") for line in table)
         assert any(line.startswith(f"{mode}: 2 rounds: tok/s ") for line in table)
+        passes = result[mode]["server_passes"]  # each request's first token from its prompt
+        rows = sum(p["passes"] * p["rows_per_pass"] for p in passes.values())
+        assert rows == pytest.approx(2 * len(PROMPTS) * (NEW_TOKENS - 1))
+        assert any(line.startswith(f"{mode}: server passes over the run: ") for line in table)
     assert table[-1].lstrip().startswith("gpu_mem_peak_mb")  # the ratios close the table
 
 

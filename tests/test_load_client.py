@@ -75,5 +75,13 @@ def test_served_run_reports_what_a_client_sees(checkpoint, tmp_path: Path) -> No
     phases = sum(v for k, v in spent.items() if k not in ("idle", "wall"))
     assert phases + spent["idle"] == pytest.approx(spent["wall"]) and phases <= spent["wall"]
     assert any(line.startswith("server time over the run") for line in done.stdout.splitlines())
+    # Its passes: 3 streams of 16 tokens, each stream's first from its prompt's pass.
+    passes = run["server_passes"]
+    decode_rows = sum(p["passes"] * p["rows_per_pass"] for p in passes.values())
+    assert decode_rows == 48 - 3 and passes["decode"]["ms_per_pass"] > 0
+    assert passes["prefill"]["prompt_tokens_per_pass"] > 0
+    assert any(
+        line.startswith("server passes over the run: decode ") for line in done.stdout.splitlines()
+    )
     assert result["server"]["serve_exit_code"] == 0 and not result["server"]["shm_left_after_stop"]
     assert result["machine"]["commit"] and result["command"].startswith("python -m hybridgen")

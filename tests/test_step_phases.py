@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hybridgen.engine.engine import STEP_PHASES
+from hybridgen.engine.engine import FORWARD_PHASES, STEP_PHASES
 from hybridgen.engine.info import counter_info, engine_info
 from hybridgen.sampling.params import SamplingParams
 from hybridgen.serving.service import model_info_to_pb
@@ -58,4 +58,18 @@ def test_the_engine_accounts_for_its_time_by_phase(
     assert 0.9 * wall <= sum(seconds.values()) <= wall
     pb = model_info_to_pb({**engine_info(engine), **counter_info(engine), "max_queue": 1})
     assert [getattr(pb, f"step_s_{p}") for p in STEP_PHASES] == [seconds[p] for p in STEP_PHASES]
+    # Its passes: every prompt token computed (again after the one preemption: Hot holds 64
+    # tokens), and every token but each admission's first (its prompt's pass) from a decode
+    # row.
+    passes = engine.stats.passes
+    assert set(passes) == set(FORWARD_PHASES) and passes["warm"].passes > 0
+    assert engine.stats.preemptions == 1
+    assert sum(c.prompt_tokens for c in passes.values()) > len(short) + len(long)
+    assert sum(c.rows for c in passes.values()) == 2 * 16 - 2 - engine.stats.preemptions
+    assert sum(c.passes for c in passes.values()) >= engine.stats.steps
+    for p, c in passes.items():
+        assert (pb_n := getattr(pb, f"step_n_{p}")) == c.passes and getattr(
+            pb, f"step_rows_{p}"
+        ) == c.rows
+        assert p == "decode" or getattr(pb, f"step_tokens_{p}") == c.prompt_tokens, pb_n
     engine.release()

@@ -32,7 +32,14 @@ import structlog
 from hybridgen.benchmarks.chat_workload import ChatWorkload, Conversation, load
 from hybridgen.benchmarks.e2e_benchmark import BenchmarkError
 from hybridgen.benchmarks.load import Stream, median_of, model_info, summarize
-from hybridgen.benchmarks.server_time import median_phases, phase_seconds, run_phases
+from hybridgen.benchmarks.server_time import (
+    median_passes,
+    median_phases,
+    pass_counts,
+    phase_seconds,
+    run_passes,
+    run_phases,
+)
 
 log = structlog.get_logger()
 
@@ -163,11 +170,15 @@ def bench_chat(target: str, args: argparse.Namespace) -> dict[str, Any]:
         before = counters(first)
         figures["counters"] = {k: v - before[k] for k, v in counters(after).items()}
         figures["server_time"] = run_phases(phase_seconds(first), phase_seconds(after), wall_s)
+        figures["server_passes"] = run_passes(
+            pass_counts(first), pass_counts(after), figures["server_time"]
+        )
         log.info("chat_run", run=r, **{k: v for k, v in figures.items() if k != "counters"})
         runs.append(figures)
     median = median_of(runs)
     median["counters"] = {k: statistics.median(r["counters"][k] for r in runs) for k in COUNTERS}
     median["server_time"] = median_phases(runs)
+    median["server_passes"] = median_passes(runs)
     shape = {
         "file": str(args.chat),
         "concurrency": concurrency,

@@ -49,7 +49,7 @@ from hybridgen.benchmarks.e2e_plot import (
 )
 from hybridgen.benchmarks.prompt_file import Prompt, load_prompts
 from hybridgen.benchmarks.report import machine_info
-from hybridgen.benchmarks.server_time import phase_seconds, run_phases
+from hybridgen.benchmarks.server_time import pass_counts, phase_seconds, run_passes, run_phases
 from hybridgen.benchmarks.serving_overhead import _free_port, _wait_serving, stop_served
 from hybridgen.config.file import ConfigError, load_config
 from hybridgen.runtime import log as hlog
@@ -325,7 +325,8 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
         check_fit(stub, prompts, args.max_new_tokens, info)
         run_batch(stub, warmup_jobs(prompts, args.warmup * args.batch_size), args)
         progress = hlog.Progress("e2e_requests_done", len(prompts) * args.rounds, unit="requests")
-        before = phase_seconds(stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30))
+        first = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        before, counted = phase_seconds(first), pass_counts(first)
         results: list[RequestResult] = []
         rounds = []
         for rnd in range(args.rounds):
@@ -349,7 +350,8 @@ def bench_target(target: str, args: argparse.Namespace, mode: str) -> dict[str, 
         "per_round": [{k: v for k, v in r.items() if k in ROUND_KEYS} for r in rounds],
         "gpu_mem_peak_mb": peak,
         "gpu_mem_peak_source": source,
-        "server_time": run_phases(before, phase_seconds(info), wall_s),
+        "server_time": (spent := run_phases(before, phase_seconds(info), wall_s)),
+        "server_passes": run_passes(counted, pass_counts(info), spent),
         "per_request": [asdict(r) for r in results],
     }
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from hybridgen.benchmarks.server_time import phase_line
+from hybridgen.benchmarks.server_time import passes_line, phase_line
 
 log = structlog.get_logger()
 
@@ -172,6 +172,8 @@ def print_table(result: Mapping[str, Any], runs: Mapping[str, Run]) -> None:
     for mode, run in runs.items():
         if "server_time" in run:
             print(f"{mode}: {phase_line(run['server_time'])}")
+        if "server_passes" in run:
+            print(f"{mode}: {passes_line(run['server_passes'])}")
     if first["gpu_mem_peak_mb"] is None:
         print(f"gpu_mem_peak_mb: {first['gpu_mem_peak_source']}")
     if "ratios" in result:

@@ -56,9 +56,13 @@ from hybridgen.benchmarks.e2e_benchmark import BenchmarkError, int_range, served
 from hybridgen.benchmarks.e2e_plot import percentile
 from hybridgen.benchmarks.report import machine_info
 from hybridgen.benchmarks.server_time import (
+    median_passes,
     median_phases,
+    pass_counts,
+    passes_line,
     phase_line,
     phase_seconds,
+    run_passes,
     run_phases,
 )
 from hybridgen.config.file import ConfigError, load_config
@@ -262,7 +266,8 @@ def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for r in range(args.warmup + args.runs):
         ids = prompts(work, info.vocab_size, seed=args.seed + r)
-        before, start = phase_seconds(info), time.perf_counter()  # the last answer's
+        before, counted = phase_seconds(info), pass_counts(info)  # the last answer's
+        start = time.perf_counter()
         streams = asyncio.run(run_once(target, work, ids, args.seed + r, args.timeout))
         wall_s = time.perf_counter() - start
         info = model_info(target)
@@ -270,11 +275,15 @@ def bench(target: str, args: argparse.Namespace) -> dict[str, Any]:
         log.info("load_run", run=r, warmup=r < args.warmup, **_rounded(figures))
         if r >= args.warmup:
             figures["server_time"] = run_phases(before, phase_seconds(info), wall_s)
+            figures["server_passes"] = run_passes(
+                counted, pass_counts(info), figures["server_time"]
+            )
             runs.append(figures)
     from google.protobuf.json_format import MessageToDict
 
     median = median_of(runs)
     median["server_time"] = median_phases(runs)
+    median["server_passes"] = median_passes(runs)
     bucket = 1 << max(work.concurrency - 1, 0).bit_length()  # step_budget's batch buckets
     step = info.decode_step_ms.get(bucket)
     median["served_step_ms"] = step
@@ -323,6 +332,8 @@ def print_table(name: str, result: dict[str, Any]) -> None:
         print(prefix_line(med["counters"]))
     if "server_time" in med:
         print(phase_line(med["server_time"]))
+    if "server_passes" in med:
+        print(passes_line(med["server_passes"]))
     if med.get("served_step_ms"):
         print(
             f"served: the server's decode step {med['served_step_ms']:.2f} ms"

@@ -15,7 +15,7 @@ import gc
 import itertools
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -92,6 +92,31 @@ turning tokens into outputs, stops and finishes (a finished sequence's write-bac
 included)."""
 
 
+FORWARD_PHASES = ("decode", "prefill", "warm")
+"""The STEP_PHASES that are forward passes, counted in PassCounts (GetModelInfo
+step_n_<phase>, step_rows_<phase>, step_tokens_<phase>)."""
+
+
+@dataclass
+class PassCounts:
+    """One kind of forward pass (FORWARD_PHASES) since start: how many ran, the decode rows
+    (one new token each) and the prompt tokens they computed. With the phase's seconds they
+    give its mean pass time and batch: what a run's time per token is made of."""
+
+    passes: int = 0
+    rows: int = 0
+    prompt_tokens: int = 0
+
+    def add(self, num_tokens: Iterable[int]) -> None:
+        """One pass computing `num_tokens` for its rows (1: a decode row; more: a chunk)."""
+        self.passes += 1
+        for n in num_tokens:
+            if n == 1:
+                self.rows += 1
+            else:
+                self.prompt_tokens += n
+
+
 @dataclass
 class EngineStats:
     """Counters since start."""
@@ -105,6 +130,10 @@ class EngineStats:
     peak_blocks_used: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
     """Where the engine's time went, by STEP_PHASES: the step loop's account of itself."""
+    passes: dict[str, PassCounts] = field(
+        default_factory=lambda: {p: PassCounts() for p in FORWARD_PHASES}
+    )
+    """Forward passes by FORWARD_PHASES (a multi-step decode's every step counts)."""
 
 
 def load_configured(config: EngineConfig) -> LoadedModel:
@@ -136,15 +165,17 @@ def _forward_phase(batch: ScheduledBatch) -> str:
 
 
 def _timed(
-    steps: Iterator[list[Sampled]], seconds: dict[str, float], phase: str
+    steps: Iterator[list[Sampled]], stats: EngineStats, phase: str
 ) -> Iterator[list[Sampled]]:
-    """`steps`, the time each one takes to come added to seconds[phase]."""
+    """`steps` (decode passes of one row per sampled token), the time each one takes to come
+    added to stats.seconds[phase] and each counted in stats.passes[phase]."""
     while True:
         start = time.perf_counter()
         step = next(steps, None)
-        seconds[phase] += time.perf_counter() - start
+        stats.seconds[phase] += time.perf_counter() - start
         if step is None:
             return
+        stats.passes[phase].add([1] * len(step))
         yield step
 
 
@@ -444,7 +475,8 @@ class Engine:
         self._observe(batch, forward, on_host or bool(first), launch)
         phase = _forward_phase(batch)
         self.stats.seconds[phase] += forward
-        per_step = _timed(per_step, self.stats.seconds, phase)  # decode_steps' later steps
+        self.stats.passes[phase].add(batch.num_tokens)
+        per_step = _timed(per_step, self.stats, phase)  # decode_steps' later steps
         self._account(batch)
         if on_host and defer_sampling:
             yield [self._await_token(seq, c) for seq, c in picked]

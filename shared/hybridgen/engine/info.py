@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hybridgen.engine.engine import Engine
+from hybridgen.engine.engine import Engine, PassCounts
 from hybridgen.placement.op_regions import Region, gpu_bound_regions
 
 MIB = 2**20
@@ -83,7 +83,19 @@ def counter_info(engine: Engine) -> dict[str, float | int | str]:
         **host_layer_info(engine),
         **launch_info(engine),
         **{f"step_s_{phase}": s for phase, s in engine.stats.seconds.items()},
+        **pass_info(engine.stats.passes),
     }
+
+
+def pass_info(passes: dict[str, PassCounts]) -> dict[str, int]:
+    """Forward passes by phase, keyed by GetModelInfo field names: step_n_<phase>,
+    step_rows_<phase> (decode rows) and, where prompts are computed, step_tokens_<phase>."""
+    out = {}
+    for phase, c in passes.items():
+        out[f"step_n_{phase}"], out[f"step_rows_{phase}"] = c.passes, c.rows
+        if phase != "decode":
+            out[f"step_tokens_{phase}"] = c.prompt_tokens
+    return out
 
 
 def memory_info(device: torch.device) -> dict[str, float]:
