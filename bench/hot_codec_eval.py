@@ -32,14 +32,16 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 import structlog
 
 from hybridgen.benchmarks.engine_bench import median_runs, random_prompts
 from hybridgen.benchmarks.prompt_file import load_prompts
 from hybridgen.benchmarks.report import machine_info
+from hybridgen.benchmarks.server_time import passes_line
 from hybridgen.config.engine import EngineConfig
+from hybridgen.config.ranges import HotCodec
 from hybridgen.engine.engine import Engine
 from hybridgen.models.default_model import DEFAULT_MODEL
 from hybridgen.models.loader import LoadedModel, load_model
@@ -64,7 +66,7 @@ def agreement(loaded: LoadedModel, args: argparse.Namespace, prompts: list[list[
     against native Hot-KV (module doc)."""
     longest = max(map(len, prompts)) + args.tokens + 16
 
-    def engine(codec: str) -> Engine:
+    def engine(codec: HotCodec) -> Engine:
         config = EngineConfig(
             model=args.agreement_model,
             device=args.device,
@@ -98,11 +100,21 @@ def agreement(loaded: LoadedModel, args: argparse.Namespace, prompts: list[list[
     return out
 
 
+def codec_list(text: str) -> list[HotCodec]:
+    """--codecs: comma-separated Hot codecs."""
+    names = text.split(",")
+    for name in names:
+        if name not in get_args(HotCodec):
+            raise argparse.ArgumentTypeError(f"{name!r}: allowed {', '.join(get_args(HotCodec))}")
+    return cast(list[HotCodec], names)
+
+
 def speed(args: argparse.Namespace) -> dict[str, Any]:
     """Per Hot codec: Hot capacity, and TTFT and decode tok/s by batch size (module doc)."""
     loaded = load_model(args.speed_model, EngineConfig(device=args.device).torch_device(), None, 0)
     out: dict[str, Any] = {}
-    for codec in ["native", *args.codecs]:
+    codecs: list[HotCodec] = ["native", *args.codecs]
+    for codec in codecs:
         config = EngineConfig(
             model=args.speed_model,
             device=args.device,
@@ -153,11 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=3, help="speed runs per batch size (median)")
     ap.add_argument("--tokens", type=int, default=256, help="agreement tokens per prompt")
     ap.add_argument("--prompts", type=int, default=4, help="agreement prompts")
-    ap.add_argument("--codecs", default="int8,int4")
+    ap.add_argument("--codecs", type=codec_list, default="int8,int4")
     ap.add_argument("--skip", choices=("agreement", "speed"), default=None)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    args.codecs = args.codecs.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     return args
 
@@ -195,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             for b, r in s["batches"].items()
         )
         print(f"{codec}: Hot {s['hot_tokens']} tokens; {cells}")
+        for b, r in s["batches"].items():
+            print(f"  batch {b}: {passes_line(r['passes']).replace('server passes', 'passes')}")
     print(result["verdict"])
     return 0
 

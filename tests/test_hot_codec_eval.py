@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.bench_script import load_bench
 
 
@@ -28,6 +30,12 @@ def test_agreement_speed_and_verdict_on_tiny_models(checkpoint, tmp_path: Path) 
     speed = result["speed"]
     assert speed["int8"]["hot_tokens"] > speed["native"]["hot_tokens"]  # int8 holds more
     assert speed["int8"]["batches"]["2"]["decode_tok_s"] > 0
+    # The engine's passes over the timed run: 2 rows of 8 tokens, each row's first from its
+    # prompt's pass, every prompt token computed once.
+    passes = speed["int8"]["batches"]["2"]["passes"]
+    assert sum(p["passes"] * p["rows_per_pass"] for p in passes.values()) == 2 * 7
+    prompt = sum(p["passes"] * p["prompt_tokens_per_pass"] for p in passes.values())
+    assert prompt == pytest.approx(2 * 64) and passes["decode"]["ms_per_pass"] > 0
     assert result["verdict"].startswith("int8 ") and "bar 95%" in result["verdict"]
 
 

@@ -26,8 +26,10 @@ import torch
 
 from hybridgen.benchmarks.hf_baseline import HFBaseline
 from hybridgen.benchmarks.report import machine_info, print_table
+from hybridgen.benchmarks.server_time import run_passes
 from hybridgen.config.engine import EngineConfig
 from hybridgen.engine.engine import Engine
+from hybridgen.engine.info import pass_info
 from hybridgen.models.loader import to_hf_state_dict
 from hybridgen.runtime import log as hlog
 from hybridgen.sampling.params import SamplingParams
@@ -78,13 +80,23 @@ def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> RunT
 
 
 def median_runs(engine: Engine, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
+    """Medians of `runs` timed runs after a warm-up, and the engine's forward passes over
+    all of them by phase (server_time.run_passes: count, mean ms, decode rows, prompt
+    tokens), as a served run reports them."""
     timed_run(engine, prompts, min(new_tokens, 8))  # warm-up
+    counted, seconds = pass_info(engine.stats.passes), dict(engine.stats.seconds)
     results = [timed_run(engine, prompts, new_tokens) for _ in range(runs)]
+    spent = {p: s - seconds[p] for p, s in engine.stats.seconds.items()}
     return {
         "ttft_ms": statistics.median(r.ttft_s for r in results) * 1e3,
         "decode_tok_s": statistics.median(r.decode_tok_s for r in results),
         "total_tok_s": statistics.median(r.total_tok_s for r in results),
         "runs": len(results),
+        "passes": run_passes(
+            {k: float(v) for k, v in counted.items()},
+            {k: float(v) for k, v in pass_info(engine.stats.passes).items()},
+            spent,
+        ),
     }
 
 
