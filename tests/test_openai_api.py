@@ -253,12 +253,31 @@ def test_bad_json_and_unknown_paths_are_openai_errors() -> None:
             await asyncio.to_thread(post, "/v1/completions", b"{not json"),
             await asyncio.to_thread(post, "/v1/completions", b"[1, 2]"),
             await asyncio.to_thread(post, "/v2/anything", b"{}"),
+            # Valid JSON whose escapes are half a UTF-16 pair: no text, so no 500 either.
+            await asyncio.to_thread(
+                post,
+                "/v1/chat/completions",
+                rb'{"messages": [{"role": "user", "content": "\ud800 hi"}]}',
+            ),
+            await asyncio.to_thread(
+                post, "/v1/completions", rb'{"prompt": "a", "stop": ["\udc00"]}'
+            ),
+            await asyncio.to_thread(post, "/tokenize", rb'{"prompt": "\ud800"}'),
+            await asyncio.to_thread(
+                post, "/v1/completions", rb'{"prompt": "fine", "max_tokens": 2}'
+            ),
         ]
 
-    (s1, b1), (s2, b2), (s3, b3) = run(ScriptedBackend(), scenario)
+    (s1, b1), (s2, b2), (s3, b3), (s4, b4), (s5, b5), (s6, b6), (s7, _) = run(
+        ScriptedBackend(), scenario
+    )
     assert (s1, b1["error"]["param"]) == (400, "body")
     assert (s2, b2["error"]["param"]) == (400, "body")
     assert s3 == 404 and "/v2/anything" in b3["error"]["message"]
+    assert (s4, b4["error"]["param"]) == (400, "messages[0].content")
+    assert "lone UTF-16 surrogate (U+D800 at character 0)" in b4["error"]["message"]
+    assert (s5, b5["error"]["param"], s6, b6["error"]["param"]) == (400, "stop[0]", 400, "prompt")
+    assert s7 == 200  # and the server answers the next request
 
 
 def test_a_client_gone_before_the_first_token_gives_back_every_place() -> None:

@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             if wrote:  # end the partial line so the error starts on its own
                 print(flush=True)
-            return _rpc_failed(exc, target)
+            return _rpc_failed(exc, target, answered=last is not None)
         except (ValueError, OSError) as exc:
             _err(str(exc))
             return EXIT_USAGE
@@ -140,11 +140,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _rpc_failed(exc: grpc.RpcError, target: str) -> int:
+def _rpc_failed(exc: grpc.RpcError, target: str, answered: bool = False) -> int:
+    """The message and exit status of a failed call; `answered`: the server had streamed
+    some of its answer (so it was there: a server stopping mid-answer is not "no server")."""
     import grpc
 
     code: grpc.StatusCode = exc.code()  # type: ignore[attr-defined]
     details: str = exc.details() or ""  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.UNAVAILABLE and answered:
+        _err(f"the server at {target} ended the request before its end: {details}")
+        return EXIT_UNAVAILABLE
     if code == grpc.StatusCode.UNAVAILABLE:
         _err(f"no HybridGen server answering at {target} ({details}); start one: hybridgen serve")
         return EXIT_UNAVAILABLE

@@ -502,7 +502,28 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest("body", f"is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
+    _check_unicode(body, "")
     return body
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """JSON may escape half a UTF-16 pair (\\ud800) that is no Unicode character, and no
+    UTF-8 text can carry it: the first string (or key) holding one is refused by its path."""
+    if isinstance(value, str):
+        at = next((i for i, c in enumerate(value) if "\ud800" <= c <= "\udfff"), None)
+        if at is not None:
+            raise InvalidRequest(
+                path or "body",
+                f"holds a lone UTF-16 surrogate (U+{ord(value[at]):04X} at character {at}), "
+                "which is not Unicode text: send valid UTF-8",
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path or "body")
+            _check_unicode(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
 
 
 def _api_error(exc: BaseException) -> ApiError:

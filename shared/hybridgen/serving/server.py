@@ -8,7 +8,9 @@ product's gateway process, the CPU daemon's main on its unix socket, and
 
 Start-up order: the port opens first with health NOT_SERVING (clients see UNAVAILABLE while
 the model loads), then the backend loads and health turns SERVING. SIGTERM/SIGINT drain:
-health NOT_SERVING, new calls UNAVAILABLE, running streams get `grace_s` to finish. The
+health NOT_SERVING, new calls UNAVAILABLE, running streams get `grace_s` to finish, and those
+still running STOP_MARGIN_S before it ends get UNAVAILABLE (HTTP: 503, or an error event and
+[DONE] on a stream) saying the server is stopping. The
 process's own choices beside the section (where to listen, how long to drain) are serve's
 arguments.
 """
@@ -57,6 +59,9 @@ _UNIX_SOCKET_MODE = 0o660
 DRAIN_GRACE_S = 10.0
 """On shutdown, how long the gateway's running streams may finish before they are cancelled
 (the supervisor's stop timeout outlasts it)."""
+STOP_MARGIN_S = 1.0
+"""Calls still running this long before the grace ends are ended by the service, with a
+status their clients read (ServerStopping), rather than cut off with the connection."""
 WARM_WAIT_S = 60.0
 """Longest the gateway waits for the HTTP API's model facts before it reports READY (the
 load goes on after, and the first call waits for it)."""
@@ -309,6 +314,7 @@ async def serve(
     log.info("gateway_draining", grace_s=grace_s)
     sd_notify.stopping()
     gateway.service.draining = True
+    gateway.service.stop_calls_at(loop.time() + max(grace_s - STOP_MARGIN_S, 0.0))
     watcher.cancel()
     await _set_health(gateway.health, _NOT_SERVING)
     stopping = [gateway.server.stop(grace_s), *([http.stop()] if http else [])]

@@ -65,6 +65,11 @@ class RequestTimedOut(RuntimeError):
     """The call ran past server.request_timeout_s; it was aborted and its KV freed."""
 
 
+class ServerStopping(BackendUnavailable):
+    """The call was still running when the server's drain grace ran out: it was ended with
+    this status (UNAVAILABLE, HTTP 503) rather than cut off, and its KV freed."""
+
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidChat, grpc.StatusCode.INVALID_ARGUMENT),
@@ -311,6 +316,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         """Longest a Generate call may run (DEADLINE_EXCEEDED, KV freed); 0: no limit."""
         self.draining = False
         """Set on shutdown: new calls get UNAVAILABLE while running ones finish."""
+        self._stop_at: float | None = None
+        """When running calls end with ServerStopping (stop_calls_at), as a loop.time()."""
+        self._limits: dict[asyncio.Timeout, float | None] = {}
+        """The time limits in force (time_limit), with their own deadline (None: none)."""
         self._reserved = 0
         """Admitted requests whose stream has not started yet (see `admit`)."""
 
@@ -376,16 +385,33 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         stream's abort frees the KV."""
         limit = self.request_timeout_s
         begun = asyncio.get_running_loop().time() if start is None else start
+        own = begun + limit if limit else None
         try:
-            async with asyncio.timeout_at(begun + limit if limit else None) as deadline:
-                yield
+            async with asyncio.timeout_at(_earliest(own, self._stop_at)) as deadline:
+                self._limits[deadline] = own
+                try:
+                    yield
+                finally:
+                    del self._limits[deadline]
         except TimeoutError:
             if not deadline.expired():
                 raise
+            if own is None or (self._stop_at is not None and self._stop_at <= own):
+                raise ServerStopping(
+                    "the server is stopping: this request was still running when its drain "
+                    "grace ran out, so it was ended here; retry it"
+                ) from None
             raise RequestTimedOut(
                 f"the request ran longer than {limit:g} s (server.request_timeout_s); "
                 "it was stopped and its KV freed"
             ) from None
+
+    def stop_calls_at(self, when: float) -> None:
+        """On shutdown: calls still running at `when` (a loop.time()) end with ServerStopping,
+        a status their clients can read, before the servers' grace cuts the connections."""
+        self._stop_at = when
+        for deadline, own in self._limits.items():
+            deadline.reschedule(_earliest(own, when))
 
     def _reserve(self, count: int = 1) -> None:
         """Take `count` places in the admission queue or raise QueueFull. Each is held until
@@ -482,6 +508,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise BackendUnavailable("the server is draining; retry on another replica")
         if not self.backend.ready():
             raise BackendUnavailable("the model is loading or its backend is down; retry later")
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _summary(params: SamplingParams) -> dict[str, Any]:
