@@ -335,6 +335,12 @@ def test_models_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
     assert "8 experts" in " ".join(rows["mixtral-8x7b"])
     assert rows["qwen3-30b-a3b"][1:3] == ["30.5B", "Qwen3MoeForCausalLM"]
     assert "seeded random weights" in out and "GGUF file" in out
+    # The right-aligned columns line up under their heads, however long a name.
+    for column, field in (("parameters", 1), ("layers", 3)):
+        end = lines[header].index(column) + len(column)
+        for line in lines[header + 1 : header + 1 + len(PRESETS)]:
+            value = line.split()[field]
+            assert line.index(f" {value} ") + 1 + len(value) == end, line
 
 
 def test_console_script_entry() -> None:

