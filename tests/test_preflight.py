@@ -4,6 +4,7 @@ seconds with that line, having started nothing and left nothing in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -70,6 +71,32 @@ def test_busy_ports_name_the_key_the_holder_and_a_free_one(listener: int) -> Non
     metrics_busy = rf"server\.metrics_port {listener} is in use.*--metrics-port"
     with pytest.raises(PreflightError, match=metrics_busy):
         check_ports(_config(server__port=str(_free_port()), server__metrics_port=str(listener)))
+
+
+def test_every_busy_port_is_named_at_once_with_distinct_free_ones() -> None:
+    """A second instance on the first's ports learns all its clashes in one go (not one per
+    try), and the ports offered instead are free and differ."""
+    with contextlib.ExitStack() as stack:
+        busy = []
+        for _ in range(3):
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            busy.append(sock.getsockname()[1])
+        port, metrics, http = busy
+        config = _config(
+            server__port=str(port), server__metrics_port=str(metrics), server__http_port=str(http)
+        )
+        with pytest.raises(PreflightError) as clash:
+            check_ports(config)
+    message = str(clash.value)
+    assert message.startswith("3 ports cannot be used: ")
+    offered = []
+    for key, flag, value in (("port", "--port", port), ("metrics_port", "--metrics-port", metrics)):
+        assert f"server.{key} {value} is in use" in message
+        offered.append(int(message.split(f"{flag} ", 1)[1].split(";")[0]))
+    offered.append(int(message.rsplit("--http-port ", 1)[1]))
+    assert len(set(offered)) == 3 and not set(offered) & set(busy)
 
 
 def test_free_ports_pass_and_every_server_port_is_checked() -> None:

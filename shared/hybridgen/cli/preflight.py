@@ -85,7 +85,8 @@ def server_ports(config: HybridGenConfig) -> list[tuple[str, str, int]]:
 
 
 def check_ports(config: HybridGenConfig) -> None:
-    """Each port distinct and free to bind on its host."""
+    """Each port distinct and free to bind on its host; every port that is not, in one
+    error (each with a free port to use instead, none suggested twice)."""
     ports = server_ports(config)
     for i, (key, _, port) in enumerate(ports):
         for other, _, taken in ports[:i]:
@@ -93,11 +94,20 @@ def check_ports(config: HybridGenConfig) -> None:
                 raise PreflightError(
                     f"{key} {port} is {other}'s port too; give each its own: {flag_for(key)} N"
                 )
+    avoid = {port for _, _, port in ports}  # grows with each suggestion
+    problems = []
     for key, host, port in ports:
-        _check_bind(key, host, port)
+        try:
+            _check_bind(key, host, port, avoid)
+        except PreflightError as exc:
+            problems.append(str(exc))
+    if len(problems) > 1:
+        raise PreflightError(f"{len(problems)} ports cannot be used: " + "; ".join(problems))
+    if problems:
+        raise PreflightError(problems[0])
 
 
-def _check_bind(key: str, host: str, port: int) -> None:
+def _check_bind(key: str, host: str, port: int, avoid: set[int]) -> None:
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -115,15 +125,15 @@ def _check_bind(key: str, host: str, port: int) -> None:
             try:
                 sock.bind(address)
             except OSError as exc:
-                raise PreflightError(_bind_problem(key, host, port, exc)) from exc
+                raise PreflightError(_bind_problem(key, host, port, exc, avoid)) from exc
 
 
-def _bind_problem(key: str, host: str, port: int, exc: OSError) -> str:
+def _bind_problem(key: str, host: str, port: int, exc: OSError, avoid: set[int]) -> str:
     flag = flag_for(key)
     if exc.errno == errno.EADDRINUSE:
         holder = _holder(port)
         by = f" by {holder}" if holder else " by another program"
-        free = _free_port_near(host, port)
+        free = _free_port_near(host, port, avoid)
         return f"{key} {port} is in use on {host}{by}; stop it, or pick a free port: {flag} {free}"
     if exc.errno == errno.EADDRNOTAVAIL:
         return (
@@ -135,14 +145,18 @@ def _bind_problem(key: str, host: str, port: int, exc: OSError) -> str:
     return f"{key} {port}: cannot listen on {host}:{port}: {exc.strerror or exc} ({flag})"
 
 
-def _free_port_near(host: str, port: int) -> str:
-    """The next port above `port` free on `host`, as a flag value; an example if none is."""
+def _free_port_near(host: str, port: int, avoid: set[int]) -> str:
+    """The next port above `port` free on `host` and not in `avoid` (which takes it), as a
+    flag value; an example if none is."""
     for candidate in range(port + 1, min(port + 50, 65536)):
+        if candidate in avoid:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, candidate))
             except OSError:
                 continue
+        avoid.add(candidate)
         return str(candidate)
     return "N"  # none near: the flag with a placeholder
 
