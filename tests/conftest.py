@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 
 import pytest
+import structlog
 
 from hybridgen.ipc import shm
 from tests.checkpoints import build_checkpoint
@@ -40,6 +41,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
         return built[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _log_config_restored() -> Iterator[None]:
+    """Each test ends with structlog configured as it began: a script's main run in process
+    (bench/profile_prefill.py sets warning level) must not hide the info events a later
+    test captures."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(autouse=True)
