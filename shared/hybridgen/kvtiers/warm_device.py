@@ -27,11 +27,14 @@ copied to the device and decoded there instead (WarmTier.dense).
 
 from __future__ import annotations
 
+import os
+import time
+
 import structlog
 import torch
 from torch import Tensor
 
-from hybridgen.ipc.host_pin import MAPPED, PORTABLE, register_host
+from hybridgen.ipc.host_pin import MAPPED, PORTABLE, populate, register_host
 from hybridgen.kernels import ops
 from hybridgen.kernels.kv_quant import QuantKvCache, dequantize_blocks
 from hybridgen.kvtiers.warm_pool import WarmPool
@@ -69,6 +72,15 @@ class WarmDeviceView:
     def _register(self) -> None:
         assert self._area is not None
         nbytes = self._area.numel()
+        start = time.perf_counter()
+        try:
+            populated = populate(self._area.data_ptr(), nbytes, os.cpu_count() or 1)
+        except OSError as exc:
+            raise RuntimeError(
+                f"the Warm pool ({nbytes / 2**20:.0f} MiB) does not fit host memory ({exc}); "
+                "lower kv_cache.warm_region_mb"
+            ) from exc
+        faulted = time.perf_counter()
         register_host(
             self._area.data_ptr(),
             nbytes,
@@ -77,7 +89,12 @@ class WarmDeviceView:
             "lower kv_cache.warm_region_mb or raise the memlock limit",
         )
         self._registered = True
-        log.info("warm_pool_pinned", mib=round(nbytes / 2**20))
+        log.info(
+            "warm_pool_pinned",
+            mib=round(nbytes / 2**20),
+            populate_s=round(faulted - start, 2) if populated else None,
+            pin_s=round(time.perf_counter() - faulted, 2),
+        )
 
     def block_table(self, slots: list[list[int]]) -> tuple[Tensor, Tensor]:
         """Each row's Warm `slots` (whole blocks, token order, at least one each) as the block
