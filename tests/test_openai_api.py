@@ -419,3 +419,25 @@ def test_the_default_model_answers_to_its_name() -> None:
     assert OpenAIApi._names("/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf", smol)
     assert not OpenAIApi._names("smollm2-135m-instruct", "/models/llama3")
     assert not OpenAIApi._names("gpt-4", smol)
+
+
+def test_the_default_model_goes_by_its_name_not_its_files_path() -> None:
+    """/v1/models lists the default model as smollm2-135m-instruct (not the path of its GGUF
+    in site-packages), a request naming that gets it, and answers carry the same name."""
+    from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
+
+    class DefaultModel(ScriptedBackend):
+        async def model_info(self) -> dict[str, Any]:
+            return {"model": str(resolve_model(DEFAULT_MODEL)), "max_model_len": 64}
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        api = client(port)
+        listed = [m.id async for m in api.models.list()]
+        answer = await api.completions.create(model=listed[0], prompt="hi", max_tokens=2)
+        with pytest.raises(openai.NotFoundError) as other:
+            await api.completions.create(model="llama3-8b", prompt="hi", max_tokens=2)
+        return listed, answer.model, str(other.value)
+
+    listed, answered, refused = run(DefaultModel(), scenario)
+    assert listed == [DEFAULT_MODEL] and answered == DEFAULT_MODEL
+    assert f"this server serves {DEFAULT_MODEL!r}" in refused

@@ -200,6 +200,9 @@ class OpenAIApi:
         self.max_body_bytes = max_body_bytes
         """Largest request body read (server.max_message_mb, as a gRPC message)."""
         self._model: tuple[str, Tokenizer, int] | None = None
+        """The served model's name as the API shows it (_shown), its tokenizer and context."""
+        self._served = ""
+        """The served model as the backend names it (a path): what a request may name."""
         self._model_lock = asyncio.Lock()
         self._started = int(time.time())
 
@@ -393,14 +396,15 @@ class OpenAIApi:
                 if self._model is None:
                     info = await self.service.backend.model_info()
                     tokenizer = await asyncio.to_thread(load_tokenizer, info["model"])
-                    self._model = (info["model"], tokenizer, int(info["max_model_len"]))
+                    self._served = info["model"]
+                    self._model = (_shown(self._served), tokenizer, int(info["max_model_len"]))
         model = self._model
         named = body.get("model") if isinstance(body, dict) else None
         if named is not None and not isinstance(named, str):
             raise InvalidRequest("model", f"must be a string, got {named!r}")
         # The served name, or a path to a folder of that name (tools load the tokenizer
         # from the path they name the model with), or the default model's own name.
-        if named is not None and not self._names(named, model[0]):
+        if named is not None and not self._names(named, self._served):
             raise ApiError(
                 404,
                 f"the model {named!r} does not exist; this server serves {model[0]!r}",
@@ -409,6 +413,14 @@ class OpenAIApi:
                 "model_not_found",
             )
         return model
+
+
+def _shown(served: str) -> str:
+    """The name /v1/models lists and answers carry: the default model's own name rather
+    than the path of its file in site-packages; any other model as served."""
+    from hybridgen.models.default_model import DEFAULT_MODEL, FILE
+
+    return DEFAULT_MODEL if Path(served).as_posix().endswith(FILE) else served
 
 
 async def _events(
