@@ -30,6 +30,7 @@ from hybridgen.models.errors import ModelLoadError
 from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime.affinity import bind, cpu_daemon_cores
+from hybridgen.runtime.prestart import wait_for_go
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import serve
@@ -98,6 +99,7 @@ async def run(backend: RingBackend, listen: str, server: config_sections.ServerC
 
 
 def main(argv: list[str] | None = None) -> int:
+    wait_for_go()  # started ahead by serve's supervisor: its imports are done, its turn waits
     args = parse_args(argv)
     hlog.configure(json=True)
     try:

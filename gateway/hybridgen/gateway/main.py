@@ -26,6 +26,7 @@ from hybridgen.config.file import ConfigError, load_config
 from hybridgen.config.sections import ServerConfig
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.runtime import log as hlog
+from hybridgen.runtime.prestart import wait_for_go
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import serve
@@ -56,6 +57,7 @@ def with_flags(section: ServerConfig, args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    wait_for_go()  # started ahead by serve's supervisor: its imports are done, its turn waits
     args = parse_args(argv)
     hlog.configure(json=True)
     try:

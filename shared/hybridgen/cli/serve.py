@@ -218,10 +218,16 @@ def child_specs(config_file: Path, device: str, rt: Path, instance: str) -> list
             (py, "-m", "hybridgen.cpu_daemon.main", *common, "--device", device, *listen),
             depends_on=("gpu",),  # the GPU daemon re-creates the rings the CPU daemon maps
             log_path=rt / "cpu.log",
+            prestart=True,  # its imports (torch: ~2 s) while the GPU daemon loads
         ),
         # Not restarted with the CPU daemon: its channel to cpu.sock reconnects by itself and
         # clients meanwhile get UNAVAILABLE instead of a refused public port.
-        ChildSpec("gateway", (*gateway, "--config", str(config_file)), log_path=rt / "gateway.log"),
+        ChildSpec(
+            "gateway",
+            (*gateway, "--config", str(config_file)),
+            log_path=rt / "gateway.log",
+            prestart=True,
+        ),
     ]
 
 

@@ -1,7 +1,10 @@
 """Start, watch, restart and stop a small set of dependent child processes.
 
 Rules (the same for stand-in commands in tests and for `hybridgen serve`):
-- Children start in list order, each once every child before it is ready. Ready means
+- Children start in list order, each once every child before it is ready. A child marked
+  `prestart` is spawned at once as a spare: it imports its modules meanwhile and waits
+  (runtime/prestart.py) for the go byte, sent when its turn comes; the spare is then the
+  child, its start time counted from the go. Ready means
   READY=1 on its private sd_notify socket ($NOTIFY_SOCKET), sent by that child's own pid
   (the kernel's SCM_CREDENTIALS say who sent it, so a leftover process of an earlier run can
   never pass for a new child); a child without a notify socket is ready once spawned.
@@ -57,6 +60,9 @@ class ChildSpec:
     """File that receives the child's stdout and stderr; None: inherit the terminal."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment on top of the supervisor's."""
+    prestart: bool = False
+    """Spawn it early, to wait for its turn with its imports done (runtime/prestart.py: the
+    child must call wait_for_go before its start-up's work)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,9 @@ class _Child:
         self.not_before = 0.0  # restart back-off: do not start before this monotonic time
         self.sock: socket.socket | None = None
         self.sock_path = runtime_dir / f"notify-{spec.name}.sock"
+        self.spare: subprocess.Popen[bytes] | None = None
+        """A prestart process waiting for its go (the write end of its pipe in `go`)."""
+        self.go: int | None = None
 
     @property
     def running(self) -> bool:
@@ -150,7 +159,10 @@ class Supervisor:
         self._stop_signal = signum
 
     def stop_all(self) -> None:
-        """Stop every running child in reverse start order and close the notify sockets."""
+        """Stop every running child in reverse start order and close the notify sockets;
+        spares waiting for their turn go first."""
+        for child in self.children:
+            self._drop_spare(child)
         for child in reversed(self.children):
             self._stop(child)
             self._close_socket(child)
@@ -168,6 +180,7 @@ class Supervisor:
             failed = self._reap(now)
             if failed is not None:
                 return failed
+            self._prestart()
             self._start_next(now)
             self._check_ready(now)
             time.sleep(self.policy.poll_s)
@@ -231,6 +244,17 @@ class Supervisor:
                 found.append(child)
         return found
 
+    def _prestart(self) -> None:
+        """A spare for each prestart child not running (one whose spare died is spawned
+        again at its turn, the usual way)."""
+        for child in self.children:
+            if child.spec.prestart and not child.running and child.go is None:
+                read, child.go = os.pipe()
+                try:
+                    child.spare = self._popen(child, {"HYBRIDGEN_GO_FD": str(read)}, (read,))
+                finally:
+                    os.close(read)
+
     def _start_next(self, now: float) -> None:
         """Start the first child not running, once every child before it is ready."""
         for child in self.children:
@@ -260,8 +284,27 @@ class Supervisor:
     # -- one child --------------------------------------------------------------------------
 
     def _spawn(self, child: _Child, now: float) -> None:
+        """Start `child`: its spare, told to go, or a fresh process."""
+        spare, child.spare = child.spare, None
+        if spare is not None and spare.poll() is None and child.go is not None:
+            os.write(child.go, b"g")
+            child.proc = spare
+        else:
+            self._drop_spare(child, spare)
+            child.proc = self._popen(child)
+        if child.go is not None:
+            os.close(child.go)
+            child.go = None
+        child.ready, child.status = False, ""
+        child.started_at = child.last_progress = now
+        early = " (imports done ahead)" if child.proc is spare else ""
+        self.report(f"started {child.spec.name} (pid {child.proc.pid}){early}")
+
+    def _popen(
+        self, child: _Child, extra: Mapping[str, str] | None = None, fds: tuple[int, ...] = ()
+    ) -> subprocess.Popen[bytes]:
         spec = child.spec
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, **(extra or {})}
         # The supervisor's own watchdog (if systemd runs it) must not leak to the children.
         for key in ("WATCHDOG_USEC", "WATCHDOG_PID", "NOTIFY_SOCKET"):
             env.pop(key, None)
@@ -271,21 +314,32 @@ class Supervisor:
         try:
             # A session of its own: Ctrl-C reaches only the supervisor, which then stops the
             # children in order instead of all of them at once.
-            child.proc = subprocess.Popen(
+            return subprocess.Popen(
                 spec.argv,
                 env=env,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
-                pass_fds=self.inherit_fds,
+                pass_fds=(*self.inherit_fds, *fds),
                 preexec_fn=_die_with(os.getpid()),
             )
         finally:
             if out is not None:
                 out.close()
-        child.ready, child.status = False, ""
-        child.started_at = child.last_progress = now
-        self.report(f"started {spec.name} (pid {child.proc.pid})")
+
+    def _drop_spare(self, child: _Child, spare: subprocess.Popen[bytes] | None = None) -> None:
+        """End `child`'s spare (or `spare`): its pipe closed, it exits by itself; waited for."""
+        spare = spare or child.spare
+        child.spare = None
+        if child.go is not None:
+            os.close(child.go)
+            child.go = None
+        if spare is not None:
+            try:
+                spare.wait(self.policy.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                spare.kill()
+                spare.wait()
 
     def _stop(self, child: _Child) -> None:
         proc = child.proc
