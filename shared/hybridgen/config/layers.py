@@ -49,9 +49,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "HYBRIDGEN_"
-OTHER_VARIABLES = frozenset({"CONFIG", "LOG_LEVEL", "LOG_JSON", "COMMIT", "FAULT_STEPS"})
+OTHER_VARIABLES = frozenset({"CONFIG", "LOG_LEVEL", "LOG_JSON", "COMMIT", "FAULT_STEPS", "GO_FD"})
 """HYBRIDGEN_* variables that are not settings: the config file, logging, the commit
-benchmarks record, the fault drill."""
+benchmarks record, the fault drill, a prestarted child's go pipe (runtime/prestart.py)."""
 _SHORT_SECTIONS = {"device_topology": "", "model": "", "server": "", "kv_cache": "kv"}
 _FLAG_NAMES = {"model.name_or_path": "model"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
