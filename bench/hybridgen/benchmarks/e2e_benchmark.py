@@ -58,10 +58,10 @@ log = structlog.get_logger()
 
 MODES = ("hybrid", "pure_gpu")
 WARMUP_PROMPT = "Warm-up request {}, not timed.\n"
-ROUND_PROMPT = "Timed round {}.\n"
-"""Heads every prompt of a timed pass after the first: each pass computes its prompts."""
 """Heads the warm-up copies of the file's prompts: their lengths compile the same kernels,
 and their KV shares no prefix with the timed requests."""
+ROUND_PROMPT = "Timed round {}.\n"
+"""Heads every prompt of a timed pass after the first: each pass computes its prompts."""
 
 
 ROUND_KEYS = ("wall_s", "tok_per_s", "avg_first_token_latency_ms", "p50_first_token_latency_ms")

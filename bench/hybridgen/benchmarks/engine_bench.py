@@ -92,11 +92,7 @@ def median_runs(engine: Engine, prompts: list[list[int]], new_tokens: int, runs:
         "decode_tok_s": statistics.median(r.decode_tok_s for r in results),
         "total_tok_s": statistics.median(r.total_tok_s for r in results),
         "runs": len(results),
-        "passes": run_passes(
-            {k: float(v) for k, v in counted.items()},
-            {k: float(v) for k, v in pass_info(engine.stats.passes).items()},
-            spent,
-        ),
+        "passes": run_passes(counted, pass_info(engine.stats.passes), spent),
     }
 
 

@@ -8,7 +8,7 @@ and how long each took with how many decode rows and prompt tokens."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 PREFIX = "step_s_"
@@ -56,7 +56,7 @@ def pass_counts(info: Any) -> dict[str, float]:
 
 
 def run_passes(
-    before: dict[str, float], after: dict[str, float], seconds: dict[str, float]
+    before: Mapping[str, float], after: Mapping[str, float], seconds: Mapping[str, float]
 ) -> dict[str, dict[str, float]]:
     """Each forward phase's passes over a run (pass_counts before and after it; `seconds`:
     run_phases' figures): how many, and per pass its mean milliseconds, decode rows and

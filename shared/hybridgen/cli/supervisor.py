@@ -99,9 +99,8 @@ class _Child:
         self.not_before = 0.0  # restart back-off: do not start before this monotonic time
         self.sock: socket.socket | None = None
         self.sock_path = runtime_dir / f"notify-{spec.name}.sock"
-        self.spare: subprocess.Popen[bytes] | None = None
-        """A prestart process waiting for its go (the write end of its pipe in `go`)."""
-        self.go: int | None = None
+        self.spare: tuple[subprocess.Popen[bytes], int] | None = None
+        """A prestart process waiting for its go, and the write end of its go pipe."""
 
     @property
     def running(self) -> bool:
@@ -248,12 +247,16 @@ class Supervisor:
         """A spare for each prestart child not running (one whose spare died is spawned
         again at its turn, the usual way)."""
         for child in self.children:
-            if child.spec.prestart and not child.running and child.go is None:
-                read, child.go = os.pipe()
+            if child.spec.prestart and not child.running and child.spare is None:
+                read, go = os.pipe()
                 try:
-                    child.spare = self._popen(child, {"HYBRIDGEN_GO_FD": str(read)}, (read,))
+                    spare = self._popen(child, {"HYBRIDGEN_GO_FD": str(read)}, (read,))
+                except BaseException:
+                    os.close(go)
+                    raise
                 finally:
                     os.close(read)
+                child.spare = (spare, go)
 
     def _start_next(self, now: float) -> None:
         """Start the first child not running, once every child before it is ready."""
@@ -285,19 +288,15 @@ class Supervisor:
 
     def _spawn(self, child: _Child, now: float) -> None:
         """Start `child`: its spare, told to go, or a fresh process."""
-        spare, child.spare = child.spare, None
-        if spare is not None and spare.poll() is None and child.go is not None:
-            os.write(child.go, b"g")
-            child.proc = spare
+        early = ""
+        if child.spare is not None and _told_to_go(*child.spare):
+            child.proc, child.spare = child.spare[0], None
+            early = " (imports done ahead)"
         else:
-            self._drop_spare(child, spare)
+            self._drop_spare(child)
             child.proc = self._popen(child)
-        if child.go is not None:
-            os.close(child.go)
-            child.go = None
         child.ready, child.status = False, ""
         child.started_at = child.last_progress = now
-        early = " (imports done ahead)" if child.proc is spare else ""
         self.report(f"started {child.spec.name} (pid {child.proc.pid}){early}")
 
     def _popen(
@@ -327,19 +326,17 @@ class Supervisor:
             if out is not None:
                 out.close()
 
-    def _drop_spare(self, child: _Child, spare: subprocess.Popen[bytes] | None = None) -> None:
-        """End `child`'s spare (or `spare`): its pipe closed, it exits by itself; waited for."""
-        spare = spare or child.spare
-        child.spare = None
-        if child.go is not None:
-            os.close(child.go)
-            child.go = None
-        if spare is not None:
-            try:
-                spare.wait(self.policy.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                spare.kill()
-                spare.wait()
+    def _drop_spare(self, child: _Child) -> None:
+        """End `child`'s spare, if any: its pipe closed, it exits by itself; waited for."""
+        if child.spare is None:
+            return
+        (spare, go), child.spare = child.spare, None
+        os.close(go)
+        try:
+            spare.wait(self.policy.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            spare.kill()
+            spare.wait()
 
     def _stop(self, child: _Child) -> None:
         proc = child.proc
@@ -417,6 +414,19 @@ class Supervisor:
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(_CREDENTIALS.size)
 _PR_SET_PDEATHSIG = 1
+
+
+def _told_to_go(spare: subprocess.Popen[bytes], go: int) -> bool:
+    """Send a waiting spare its go byte and close the pipe; False (the pipe left open for
+    _drop_spare) when the spare has died meanwhile."""
+    if spare.poll() is not None:
+        return False
+    try:
+        os.write(go, b"g")
+    except BrokenPipeError:  # it died between the poll and the write
+        return False
+    os.close(go)
+    return True
 
 
 def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:

@@ -372,11 +372,7 @@ class OpenAIApi:
     def _names(named: str, served: str) -> bool:
         """Whether a request's `model` names the served one: its path, a path of the same
         name, or for the default model its name (`model.name_or_path`'s default)."""
-        from hybridgen.models.default_model import DEFAULT_MODEL, FILE
-
-        if Path(named).name == Path(served).name:
-            return True
-        return named == DEFAULT_MODEL and Path(served).as_posix().endswith(FILE)
+        return Path(named).name == Path(served).name or named == _shown(served)
 
     async def _json(self, request: Request) -> dict[str, Any]:
         return _parse_json(await _body(request, self.max_body_bytes))
@@ -522,13 +518,15 @@ def _check_unicode(value: Any, path: str) -> None:
     """JSON may escape half a UTF-16 pair (\\ud800) that is no Unicode character, and no
     UTF-8 text can carry it: the first string (or key) holding one is refused by its path."""
     if isinstance(value, str):
-        at = next((i for i, c in enumerate(value) if "\ud800" <= c <= "\udfff"), None)
-        if at is not None:
+        try:
+            value.encode()  # at C speed: a prompt may be megabytes
+        except UnicodeEncodeError as exc:
+            at = exc.start
             raise InvalidRequest(
                 path or "body",
                 f"holds a lone UTF-16 surrogate (U+{ord(value[at]):04X} at character {at}), "
                 "which is not Unicode text: send valid UTF-8",
-            )
+            ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_unicode(key, path or "body")
