@@ -18,7 +18,10 @@ the word GEMV (`_int4_gemv_words`, the bf16 default), `new16` it with 16 rows a 
 with one pipeline stage, `mma_whole` it without split-K, `mma128` with 128 rows over 8 warps
 (2.83 instructions a weight offline, one program an SM), `tinygemm` torch's own int4 kernel
 (`_weight_int4pack_mm`, CUDA only, skipped where this torch lacks it) on the same codes,
-scales and zeros (group 64; its zero is the group's value at code 8).
+scales and zeros (group 64; its zero is the group's value at code 8), `dp4a` the
+int8-activation GEMV (`_int4_gemv_dp4a`: x rounded to int8 a 32-input run, four codes a
+DP4A; 2.2 instructions a weight offline with Triton 3.9, the word GEMV 4.3), `dp4a16` it
+with 16 rows a thread (1.7).
 
     python3 bench/dense_quant_bench.py                  # defaults, T = 1 and 512
     python3 bench/dense_quant_bench.py --sweep decode   # + tiles and splits at T = 1
@@ -39,6 +42,7 @@ from gemv_bench import time_us  # bench/, beside this script
 
 from hybridgen.benchmarks.report import machine_info, write_out
 from hybridgen.kernels.triton_dense_quant import (
+    DP4A_GEMV_TILES,
     MMA_GEMV_TILES,
     WORD_GEMV_TILES,
     Tiles,
@@ -105,6 +109,8 @@ KERNELS = {
     "mma1": replace(MMA_GEMV_TILES, num_stages=1),
     "mma_whole": replace(MMA_GEMV_TILES, split=1),
     "mma128": replace(MMA_GEMV_TILES, block_n=128, num_warps=8),
+    "dp4a": DP4A_GEMV_TILES,
+    "dp4a16": replace(DP4A_GEMV_TILES, block_n=16),
 }
 """`--kernel` names of the int4 GEMVs at T = 1 (and `tinygemm`, torch's)."""
 TINYGEMM_INNER_K_TILES = 8
@@ -234,7 +240,7 @@ def main() -> None:
     ap.add_argument(
         "--kernel",
         default="",
-        help="int4 GEMVs at T = 1, comma-separated: old, new, new16, tinygemm",
+        help="int4 GEMVs at T = 1, comma-separated: " + ", ".join([*KERNELS, "tinygemm"]),
     )
     args = ap.parse_args()
     result: dict[str, Any] = {"machine": machine_info(), "defaults": {}, "by_tokens": {}}

@@ -13,6 +13,11 @@ another summation order). Variants:
     int4           groups of 64 with a scale and a zero, quantized from the reference weights
     int4_repacked  the file's own Q4_1 blocks repacked (weights.format int4 on this file):
                    the same values as the reference
+    int4_repacked_x8  those blocks times x rounded to int8 a 32-input run, as the device's
+                   int8-activation GEMV multiplies them at one row (triton_dense_quant
+                   `_int4_gemv_dp4a`; reference.int8_runs): y = int8_runs(x) (c s) + x z.
+                   Here every row is rounded, prompt rows too (the device rounds decode rows
+                   only): an upper bound on what it changes.
 Figures per variant over --prompts chat prompts: top-1 agreement teacher-forced along the
 reference's greedy continuation (--tokens), the relative logit error there
 (||l - l_ref|| / ||l_ref||), and free-running greedy: how many of the first --free-tokens
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from hybridgen.benchmarks.report import machine_info
+from hybridgen.kernels import reference
 from hybridgen.models.default_model import DEFAULT_MODEL, resolve_model
 from hybridgen.models.dense_quant import from_gguf_blocks, quantize
 from hybridgen.models.loader import open_gguf
@@ -46,6 +52,7 @@ QUESTIONS = [
     "Who wrote Romeo and Juliet?",
     "Describe a cat to someone who has never seen one.",
 ]
+VARIANTS = ("bf16", "int8", "int4", "int4_repacked", "int4_repacked_x8")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -68,19 +75,36 @@ def variant(reference: Any, name: str, path: Path) -> Any:
     if name == "bf16":
         return model.to(torch.bfloat16)
     stored = {}
-    if name == "int4_repacked":
+    if name.startswith("int4_repacked"):
         f = open_gguf(str(path))
         stored = {n: from_gguf_blocks(t.qtype, t.data) for n, t in f.tensors(f.spec())}
     for full, module in model.named_modules():
         if full.rsplit(".", 1)[-1] not in LINEARS:
             continue
-        if name == "int4_repacked":
+        if name.startswith("int4_repacked"):
             qw = stored[f"{full}.weight"]
             assert qw is not None and qw.fmt == "int4"
         else:
             qw = quantize(module.weight, name)
         module.weight.copy_(qw.dequantize(torch.float32))
+        if name == "int4_repacked_x8":
+            assert qw.zero is not None
+            zero = qw.zero.float().repeat_interleave(qw.group, 1)
+            module.register_forward_hook(_int8_activation_hook(zero))
     return model
+
+
+def _int8_activation_hook(zero: torch.Tensor) -> Any:
+    """A linear's forward hook: its output as the int8-activation GEMV computes it, the codes
+    times x rounded (int8_runs), the zeros times x: y + (x_hat - x) (W - zero)."""
+
+    def hook(module: Any, args: tuple[torch.Tensor, ...], y: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        delta = reference.int8_runs(flat).to(flat.dtype) - flat
+        return y + (delta @ (module.weight - zero).T).reshape(y.shape)
+
+    return hook
 
 
 @torch.no_grad()
@@ -128,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=128, help="reference continuation length")
     ap.add_argument("--free-tokens", type=int, default=64, help="free-running greedy length")
     ap.add_argument("--prompts", type=int, default=len(QUESTIONS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     ap.add_argument("--out", type=Path, default=Path("bench/results/weights_quant_cpu.json"))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -158,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         "free_tokens": args.free_tokens,
         "variants": {},
     }
-    for name in ("bf16", "int8", "int4", "int4_repacked"):
+    for name in args.variants.split(","):
         start = time.perf_counter()
         scored = score(variant(ref, name, path), ref, prompts, conts, args.free_tokens)
         result["variants"][name] = {**scored, "seconds": round(time.perf_counter() - start, 1)}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgen.kernels import ops, triton_dense_quant
+from hybridgen.kernels import ops, reference, triton_dense_quant
 from hybridgen.kernels.triton_dense_quant import Tiles
 from hybridgen.models.dense_quant import (
     QuantLinear,
@@ -19,6 +19,7 @@ from hybridgen.models.dense_quant import (
     from_gguf_blocks,
     pack_int4,
     quantize,
+    unpack_int4,
 )
 
 torch.manual_seed(0)
@@ -365,6 +366,88 @@ def test_mma_gemv_sums_its_splits_in_the_kernel() -> None:
     assert not triton_dense_quant._LOCKS[x.device][-1].any()
 
 
+DP4A = triton_dense_quant.DP4A_GEMV_TILES
+
+
+def _check_dp4a(
+    qw: QuantWeight, x: torch.Tensor, bias: bool, split: int | None, block_n: int = 8
+) -> None:
+    """The int8-activation GEMV against float64 of its own math (each run of x rounded to
+    int8, `reference.int8_runs`, times the codes and scales; the zeros times x itself),
+    element by element within one bf16 step of the result; and that math within the rounding
+    of x (half a step of its run's scale an input) of the exact product."""
+    t, k = x.shape
+    n = qw.shape[0]
+    b = torch.randn(n, device=DEVICE) if bias else None
+    tiles = replace(DP4A, split=split, block_n=block_n)
+    got = triton_dense_quant.quant_linear(
+        x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, b, tiles
+    )
+    assert got.dtype == torch.bfloat16 and got.shape == (t, n)
+    assert qw.zero is not None
+    cs = unpack_int4(qw.codes).double() * qw.scale.double().repeat_interleave(qw.group, 1)
+    z = qw.zero.double().repeat_interleave(qw.group, 1)
+    want = reference.int8_runs(x).double() @ cs.T + x.double() @ z.T
+    want = want if b is None else want + b.double()
+    bound = want.abs() / 128 + 1e-4 * want.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
+    exact = _reference(x, qw.dequantize(torch.float32), b)
+    step = x.double().view(t, k // 32, 32).abs().amax(-1).repeat_interleave(32, 1) / 127
+    assert ((want - exact).abs() <= (step / 2) @ cs.abs().T * 1.001 + 1e-6).all()
+
+
+def _x(t: int, k: int) -> torch.Tensor:
+    x = torch.randn(t, k, device=DEVICE, dtype=torch.bfloat16)
+    x[x.abs() > 2] *= 8  # outliers: their runs round coarsely
+    return x
+
+
+# As the word GEMV's: N = 13 and 40 no multiple of 8, K = 4096 whole 2048-input tiles, 2112
+# (66 runs) a part tile; T = 2 two rows of x, each its own rounding.
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize(("t", "n", "k"), [(1, 40, 4096), (2, 13, 2112)])
+def test_dp4a_gemv_matches_its_int8_math(
+    t: int, n: int, k: int, split: int | None, bias: bool
+) -> None:
+    _check_dp4a(_weight("int4", n, k), _x(t, k), bias, split)
+
+
+def test_dp4a_gemv_16_rows_and_zero_runs() -> None:
+    """16 rows a thread (the benchmark's `dp4a16`), N = 40 ending in a part program; a run of
+    x all zero (scale 0: no division by it) and a row of x all zero (y = the bias)."""
+    x = _x(2, 2112)
+    x[0, 64:96] = 0
+    x[1] = 0
+    qw = _weight("int4", 40, 2112)
+    _check_dp4a(qw, x, True, 2, block_n=16)
+    b = torch.randn(40, device=DEVICE)
+    y = triton_dense_quant.quant_linear(x, "int4", qw.codes, qw.scale, qw.zero, 64, b, DP4A)
+    assert ((y[1].float() - b).abs() <= b.abs() / 128).all()  # one bf16 step
+
+
+@pytest.mark.parametrize("group", [32, 128, 2048])
+def test_dp4a_gemv_groups(group: int) -> None:
+    """A scale and zero a run (GGUF's), a group of several runs, one as long as a tile; zeros
+    near -8 scale (Q4_0's) make s d sum(c q) and z sum(x) nearly cancel."""
+    n, k = 24, 4096
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = (torch.rand(n, k // group) * 0.01 + 1e-3).half()
+    zero = (-8 * scale.float() + torch.randn(n, k // group) * 1e-3).half()
+    qw = QuantWeight("int4", pack_int4(codes), scale, zero, group).to(DEVICE)
+    _check_dp4a(qw, _x(1, k), False, None)
+
+
+def test_int8_runs_rounds_each_run_to_its_own_scale() -> None:
+    """reference.int8_runs: 127 steps of max |x| / 127 a run, ties to even, a zero run zero."""
+    x = torch.zeros(1, 96)
+    x[0, :32] = torch.arange(32) - 16.0  # max 16: step 16 / 127
+    x[0, 32] = 127.0  # a run of one value and zeros: exact
+    got = reference.int8_runs(x)
+    assert torch.allclose(got[0, :32], torch.round(x[0, :32] * 127 / 16) * (16 / 127))
+    assert torch.equal(got[0, 32:], x[0, 32:])
+
+
 def test_word_gemv_split_is_deterministic() -> None:
     """Split-K partials are summed in a fixed order: the same output on every call."""
     qw = _weight("int4", 16, 4096)
@@ -397,23 +480,34 @@ def test_choose_gemv_by_fake_timings(monkeypatch) -> None:  # type: ignore[no-un
     """choose_gemv's choice on the CPU (the projections made to look on CUDA, the timer
     faked): each shape's projections, every layer's timed in one pass, take the faster
     kernel; fp32 activations choose nothing. QuantLinear passes its tiles at one row only."""
-    model = _int4_model([(64, 256), (32, 512)], layers=3)
+    model = _int4_model([(64, 256), (32, 512), (16, 128)], layers=3)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     seen: list[tuple[str, int]] = []
+    # Seconds a pass by kernel, per shape's N: each shape has another fastest.
+    fake = {
+        64: {"words": 2.0, "mma": 1.0, "dp4a": 1.5},
+        32: {"words": 2.0, "mma": 3.0, "dp4a": 2.5},
+        16: {"words": 2.0, "mma": 3.0, "dp4a": 1.0},
+    }
 
     def timer(tiles: Tiles, modules: list[QuantLinear]) -> float:
-        seen.append(("mma" if tiles.mma else "words", len(modules)))
-        n = modules[0].out_features
-        return (1.0 if tiles.mma else 2.0) if n == 64 else (3.0 if tiles.mma else 2.0)
+        name = "mma" if tiles.mma else "dp4a" if tiles.dp4a else "words"
+        seen.append((name, len(modules)))
+        return fake[modules[0].out_features][name]
 
     assert choose_gemv(model, torch.float32, timer) == {}
     chosen = choose_gemv(model, torch.bfloat16, timer)
     assert chosen == {
-        (64, 256, 64): ("mma", {"words": 2.0, "mma": 1.0}),
-        (32, 512, 64): ("words", {"words": 2.0, "mma": 3.0}),
+        (64, 256, 64): ("mma", fake[64]),
+        (32, 512, 64): ("words", fake[32]),
+        (16, 128, 64): ("dp4a", fake[16]),
     }
-    assert sorted(seen) == [("mma", 3), ("mma", 3), ("words", 3), ("words", 3)]
-    assert [m.gemv.mma for m in model] == [True, False] * 3  # type: ignore[union-attr]
+    assert sorted(seen) == sorted((name, 3) for name in fake[64] for _ in range(3))
+    assert [(m.gemv.mma, m.gemv.dp4a) for m in model] == [  # type: ignore[union-attr]
+        (True, False),
+        (False, False),
+        (False, True),
+    ] * 3
     monkeypatch.undo()
 
     calls: list[Tiles | None] = []

@@ -372,3 +372,15 @@ def int4_dequantize(q: Tensor, sz: Tensor, group: int, dtype: torch.dtype) -> Te
     scale, zero = sz.float().transpose(0, 1).unbind(-1)  # [N, K / group]
     groups = codes.unflatten(-1, (-1, group)) * scale[..., None] + zero[..., None]
     return groups.flatten(-2).to(dtype)
+
+
+def int8_runs(x: Tensor) -> Tensor:
+    """x [T, K] (K a multiple of 32) as the int8-activation GEMV multiplies it by the int4
+    codes (triton_dense_quant._int4_gemv_dp4a), in fp32: each run of 32 inputs rounded to
+    int8 at the scale max |x| / 127 of the run (ties to even) and scaled back."""
+    t, k = x.shape
+    runs = x.float().view(t, k // 32, 32)
+    amax = runs.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(runs * inv)
+    return (q * (amax * (1.0 / 127.0))).view(t, k)

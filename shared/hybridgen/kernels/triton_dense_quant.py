@@ -61,6 +61,19 @@ row's and group's sum of (128 + code) x, and the scale and zero apply once per r
 group: s d + (z - 128 s) sum x (the 128 s sum x terms cancel to ~1e-5 of s sum x in fp32).
 The codes load two steps ahead (cp.async).
 
+int4 int8-activation GEMV (`_int4_gemv_dp4a`, `Tiles.dp4a`, `DP4A_GEMV_TILES`; a
+choose_gemv candidate): the word GEMV's layout and threads, but each 32-input run of x is
+rounded to int8 in registers (scale max |x| / 127, as llama.cpp's Q8_1 matvec does) and the
+codes meet it as bytes: a word's low nibbles (w & 0x0F0F0F0F) are four codes in the order of
+x's inputs 4w..4w + 3, its high nibbles those of 16 + 4w.., so one DP4A (four byte products
+added to an int32) takes four weights, and s * d * sum(c q) + z * sum(x) closes each row and
+run (d = max |x| / 127; the zero's sum of x is x's own). ~2.2 instructions a weight at 8 rows
+a thread (1.7 at 16) with Triton 3.9 for sm_90 offline (`ptxas` + `nvdisasm`), against the
+word GEMV's 4.3 there: the codes cost 5 a word (an AND, a shift and an AND, two DP4As), the
+run of x ~140 shared by the rows. The error this adds is x's rounding, at most d / 2 an input
+(kernels/reference.py `int8_runs` is the same rounding in torch). Under Triton's interpreter
+DP4A is the same integer sum from shifts (`_dp4a`; the inline PTX runs on the device only).
+
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
 cores (tl.dot, fp32 accumulation). A 512-token prefill in BLOCK_M = 128 re-reads the weights
@@ -149,6 +162,8 @@ class Tiles:
     byte kernel (`_int4_gemv`)."""
     mma: bool = False
     """int4 GEMV only: the tensor-core kernel (`_int4_gemv_mma`, bf16 activations)."""
+    dp4a: bool = False
+    """int4 GEMV only: the int8-activation kernel (`_int4_gemv_dp4a`, bf16 activations)."""
 
 
 def tiles_for(t: int, fmt: str, x_bytes: int = 2, bf16: bool = False) -> Tiles:
@@ -177,9 +192,12 @@ WORD_GEMV_TILES = Tiles(1, 8, 2048, 2, 1, words=True)
 MMA_GEMV_TILES = Tiles(1, 64, 512, 4, 2, mma=True)
 """The tensor-core GEMV's tiles: wgmma's 64 rows, 512 inputs (at most 16 groups) a step, the
 codes two steps ahead."""
-GEMV_CANDIDATES = {"words": WORD_GEMV_TILES, "mma": MMA_GEMV_TILES}
+DP4A_GEMV_TILES = Tiles(1, 8, 2048, 2, 1, dp4a=True)
+"""The int8-activation GEMV's tiles: the word GEMV's (8 rows a thread, a run a thread)."""
+GEMV_CANDIDATES = {"words": WORD_GEMV_TILES, "mma": MMA_GEMV_TILES, "dp4a": DP4A_GEMV_TILES}
 """The int4 one-row kernels for bf16 activations that models.dense_quant.choose_gemv times
-at load, per projection shape: the word GEMV (the default) and the tensor-core GEMV."""
+at load, per projection shape: the word GEMV (the default), the tensor-core GEMV and the
+int8-activation GEMV."""
 
 
 def gemv_fits(tiles: Tiles, group: int) -> bool:
@@ -190,6 +208,10 @@ def gemv_fits(tiles: Tiles, group: int) -> bool:
     if tiles.block_k % group == 0:
         return tiles.block_k // group <= 16
     return group % tiles.block_k == 0
+
+
+ROUND_MAGIC = 12582912.0
+"""1.5 * 2^23: v + it is exact for |v| < 2^22 and rounds v to an integer in its low bits."""
 
 
 MMA_MASK, MMA_MAGIC = 0x000F000F, 0x43004300
@@ -433,6 +455,112 @@ def _int4_gemv_words(
         s = _load(s_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
         z = _load(z_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
         acc += s * tl.sum(p, axis=2) + z * tl.sum(x_sum, axis=2)
+    y = tl.sum(acc, axis=1)
+    _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    # c + the sum over bytes j of a's byte j (unsigned) times b's byte j (signed int8):
+    # one DP4A on the device; the same integers from shifts under the interpreter.
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], tl.int32, True, 1
+        )
+    else:
+        for j in tl.static_range(4):
+            c += ((a >> (8 * j)) & 255) * ((b << (24 - 8 * j)) >> 24)
+        return c
+
+
+@triton.jit
+def _int8_byte(v, inv, round_magic):
+    # round(v * inv) (|.| <= 127) as its two's complement byte: 1.5 * 2^23 + r is an exact
+    # float whose low mantissa byte is r's.
+    return (v * inv + round_magic).to(tl.int32, bitcast=True) & 255
+
+
+@triton.jit
+def _x_int8_words(a, b, inv, round_magic):
+    # a, b [1, runs, 4] int32 by word w: the bf16 pairs of inputs 4w, 4w + 1 and 4w + 2,
+    # 4w + 3 of a half-run -> word w as int8 bytes j = input 4w + j at scale 1 / inv.
+    w = _int8_byte(_bf16_half(a, 0), inv, round_magic)
+    w |= _int8_byte(_bf16_half(a, 1), inv, round_magic) << 8
+    w |= _int8_byte(_bf16_half(b, 0), inv, round_magic) << 16
+    return w | (_int8_byte(_bf16_half(b, 1), inv, round_magic) << 24)
+
+
+@triton.jit
+def _pairs_max_sum(a, b):
+    # a, b [1, runs, 4] bf16 pairs -> (max |x|, sum x) [1, runs, 4] over their 4 inputs.
+    a0, a1, b0, b1 = _bf16_half(a, 0), _bf16_half(a, 1), _bf16_half(b, 0), _bf16_half(b, 1)
+    amax = tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(b0), tl.abs(b1)))
+    return amax, (a0 + a1) + (b0 + b1)
+
+
+@triton.jit
+def _int4_gemv_dp4a(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    K_SPLIT,
+    runs_per_row,
+    stride_s,
+    RUNS_PER_GROUP,
+    round_magic,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # x bf16 [T, K]; q_ptr the codes as int32 words [N, K / 8] (the word GEMV's): a run's
+    # word w holds inputs 4w + j (low nibbles) and 16 + 4w + j (high) in byte j. Each run of
+    # x is quantized to int8 in registers (scale max |x| / 127), so one DP4A multiplies four
+    # codes by four inputs: sum_j (c_j s + z) x_j = s d sum_j c_j q_j + z sum_j x_j.
+    RUNS: tl.constexpr = BLOCK_K // 32
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # out-of-range rows re-read row 0
+    t = tl.program_id(1)
+    k_begin = tl.program_id(2) * K_SPLIT
+    r = tl.arange(0, RUNS)
+    w = tl.arange(0, 4)
+    words_at = rows[:, None] * (4 * runs_per_row) + tl.arange(0, 4 * RUNS)[None, :]
+    x_row = x_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * (K // 2)
+    acc = tl.zeros((BLOCK_N, RUNS), dtype=tl.float32)
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        run = k0 // 32 + r
+        run_ok = (32 * run < K)[None, :]
+        ok = run_ok[:, :, None]
+        x_at = x_row + (16 * run)[None, :, None] + w[None, None, :]
+        c0 = _load(x_at, ok, EVEN_K, 0)
+        c1 = _load(x_at + 4, ok, EVEN_K, 0)
+        c2 = _load(x_at + 8, ok, EVEN_K, 0)
+        c3 = _load(x_at + 12, ok, EVEN_K, 0)
+        a_lo, b_lo = _x_by_word(c0, c1, 0), _x_by_word(c0, c1, 1)  # inputs 0..15
+        a_hi, b_hi = _x_by_word(c2, c3, 0), _x_by_word(c2, c3, 1)  # inputs 16..31
+        max_lo, sum_lo = _pairs_max_sum(a_lo, b_lo)
+        max_hi, sum_hi = _pairs_max_sum(a_hi, b_hi)
+        amax = tl.max(tl.maximum(max_lo, max_hi), axis=2)
+        inv = 127.0 / tl.maximum(amax, 1e-30)  # all-zero run: inv * 0 = 0
+        q_lo = _x_int8_words(a_lo, b_lo, inv[:, :, None], round_magic)
+        q_hi = _x_int8_words(a_hi, b_hi, inv[:, :, None], round_magic)
+        at = q_ptr + words_at + 4 * (k0 // 32)
+        at_ok = (32 * (k0 // 32 + tl.arange(0, 4 * RUNS) // 4) < K)[None, :]
+        words = tl.reshape(_load(at, at_ok, EVEN_K, 0), (BLOCK_N, RUNS, 4))
+        dot = _dp4a(words & 0x0F0F0F0F, q_lo, tl.zeros_like(words), ASM)
+        dot = _dp4a((words >> 4) & 0x0F0F0F0F, q_hi, dot, ASM)
+        g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
+        s = _load(s_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
+        z = _load(z_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
+        d = amax * (1.0 / 127.0)
+        acc += s * d * tl.sum(dot, axis=2).to(tl.float32) + z * tl.sum(sum_lo + sum_hi, axis=2)
     y = tl.sum(acc, axis=1)
     _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
 
@@ -783,7 +911,7 @@ def quant_linear(
         return _dequant_linear(x, fmt, codes, scale, zero, group, bias)
     cfg = tiles or tiles_for(t, fmt, x.element_size(), x.dtype == torch.bfloat16)
     assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
-    for special in (cfg.words, cfg.mma):
+    for special in (cfg.words, cfg.mma, cfg.dp4a):
         assert not special or (fmt == "int4" and cfg.block_m == 1 and x.dtype == torch.bfloat16)
     programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m)
     split = cfg.split or split_k(programs, k, cfg.block_k, sm_count(x.device))
@@ -815,14 +943,17 @@ def quant_linear(
         launch.update(EVEN_K=k % cfg.block_k == 0, COLS=cols, UPCAST=INTERPRETED)
         _int4_gemv_mma[grid](*args, MMA_MASK, MMA_MAGIC, **launch)
         return out
-    elif cfg.words:
+    elif cfg.words or cfg.dp4a:
         if x.data_ptr() % 4:  # read as int32 pairs
             x = x.clone()
         args[:2] = [x, codes.view(torch.int32)]
         args[-3] = k // 32  # a row's runs (the words' row stride / 4: 16-byte aligned)
         launch.update(EVEN_K=k % cfg.block_k == 0)
         grid = (triton.cdiv(n, cfg.block_n), t, split)
-        _int4_gemv_words[grid](*args, MAGIC, float(2**23), **launch)
+        if cfg.dp4a:
+            _int4_gemv_dp4a[grid](*args, ROUND_MAGIC, ASM=not INTERPRETED, **launch)
+        else:
+            _int4_gemv_words[grid](*args, MAGIC, float(2**23), **launch)
     elif cfg.block_m == 1:
         kernel = _int8_gemv if fmt == "int8" else _int4_gemv
         kernel[(triton.cdiv(n, cfg.block_n), t, split)](*args, **launch)

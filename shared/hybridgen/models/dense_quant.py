@@ -14,9 +14,10 @@ Formats (value = code * scale + zero per group of `group` inputs of one output r
 
 The device multiplies with fused Triton kernels that read the codes once and dequantize in
 registers (kernels/triton_dense_quant.py); the CPU dequantizes and multiplies (torch). int4
-has two one-row kernels for bf16 activations (the word GEMV and the tensor-core GEMV); which
-is faster depends on the projection's shape and the GPU, so `choose_gemv` times both at load
-over every projection of each shape and gives each the faster (QuantLinear.gemv).
+has three one-row kernels for bf16 activations (the word GEMV, the tensor-core GEMV and the
+int8-activation GEMV, which rounds x to int8 a 32-input run as llama.cpp's matvec does);
+which is fastest depends on the projection's shape and the GPU, so `choose_gemv` times each
+at load over every projection of each shape and gives each the fastest (QuantLinear.gemv).
 """
 
 from __future__ import annotations
