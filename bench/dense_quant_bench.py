@@ -20,8 +20,9 @@ with one pipeline stage, `mma_whole` it without split-K, `mma128` with 128 rows 
 (`_weight_int4pack_mm`, CUDA only, skipped where this torch lacks it) on the same codes,
 scales and zeros (group 64; its zero is the group's value at code 8), `dp4a` the
 int8-activation GEMV (`_int4_gemv_dp4a`: x rounded to int8 a 32-input run, four codes a
-DP4A; 2.2 instructions a weight offline with Triton 3.9, the word GEMV 4.3), `dp4a16` it
-with 16 rows a thread (1.7).
+DP4A; 2.4 instructions a weight offline with Triton 3.9, the word GEMV 4.3), `dp4a16` it
+with 16 rows a thread, `dp4a_w4` with 4 warps along K (4096 inputs a step), `dp4a_k1` with one
+(1024).
 
     python3 bench/dense_quant_bench.py                  # defaults, T = 1 and 512
     python3 bench/dense_quant_bench.py --sweep decode   # + tiles and splits at T = 1
@@ -111,6 +112,8 @@ KERNELS = {
     "mma128": replace(MMA_GEMV_TILES, block_n=128, num_warps=8),
     "dp4a": DP4A_GEMV_TILES,
     "dp4a16": replace(DP4A_GEMV_TILES, block_n=16),
+    "dp4a_w4": replace(DP4A_GEMV_TILES, block_k=4096, num_warps=4),
+    "dp4a_k1": replace(DP4A_GEMV_TILES, block_k=1024, num_warps=1),
 }
 """`--kernel` names of the int4 GEMVs at T = 1 (and `tinygemm`, torch's)."""
 TINYGEMM_INNER_K_TILES = 8

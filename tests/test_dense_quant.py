@@ -410,6 +410,8 @@ def _x(t: int, k: int) -> torch.Tensor:
 def test_dp4a_gemv_matches_its_int8_math(
     t: int, n: int, k: int, split: int | None, bias: bool
 ) -> None:
+    """Split 3 gives K = 4096 slices of one tile each and 2112 a part slice: each slice's
+    prefetch of the tile after it loads nothing."""
     _check_dp4a(_weight("int4", n, k), _x(t, k), bias, split)
 
 
