@@ -417,3 +417,25 @@ def test_the_banner_names_the_hybridgen_the_shell_can_run(tmp_path: Path, monkey
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     assert invoked_as(str(script)) == "hybridgen"
     assert invoked_as("/some/where/hybridgen/cli/main.py") == "hybridgen"
+
+
+def test_the_banner_speaks_the_servers_protocol(tmp_path: Path) -> None:
+    """Plaintext: http and `hybridgen generate`; with TLS and API keys: https on the name the
+    certificate carries and a curl that sends the certificate and a key (generate speaks
+    plaintext without one); with no HTTP port, grpcurl's health check. Every banner says how
+    to stop, and the default model goes by its name, not its file's path."""
+    from hybridgen.cli.serve import banner
+    from hybridgen.config.file import parse_config
+    from hybridgen.models.default_model import FILE
+
+    plain = banner(parse_config({"model": {"name_or_path": f"/x/{FILE}"}}), tmp_path, None)
+    assert "serving smollm2-135m-instruct on" in plain
+    assert "OpenAI   http://127.0.0.1:8000/v1" in plain and 'generate --port 50051 "Hello"' in plain
+    assert "Ctrl-C again: at once" in plain
+    secure = {"tls": {"cert_file": "cert.pem", "key_file": "key.pem"}, "api_key_file": "keys"}
+    text = banner(parse_config({"server": secure}), tmp_path, None)
+    assert "OpenAI   https://localhost:8000/v1" in text and "generate" not in text
+    assert 'curl --cacert cert.pem -H "Authorization: Bearer $(head -1 keys)" ' in text
+    assert "https://localhost:8000/v1/models" in text
+    no_http = banner(parse_config({"server": {**secure, "http_port": 0}}), tmp_path, None)
+    assert "grpcurl -cacert cert.pem localhost:50051 grpc.health.v1.Health/Check" in no_http

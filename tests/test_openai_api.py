@@ -388,6 +388,12 @@ def test_a_body_over_the_limit_is_413_before_it_is_read() -> None:
         assert status == 413 and body["error"]["param"] == "body"
         assert "server.max_message_mb" in body["error"]["message"]
     assert s3 == 200
+    # Counted as the client's (RESOURCE_EXHAUSTED, as gRPC refuses a message too large), not
+    # as INTERNAL: an alert on INTERNAL errors must not fire on a client's mistake.
+    from hybridgen.serving.openai_http import _grpc_name
+
+    assert _grpc_name(413) == "RESOURCE_EXHAUSTED" and _grpc_name(418) == "INVALID_ARGUMENT"
+    assert _grpc_name(500) == "INTERNAL" and _grpc_name(504) == "DEADLINE_EXCEEDED"
 
 
 def test_warm_loads_the_model_once_the_backend_is_ready() -> None:
@@ -441,3 +447,22 @@ def test_the_default_model_goes_by_its_name_not_its_files_path() -> None:
     listed, answered, refused = run(DefaultModel(), scenario)
     assert listed == [DEFAULT_MODEL] and answered == DEFAULT_MODEL
     assert f"this server serves {DEFAULT_MODEL!r}" in refused
+
+
+def test_requests_as_newer_clients_and_llama_cpp_users_send_them() -> None:
+    """The `developer` role (OpenAI's newer name for system) is a system message; `seed: -1`
+    (llama.cpp's and Ollama's "random") is no seed, other negative seeds left for the
+    backend's range check (a 400 naming seed); `best_of` other than 1 changes the result
+    and is refused, naming it."""
+    from hybridgen.engine.validation import InvalidRequest
+    from hybridgen.serving.openai_request import chat_messages, parse
+
+    messages = chat_messages({"messages": [{"role": "developer", "content": "Be brief."}]})
+    assert messages == [{"role": "system", "content": "Be brief."}]
+    assert parse({"seed": -1}, False, ["Hi"]).inputs[0].params.seed is None
+    assert parse({"seed": 7}, False, ["Hi"]).inputs[0].params.seed == 7
+    assert parse({"seed": -2}, False, ["Hi"]).inputs[0].params.seed == -2  # the backend's 400
+    assert parse({"best_of": 1}, False, ["Hi"]).n == 1
+    for bad in (3, True):
+        with pytest.raises(InvalidRequest, match="best_of"):
+            parse({"best_of": bad}, False, ["Hi"])

@@ -66,6 +66,9 @@ def chat_prompt(model: Path) -> str:
 def test_models_lists_the_served_model(client: openai.OpenAI, model: Path) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [str(model)]
+    assert client.models.retrieve(str(model)).id == str(model)  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
 
 
 def test_the_gateway_loads_the_model_before_ready(server: DefaultServer) -> None:

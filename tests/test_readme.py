@@ -424,7 +424,15 @@ def run_section(s: Session, section: str) -> None:
         check = check_for(command)
         if check == SERVED:
             banner = s.start_server(command.text)
-            assert "HybridGen is serving" in banner and "OpenAI   http://" in banner
+            assert "HybridGen is serving" in banner
+            if "--tls-cert-file" in command.text:  # the banner's own try line answers
+                assert "OpenAI   https://localhost:" in banner, banner
+                try_it = re.search(r"^  try      (curl .*)$", banner, re.M)
+                assert try_it, banner
+                answer = s.run(try_it[1])
+                assert answer.returncode == 0 and '"data"' in answer.stdout, answer
+            else:
+                assert "OpenAI   http://" in banner
             if "--max-model-len 8192" in command.text:
                 assert "context 8,192 tokens" in banner and "metrics" not in banner
         elif check == CI:

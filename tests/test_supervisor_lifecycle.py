@@ -19,7 +19,7 @@ from hybridgen.cli import supervisor
 from hybridgen.cli.main import main
 from hybridgen.cli.supervisor import ChildSpec, Policy, Supervisor, lock_holders
 from hybridgen.ipc.peer import pid_alive
-from tests.test_cli import FAST, STAND_IN, read_events, run_supervisor
+from tests.test_cli import FAST, STAND_IN, read_events, run_supervisor, stand_in
 from tests.test_gpu_daemon import daemon  # noqa: F401 - a fixture
 
 # A stand-in whose READY=1 comes from a process it forks, never from itself, until it is
@@ -150,6 +150,35 @@ def test_policy_stop_timeout_outlasts_the_gateways_drain() -> None:
     from hybridgen.serving.server import DRAIN_GRACE_S
 
     assert Policy().stop_timeout_s > DRAIN_GRACE_S
+    assert Policy().drain_s == DRAIN_GRACE_S  # what a stop announces
+
+
+def test_a_second_stop_request_stops_a_draining_child_at_once(tmp_path: Path) -> None:
+    """A child slow to stop (it ignores SIGTERM, as a gateway draining its streams waits): the
+    first Ctrl-C says how long running requests get and how to stop at once; a second one,
+    while waiting, kills it instead of waiting out stop_timeout_s."""
+    events = tmp_path / "events"
+    slow = stand_in("gateway", events, ignore_term=True)
+    policy = Policy(stop_timeout_s=30.0, poll_s=0.02)
+    stopped_at: list[float] = []
+
+    def on_ready(sup: Supervisor, n: int) -> None:
+        sup.request_stop(signal.SIGINT)
+
+        def again() -> None:
+            time.sleep(0.5)
+            stopped_at.append(time.monotonic())
+            sup.request_stop(signal.SIGINT)
+
+        threading.Thread(target=again, daemon=True).start()
+
+    status, lines = run_supervisor([slow], tmp_path, on_ready, policy)
+    took = time.monotonic() - stopped_at[0]
+    assert status == 0 and took < 5.0, (took, lines)
+    assert any("received SIGINT, stopping: running requests get up to 10 s" in x for x in lines)
+    assert any("SIGINT again stops at once" in x for x in lines)
+    assert any("stopping gateway now (a second stop request)" in x for x in lines), lines
+    assert any("stopped gateway (killed by SIGKILL)" in x for x in lines)
 
 
 def test_shared_memory_is_replaced_only_when_its_owner_is_gone(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811

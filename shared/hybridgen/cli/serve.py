@@ -335,9 +335,12 @@ def _model_info(host: str, port: int) -> Any:
 
 def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
     """What is served, where, and how to try it."""
+    from hybridgen.cli.supervisor import Policy
+    from hybridgen.models.default_model import shown_name
+
     srv = config.server
     host = connect_host(srv.host)
-    name = info.model if info is not None else config.model.name_or_path
+    name = shown_name(info.model if info is not None else config.model.name_or_path)
     lines = [f"HybridGen is serving {name} on {host}:{srv.port} (gRPC)"]
     if info is not None:
         what = (
@@ -350,16 +353,35 @@ def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
             f"  engine   {info.mode} mode on {info.device}, context {info.max_model_len:,} "
             f"tokens, up to {info.max_num_seqs} sequences"
         )
+    scheme = "https" if srv.tls.enabled else "http"
+    if srv.tls.enabled and host in ("127.0.0.1", "[::1]"):
+        host = "localhost"  # a certificate names a host (the README's: localhost), not an IP
     if srv.http_port:
-        lines.append(f"  OpenAI   http://{host}:{srv.http_port}/v1")
+        lines.append(f"  OpenAI   {scheme}://{host}:{srv.http_port}/v1")
     if srv.metrics_port:
         lines.append(
             f"  metrics  http://{connect_host(srv.metrics_host)}:{srv.metrics_port}/metrics"
         )
     lines.append(f"  logs     {rt}/{{gpu,cpu,gateway}}.log")
-    try_it = f'{invoked_as()} generate --port {srv.port} "Hello"'
-    lines.append(f"  try      {try_it}   (Ctrl-C stops)")
+    lines.append(f"  try      {_try_it(config, host, scheme)}")
+    drain = f"running requests get {Policy().drain_s:g} s to finish; Ctrl-C again: at once"
+    lines.append(f"  stop     Ctrl-C ({drain})")
     return "\n".join(lines)
+
+
+def _try_it(config: HybridGenConfig, host: str, scheme: str) -> str:
+    """A command that talks to this server as configured: `hybridgen generate` (plaintext,
+    no key), else curl with the certificate and a key, else grpcurl's health check."""
+    srv = config.server
+    if not srv.tls.enabled and srv.api_key_file is None:
+        return f'{invoked_as()} generate --port {srv.port} "Hello"'
+    opts = f"--cacert {srv.tls.cert_file} " if srv.tls.enabled else ""
+    if srv.api_key_file is not None:
+        opts += f'-H "Authorization: Bearer $(head -1 {srv.api_key_file})" '
+    if srv.http_port:
+        return f"curl {opts}{scheme}://{host}:{srv.http_port}/v1/models"
+    tls = f"-cacert {srv.tls.cert_file}" if srv.tls.enabled else "-plaintext"
+    return f"grpcurl {tls} {host}:{srv.port} grpc.health.v1.Health/Check"
 
 
 def invoked_as(argv0: str | None = None) -> str:

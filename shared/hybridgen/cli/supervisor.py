@@ -77,9 +77,11 @@ class Policy:
     """Restarts allowed within crash_window_s; one more gives up."""
     crash_window_s: float = 60.0
     """Window of the crash-loop count."""
+    drain_s: float = 10.0
+    """How long the gateway lets running streams finish after SIGTERM (serving.server
+    DRAIN_GRACE_S; a test keeps them equal): what a stop announces."""
     stop_timeout_s: float = 15.0
-    """SIGTERM grace before SIGKILL; longer than a child's own drain (the gateway gives
-    running streams 10 s)."""
+    """SIGTERM grace before SIGKILL; longer than a child's own drain (drain_s)."""
     poll_s: float = 0.05
     """Main-loop tick."""
     progress_every_s: float = 10.0
@@ -137,6 +139,8 @@ class Supervisor:
         self.inherit_fds = inherit_fds
         self.restarts: collections.deque[float] = collections.deque()
         self._stop_signal: int | None = None
+        self._force = False
+        """A second stop request came while stopping: children still running are killed."""
         self._announced = False
 
     # -- public -----------------------------------------------------------------------------
@@ -154,7 +158,10 @@ class Supervisor:
         return status
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
-        """Ask the loop to stop everything (what the signal handlers do)."""
+        """Ask the loop to stop everything (what the signal handlers do); asked again while
+        stopping, it stops now: children still draining are killed."""
+        if self._stop_signal is not None:
+            self._force = True
         self._stop_signal = signum
 
     def stop_all(self) -> None:
@@ -169,7 +176,7 @@ class Supervisor:
     # -- main loop --------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._stop_signal = signum
+        self.request_stop(signum)
 
     def _loop(self) -> int:
         while self._stop_signal is None:
@@ -183,7 +190,11 @@ class Supervisor:
             self._start_next(now)
             self._check_ready(now)
             time.sleep(self.policy.poll_s)
-        self.report(f"received {signal.Signals(self._stop_signal).name}, stopping")
+        name = signal.Signals(self._stop_signal).name
+        self.report(
+            f"received {name}, stopping: running requests get up to "
+            f"{self.policy.drain_s:g} s to finish ({name} again stops at once)"
+        )
         return 0
 
     def _reap(self, now: float) -> int | None:
@@ -344,12 +355,16 @@ class Supervisor:
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(self.policy.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            self.report(f"{child.spec.name} ignored SIGTERM for {self.policy.stop_timeout_s} s")
+        deadline = time.monotonic() + self.policy.stop_timeout_s
+        while proc.poll() is None and not self._force and time.monotonic() < deadline:
+            time.sleep(self.policy.poll_s)
+        if proc.poll() is None:
+            if self._force:
+                self.report(f"stopping {child.spec.name} now (a second stop request)")
+            else:
+                self.report(f"{child.spec.name} ignored SIGTERM for {self.policy.stop_timeout_s} s")
             proc.kill()
-            proc.wait()
+        proc.wait()
         self.report(f"stopped {child.spec.name} ({_describe(proc.returncode)})")
 
     def _open_socket(self, child: _Child) -> Path:

@@ -34,3 +34,12 @@ def resolve_model(model: str) -> str:
     if not path.is_file():  # type: ignore[attr-defined]
         raise ModelLoadError(f"{DISTRIBUTION} is installed but {FILE} is missing: `{INSTALL}`")
     return str(path)
+
+
+def shown_name(served: str) -> str:
+    """The name a user sees for a served model (/v1/models, answers, serve's banner): the
+    default model's own name rather than the path of its file in site-packages; any other
+    model as served."""
+    from pathlib import Path
+
+    return DEFAULT_MODEL if Path(served).as_posix().endswith(FILE) else served

@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest
+from hybridgen.models.default_model import shown_name
 from hybridgen.models.tokenizer import ChatTemplateError, Tokenizer
 from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.sampling.params import InvalidSamplingParameter
@@ -200,7 +201,7 @@ class OpenAIApi:
         self.max_body_bytes = max_body_bytes
         """Largest request body read (server.max_message_mb, as a gRPC message)."""
         self._model: tuple[str, Tokenizer, int] | None = None
-        """The served model's name as the API shows it (_shown), its tokenizer and context."""
+        """The served model's name as the API shows it (shown_name), its tokenizer and context."""
         self._served = ""
         """The served model as the backend names it (a path): what a request may name."""
         self._model_lock = asyncio.Lock()
@@ -212,6 +213,7 @@ class OpenAIApi:
             Route("/v1/completions", guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", guard(self.chat_completions), methods=["POST"]),
             Route("/v1/models", guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", guard(self.model), methods=["GET"]),
             Route("/tokenize", guard(self.tokenize), methods=["POST"]),
             Route("/detokenize", guard(self.detokenize), methods=["POST"]),
             Route("/metrics", guard(self.metrics), methods=["GET"]),
@@ -237,15 +239,22 @@ class OpenAIApi:
         return await self._answer(request, req, model)
 
     async def models(self, request: Request) -> Response:
-        model, _, max_len = await self._model_facts({})
-        entry = {
+        return JSONResponse({"object": "list", "data": [await self._model_entry({})]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model} (the client's models.retrieve): the served model's entry,
+        404 for any other name."""
+        return JSONResponse(await self._model_entry({"model": request.path_params["model"]}))
+
+    async def _model_entry(self, body: dict[str, Any]) -> dict[str, Any]:
+        model, _, max_len = await self._model_facts(body)
+        return {
             "id": model,
             "object": "model",
             "created": self._started,
             "owned_by": "hybridgen",
             "max_model_len": max_len,
         }
-        return JSONResponse({"object": "list", "data": [entry]})
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._json(request)
@@ -372,7 +381,7 @@ class OpenAIApi:
     def _names(named: str, served: str) -> bool:
         """Whether a request's `model` names the served one: its path, a path of the same
         name, or for the default model its name (`model.name_or_path`'s default)."""
-        return Path(named).name == Path(served).name or named == _shown(served)
+        return Path(named).name == Path(served).name or named == shown_name(served)
 
     async def _json(self, request: Request) -> dict[str, Any]:
         return _parse_json(await _body(request, self.max_body_bytes))
@@ -393,7 +402,7 @@ class OpenAIApi:
                     info = await self.service.backend.model_info()
                     tokenizer = await asyncio.to_thread(load_tokenizer, info["model"])
                     self._served = info["model"]
-                    self._model = (_shown(self._served), tokenizer, int(info["max_model_len"]))
+                    self._model = (shown_name(self._served), tokenizer, int(info["max_model_len"]))
         model = self._model
         named = body.get("model") if isinstance(body, dict) else None
         if named is not None and not isinstance(named, str):
@@ -409,14 +418,6 @@ class OpenAIApi:
                 "model_not_found",
             )
         return model
-
-
-def _shown(served: str) -> str:
-    """The name /v1/models lists and answers carry: the default model's own name rather
-    than the path of its file in site-packages; any other model as served."""
-    from hybridgen.models.default_model import DEFAULT_MODEL, FILE
-
-    return DEFAULT_MODEL if Path(served).as_posix().endswith(FILE) else served
 
 
 async def _events(
@@ -574,9 +575,12 @@ def _param(exc: BaseException) -> str | None:
 
 
 def _grpc_name(status: int) -> str:
+    """The metrics' code label of an HTTP error, as gRPC names it: a client's mistake is never
+    INTERNAL (an alert on INTERNAL is an alert on the server)."""
     names = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND"}
-    names |= {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
-    return names.get(status, "INTERNAL")
+    names |= {413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+    names |= {504: "DEADLINE_EXCEEDED"}
+    return names.get(status, "INVALID_ARGUMENT" if 400 <= status < 500 else "INTERNAL")
 
 
 def _error_response(error: ApiError) -> JSONResponse:

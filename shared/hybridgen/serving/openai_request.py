@@ -49,6 +49,7 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "structured_outputs": lambda v: v is None,
     "include_stop_str_in_output": lambda v: not v,
     "skip_special_tokens": lambda v: v in (None, True),
+    "best_of": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
 }
 """Parameters that change the result and are not supported: each with what a request may
 send that asks for nothing (absent, null, false, empty, or the default)."""
@@ -151,7 +152,11 @@ def chat_messages(body: Any) -> list[dict[str, Any]]:
             )
         elif content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content", "must be a string or a list of parts")
-        out.append({**message, "content": content or ""})  # an assistant's may be null
+        role = message["role"]
+        if role == "developer":  # OpenAI's newer name for the system message
+            role = "system"
+        # an assistant's content may be null
+        out.append({**message, "role": role, "content": content or ""})
     try:  # the roles and the count, as every API checks them
         check_messages([ChatMessage(m["role"], m["content"]) for m in out])
     except InvalidChat as exc:
@@ -171,8 +176,14 @@ def sample_inputs(req: GenerateInput, n: int) -> list[GenerateInput]:
     return out
 
 
+RANDOM_SEED = -1
+"""A seed that asks for no seed (llama.cpp's and Ollama's convention): a random draw."""
+
+
 def _sampling(body: Any, chat: bool, aliases: dict[str, str]) -> SamplingParams:
     values = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    if values.get("seed") == RANDOM_SEED and not isinstance(values["seed"], bool):
+        del values["seed"]
     max_tokens = _max_tokens(body, chat)
     if chat and body.get("max_completion_tokens") is not None:
         aliases["max_tokens"] = "max_completion_tokens"
