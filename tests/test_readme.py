@@ -427,6 +427,7 @@ def run_section(s: Session, section: str) -> None:
             assert "HybridGen is serving" in banner
             if "--tls-cert-file" in command.text:  # the banner's own try line answers
                 assert "OpenAI   https://localhost:" in banner, banner
+                assert "  model    " in banner and "  engine   " in banner, banner
                 try_it = re.search(r"^  try      (curl .*)$", banner, re.M)
                 assert try_it, banner
                 answer = s.run(try_it[1])

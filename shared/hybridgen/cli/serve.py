@@ -288,11 +288,9 @@ def _supervise(
             print(f"HybridGen is serving again on {host}:{port}", flush=True)
             return
         announced.append(True)
-        srv = config.server  # behind TLS or API keys this plain channel is not let in
-        plain = not srv.tls.enabled and srv.api_key_file is None
-        print(banner(config, rt, _model_info(host, port) if plain else None), flush=True)
+        print(banner(config, rt, _model_info(config)), flush=True)
         if args.explain:
-            _print_regions(host, port)
+            _print_regions(config)
 
     instance = config.server.instance
     terminal.line(f"instance {instance}: model {config.model.name_or_path}, logs in {rt}")
@@ -317,20 +315,46 @@ def _supervise(
 # -- once serving -----------------------------------------------------------------------------
 
 
-def _model_info(host: str, port: int) -> Any:
-    """The served model's GetModelInfo, or None if it does not answer."""
+def _model_info(config: HybridGenConfig) -> Any:
+    """The served model's GetModelInfo, or None if it does not answer. Behind TLS the
+    server's own certificate is the trusted root (a self-signed one, as the README makes) and
+    the call goes to the name it carries; with API keys it sends the file's first key. With
+    mutual TLS (no client certificate here) it is not asked."""
     import grpc
 
+    from hybridgen.serving.auth import first_key
     from hybridgen.v1 import generation_pb2 as pb
     from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
+    srv = config.server
+    if srv.tls.client_ca_file is not None:
+        return None
+    host = _tls_host(connect_host(srv.host)) if srv.tls.enabled else connect_host(srv.host)
+    target = f"{host}:{srv.port}"
+    metadata = None
     try:
-        with grpc.insecure_channel(f"{host}:{port}") as channel:
+        if srv.api_key_file is not None:
+            metadata = [("authorization", f"Bearer {first_key(srv.api_key_file)}")]
+        if srv.tls.enabled:
+            assert srv.tls.cert_file is not None
+            root = Path(srv.tls.cert_file).read_bytes()
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root))
+        else:
+            channel = grpc.insecure_channel(target)
+        with channel:
             stub = pb_grpc.GenerationServiceStub(channel)
-            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=metadata)
     except grpc.RpcError as exc:
         _err(f"GetModelInfo failed: {exc.code().name}")
-        return None
+    except OSError as exc:
+        _err(f"GetModelInfo not asked: {exc}")
+    return None
+
+
+def _tls_host(host: str) -> str:
+    """Where a local client reaches a TLS server: a certificate names a host (the README's:
+    localhost), not a loopback address."""
+    return "localhost" if host in ("127.0.0.1", "[::1]") else host
 
 
 def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
@@ -354,8 +378,8 @@ def banner(config: HybridGenConfig, rt: Path, info: Any) -> str:
             f"tokens, up to {info.max_num_seqs} sequences"
         )
     scheme = "https" if srv.tls.enabled else "http"
-    if srv.tls.enabled and host in ("127.0.0.1", "[::1]"):
-        host = "localhost"  # a certificate names a host (the README's: localhost), not an IP
+    if srv.tls.enabled:
+        host = _tls_host(host)
     if srv.http_port:
         lines.append(f"  OpenAI   {scheme}://{host}:{srv.http_port}/v1")
     if srv.metrics_port:
@@ -395,12 +419,12 @@ def invoked_as(argv0: str | None = None) -> str:
     return "hybridgen" if found and Path(found).resolve() == me.resolve() else str(me)
 
 
-def _print_regions(host: str, port: int) -> None:
+def _print_regions(config: HybridGenConfig) -> None:
     """The served engine's op-region table (GetModelInfo.op_regions), as text."""
     from hybridgen.cli.explain import layer_lines, prefix_lines, spill_lines
     from hybridgen.placement.op_regions import Label, Region, Scope, format_table
 
-    info = _model_info(host, port)
+    info = _model_info(config)
     if info is None:
         return
     rows = [

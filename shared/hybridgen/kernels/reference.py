@@ -381,6 +381,8 @@ def int8_runs(x: Tensor) -> Tensor:
     t, k = x.shape
     runs = x.float().view(t, k // 32, 32)
     amax = runs.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A true quotient, as the kernel's 127 / max(amax, 1e-30) (torch's 127.0 / amax is
+    # 127 * (1 / amax), rounded twice: a run's inv one ulp off rounds a tie the other way).
+    inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
     q = torch.round(runs * inv)
     return (q * (amax * (1.0 / 127.0))).view(t, k)

@@ -38,6 +38,14 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def first_key(path: str | Path) -> str:
+    """The first key of a key file (what a local client of this server may send)."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            return line.strip()
+    raise OSError(f"{path}: no key in it")
+
+
 class ApiKeys:
     """The accepted keys, kept as SHA-256 digests."""
 
