@@ -322,7 +322,7 @@ def _model_info(config: HybridGenConfig) -> Any:
     mutual TLS (no client certificate here) it is not asked."""
     import grpc
 
-    from hybridgen.serving.auth import first_key
+    from hybridgen.serving.auth import read_keys
     from hybridgen.v1 import generation_pb2 as pb
     from hybridgen.v1 import generation_pb2_grpc as pb_grpc
 
@@ -333,8 +333,8 @@ def _model_info(config: HybridGenConfig) -> Any:
     target = f"{host}:{srv.port}"
     metadata = None
     try:
-        if srv.api_key_file is not None:
-            metadata = [("authorization", f"Bearer {first_key(srv.api_key_file)}")]
+        if srv.api_key_file is not None:  # the file was checked at start: it has a key
+            metadata = [("authorization", f"Bearer {read_keys(srv.api_key_file)[0]}")]
         if srv.tls.enabled:
             assert srv.tls.cert_file is not None
             root = Path(srv.tls.cert_file).read_bytes()
@@ -346,8 +346,8 @@ def _model_info(config: HybridGenConfig) -> Any:
             return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=metadata)
     except grpc.RpcError as exc:
         _err(f"GetModelInfo failed: {exc.code().name}")
-    except OSError as exc:
-        _err(f"GetModelInfo not asked: {exc}")
+    except (OSError, UnicodeDecodeError, IndexError) as exc:
+        _err(f"GetModelInfo not asked: {exc!r}")
     return None
 
 

@@ -38,12 +38,10 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def first_key(path: str | Path) -> str:
-    """The first key of a key file (what a local client of this server may send)."""
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip() and not line.strip().startswith("#"):
-            return line.strip()
-    raise OSError(f"{path}: no key in it")
+def read_keys(path: str | Path) -> list[str]:
+    """The keys of a key file: one a line, blank lines and lines starting with # skipped."""
+    keys = [k.strip() for k in Path(path).read_text(encoding="utf-8").splitlines()]
+    return [k for k in keys if k and not k.startswith("#")]
 
 
 class ApiKeys:
@@ -58,11 +56,9 @@ class ApiKeys:
     def load(cls, path: str | Path, key: str = "server.api_key_file") -> ApiKeys:
         """The keys in `path`; ConfigError naming `key` when it is unreadable or has none."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            keys = read_keys(path)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{key}={str(path)!r}: cannot read the key file: {exc}") from exc
-        keys = [k.strip() for k in text.splitlines()]
-        keys = [k for k in keys if k and not k.startswith("#")]
         if not keys:
             raise ConfigError(f"{key}={str(path)!r} has no keys: write one key per line")
         return cls(keys)
