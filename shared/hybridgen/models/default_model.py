@@ -10,6 +10,7 @@ through importlib.resources (which would import the package).
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 from hybridgen.models.errors import ModelLoadError
 
@@ -40,6 +41,4 @@ def shown_name(served: str) -> str:
     """The name a user sees for a served model (/v1/models, answers, serve's banner): the
     default model's own name rather than the path of its file in site-packages; any other
     model as served."""
-    from pathlib import Path
-
     return DEFAULT_MODEL if Path(served).as_posix().endswith(FILE) else served
