@@ -72,6 +72,8 @@ a thread with Triton 3.9 for sm_90 offline (`ptxas` + `nvdisasm`), against the w
 4.3 there: the codes cost 5 a word (an AND, a shift and an AND, two DP4As), the run of x ~170
 shared by the rows. Each tile's codes and x load a loop step ahead. On the H100 a llama3-8b
 step's projections take 1.98 ms against the word GEMV's 2.28 (`bench/dense_quant_bench.py`).
+A run's 127 / max |x| is an IEEE quotient (div.rn, as torch divides in the reference; Triton's
+own fp32 division is div.full), ~0.2 more instructions a weight (not yet timed on a GPU).
 The error this adds is x's rounding, at most d / 2 an input
 (kernels/reference.py `int8_runs` is the same rounding in torch). Under Triton's interpreter
 DP4A is the same integer sum from shifts (`_dp4a`; the inline PTX runs on the device only).
@@ -570,7 +572,10 @@ def _int4_gemv_dp4a(
         max_lo, sum_lo = _pairs_max_sum(a_lo, b_lo)  # inputs 0..15 of each run
         max_hi, sum_hi = _pairs_max_sum(a_hi, b_hi)  # inputs 16..31
         amax = tl.max(tl.maximum(max_lo, max_hi), axis=2)
-        inv = 127.0 / tl.maximum(amax, 1e-30)  # all-zero run: inv * 0 = 0
+        # A true quotient (div.rn: Triton's fp32 `/` on the device is div.full, ~2 ulp), as
+        # reference.int8_runs divides; an all-zero run: inv * 0 = 0.
+        amax_ok = tl.maximum(amax, 1e-30)
+        inv = libdevice.div_rn(tl.zeros_like(amax_ok) + 127.0, amax_ok) if ASM else 127.0 / amax_ok
         q_lo = _x_int8_words(a_lo, b_lo, inv[:, :, None], round_magic, ASM)
         q_hi = _x_int8_words(a_hi, b_hi, inv[:, :, None], round_magic, ASM)
         codes = tl.reshape(here[0], (BLOCK_N, RUNS, 4))
