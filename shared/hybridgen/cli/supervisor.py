@@ -17,7 +17,7 @@ Rules (the same for stand-in commands in tests and for `hybridgen serve`):
   once, exit 2, with the reason the child gave in its last status.
 - SIGINT/SIGTERM: stop every child in reverse start order (SIGTERM, SIGKILL after
   `stop_timeout_s`), exit 0.
-- The children die with the supervisor: each is spawned with PR_SET_PDEATHSIG = SIGKILL, so
+- The children die with the supervisor (runtime/tied_child.py: PR_SET_PDEATHSIG = SIGKILL), so
   a supervisor killed with SIGKILL leaves nothing running. They also inherit `inherit_fds`
   (the instance lock of `hybridgen serve`), which therefore stays locked while any process
   of the instance lives, the supervisor or one of its children.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -40,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 
 from hybridgen.runtime.startup_error import EXIT_STARTUP, STATUS_PREFIX
+from hybridgen.runtime.tied_child import tied
 
 __all__ = ["ChildSpec", "Policy", "Supervisor", "lock_holders"]
 
@@ -325,13 +325,12 @@ class Supervisor:
             # A session of its own: Ctrl-C reaches only the supervisor, which then stops the
             # children in order instead of all of them at once.
             return subprocess.Popen(
-                spec.argv,
+                tied(list(spec.argv), os.getpid()),
                 env=env,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
                 pass_fds=(*self.inherit_fds, *fds),
-                preexec_fn=_die_with(os.getpid()),
             )
         finally:
             if out is not None:
@@ -428,7 +427,6 @@ class Supervisor:
 
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CREDENTIALS_SPACE = socket.CMSG_SPACE(_CREDENTIALS.size)
-_PR_SET_PDEATHSIG = 1
 
 
 def _told_to_go(spare: subprocess.Popen[bytes], go: int) -> bool:
@@ -450,19 +448,6 @@ def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
             return int(_CREDENTIALS.unpack(data[: _CREDENTIALS.size])[0])
     return None
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """A preexec_fn: the child is sent SIGKILL when `parent` dies (PR_SET_PDEATHSIG), and
-    exits at once when `parent` died between fork and this call."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def tie() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return tie
 
 
 def lock_holders(path: Path) -> list[int]:

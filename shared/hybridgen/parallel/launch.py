@@ -2,7 +2,7 @@
 and load rank 0's shard; stop them again.
 
 The workers are `python -m hybridgen.parallel.worker` processes (killed with their parent:
-PR_SET_PDEATHSIG), each told its rank, device and the loopback port of rank 0's TCPStore.
+runtime/tied_child.py), each told its rank, device and the loopback port of rank 0's TCPStore.
 Rank 0 waits for every worker's weights (each sets `ready<rank>` in the store) while
 checking that they still run, so that a worker that fails to start fails the start, never
 hangs it; then all build the process group: NCCL on CUDA, gloo on the CPU.
@@ -11,10 +11,8 @@ hangs it; then all build the process group: NCCL on CUDA, gloo on the CPU.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ from hybridgen.parallel import step
 from hybridgen.parallel.model import RankLost, ShardedCausalLM
 from hybridgen.parallel.shard_loader import full_spec, load_shard
 from hybridgen.parallel.sharding import TP_KEY, local_spec
+from hybridgen.runtime.tied_child import tied
 
 log = structlog.get_logger()
 
@@ -193,17 +192,11 @@ def _generation(model: str, net: ShardedCausalLM) -> GenerationDefaults:
     )
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent (rank 0) dies (Linux)."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _spawn(args: WorkerArgs) -> subprocess.Popen[bytes]:
     """A worker, without NOTIFY_SOCKET: only rank 0 reports to the supervisor."""
     cmd = [sys.executable, "-m", "hybridgen.parallel.worker", json.dumps(args.__dict__)]
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
-    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    return subprocess.Popen(tied(cmd, os.getpid()), env=env)
 
 
 def _wait_ready(store: dist.TCPStore, workers: Workers, ranks: int) -> None:
