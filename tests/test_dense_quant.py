@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgen.kernels import ops, reference, triton_dense_quant
+from hybridgen.kernels import ops, reference, split_counters, triton_dense_quant
 from hybridgen.kernels.triton_dense_quant import Tiles
 from hybridgen.models.dense_quant import (
     QuantLinear,
@@ -363,7 +363,7 @@ def test_mma_gemv_sums_its_splits_in_the_kernel() -> None:
     first, again, whole = run(5), run(5), run(1)
     assert torch.equal(first, again)
     assert torch.allclose(first.float(), whole.float(), rtol=1e-2, atol=1e-3)
-    assert not triton_dense_quant._LOCKS[x.device][-1].any()
+    assert not split_counters.counters(x.device, 1).any()
 
 
 DP4A = triton_dense_quant.DP4A_GEMV_TILES

@@ -123,6 +123,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
+from hybridgen.kernels.split_counters import counters
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Running in Triton's CPU interpreter (the tests without a GPU)."""
 DEFAULT_SMS = 132
@@ -899,20 +901,6 @@ def _dequant_linear(
     return y
 
 
-_LOCKS: dict[torch.device, list[Tensor]] = {}
-"""Each device's split counters for _sum_splits, the newest last (older ones stay alive: a
-captured CUDA graph may hold them)."""
-
-
-def _split_locks(device: torch.device, n: int) -> Tensor:
-    """At least n int32 counters at zero on `device`, which every launch leaves at zero again.
-    Shared by the launches of one stream (the engine's forward runs on one)."""
-    held = _LOCKS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def quant_linear(
     x: Tensor,
     fmt: str,
@@ -962,7 +950,7 @@ def quant_linear(
         assert gemv_fits(cfg, group)
         grid = (triton.cdiv(n, cfg.block_n), t, split)
         out = y if split == 1 else torch.empty(t, n, dtype=x.dtype, device=x.device)
-        locks = _split_locks(x.device, grid[0] * t)
+        locks = counters(x.device, grid[0] * t)
         args = [x, codes.view(torch.int32), scale, zero, bias if bias is not None else out]
         args += [out, y, locks, t, n, k, k_split, k // 32, groups, group // 32]
         launch.update(EVEN_K=k % cfg.block_k == 0, COLS=cols, UPCAST=INTERPRETED)
