@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridgen.kernels import ops, reference, split_counters, triton_dense_quant
+from hybridgen.kernels import ops, reference, split_counters, triton_activation, triton_dense_quant
 from hybridgen.kernels.triton_dense_quant import Tiles
 from hybridgen.models.dense_quant import (
     QuantLinear,
@@ -514,7 +514,7 @@ def test_choose_gemv_by_fake_timings(monkeypatch) -> None:  # type: ignore[no-un
 
     calls: list[Tiles | None] = []
 
-    def record(x, w, bias=None, tiles=None):  # type: ignore[no-untyped-def]
+    def record(x, w, bias=None, tiles=None, swiglu=False):  # type: ignore[no-untyped-def]
         calls.append(tiles)
         return torch.zeros(x.shape[0], w.shape[0])
 
@@ -550,3 +550,60 @@ def test_int4_model_on_cuda_chooses_and_keeps_its_logits() -> None:
         m.gemv = None
         default = m(x)
         assert torch.allclose(chosen.float(), default.float(), rtol=2e-2, atol=2e-2)
+
+
+WORDS = triton_dense_quant.WORD_GEMV_TILES
+
+
+@pytest.mark.parametrize(
+    ("tiles", "t", "n", "k"),
+    [
+        (replace(DP4A, split=1), 1, 2 * 52, 2112),  # 52 outputs: the last program half past
+        (replace(WORDS, split=1), 1, 2 * 40, 4096),
+        (replace(DP4A, block_n=16, split=1), 2, 2 * 13, 4096),
+        (replace(DP4A, split=3), 1, 2 * 40, 4096),  # split: the epilogue cannot; after it
+        (None, 3, 2 * 40, 1184),  # the GEMM's tiles: after it
+    ],
+)
+def test_swiglu_equals_the_projection_then_silu_and_mul(
+    tiles: Tiles | None, t: int, n: int, k: int
+) -> None:
+    """silu(gate) * up of a fused [gate | up] weight: computed in the one-row kernels'
+    epilogue (each program's rows alternate gate and up) or by the activation kernel after
+    the projection, it equals the two kernels one after the other bit for bit."""
+    qw = _weight("int4", n, k)
+    x = _x(t, k)
+    args = (x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, None, tiles)
+    got = triton_dense_quant.quant_linear(*args, swiglu=True)
+    want = triton_activation.silu_and_mul(triton_dense_quant.quant_linear(*args))
+    assert got.shape == (t, n // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    if tiles is not None and tiles.words:  # right, not merely the same twice
+        exact = reference.silu_and_mul(_reference(x, qw.dequantize(torch.float32), None).float())
+        assert (got.double() - exact.double()).abs().max() < 2e-2 * exact.abs().max()
+
+
+def test_a_quantized_mlp_asks_its_gate_up_for_silu_and_mul(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The MLP of int4 weights hands SwiGLU to its gate_up projection (on CUDA one kernel:
+    no silu_and_mul launch a layer) and gets what the projection then silu_and_mul give."""
+    from hybridgen.models.llama import MLP
+    from hybridgen.models.presets import PRESETS
+
+    spec = replace(PRESETS["tiny-llama"], hidden_size=64, intermediate_size=128)
+    mlp = MLP(spec)
+    mlp.gate_up_proj = QuantLinear(quantize(torch.randn(256, 64) * 0.05, "int4"), None)
+    mlp.down_proj = QuantLinear(quantize(torch.randn(64, 128) * 0.05, "int4"), None)
+    x = torch.randn(3, 64)
+    gate_up = mlp.gate_up_proj(x)
+    want = mlp.down_proj(ops.silu_and_mul(gate_up))
+    asked: list[bool] = []
+    real = ops.quant_dense_linear
+
+    def spy(x, w, bias=None, tiles=None, swiglu=False):  # type: ignore[no-untyped-def]
+        asked.append(swiglu)
+        return real(x, w, bias, tiles, swiglu)
+
+    monkeypatch.setattr(ops, "quant_dense_linear", spy)
+    monkeypatch.setattr(ops, "silu_and_mul", lambda x: pytest.fail("a silu_and_mul of its own"))
+    assert torch.equal(mlp(x), want)
+    assert asked == [True, False]

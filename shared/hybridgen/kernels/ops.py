@@ -197,15 +197,18 @@ def quant_dense_linear(
     w: QuantWeight,
     bias: Tensor | None = None,
     tiles: triton_dense_quant.Tiles | None = None,
+    swiglu: bool = False,
 ) -> Tensor:
     """x [T, K] @ dequant(w).T (+ bias) for a dense layer's int8 / int4 weight: the fused
     Triton kernel on CUDA (`tiles`: its tiles, else the kernels' default), else dequantize to
-    x's dtype and multiply (the CPU path)."""
+    x's dtype and multiply (the CPU path). `swiglu`: w is a fused [gate | up] projection and
+    the result silu(gate) * up (triton_dense_quant.quant_linear)."""
     if _use_triton(x):
         return triton_dense_quant.quant_linear(
-            x, w.fmt, w.codes, w.scale, w.zero, w.group, bias, tiles
+            x, w.fmt, w.codes, w.scale, w.zero, w.group, bias, tiles, swiglu
         )
-    return F.linear(x, w.dequantize(x.dtype), bias)
+    y = F.linear(x, w.dequantize(x.dtype), bias)
+    return reference.silu_and_mul(y) if swiglu else y
 
 
 def add_rms_norm(

@@ -206,10 +206,11 @@ class QuantLinear(nn.Module):
     def weight(self) -> QuantWeight:
         return QuantWeight(self.fmt, self.codes, self.scale, self.zero, self.group)  # type: ignore[arg-type]
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, K] -> [T, N]
+    def forward(self, x: Tensor, swiglu: bool = False) -> Tensor:
+        """x [T, K] -> [T, N]; `swiglu` (a fused [gate | up] weight): silu(gate) * up [T, N / 2],
+        in one kernel where the one-row kernel can (triton_dense_quant.quant_linear)."""
         tiles = self.gemv if x.shape[0] == 1 else None
-        return ops.quant_dense_linear(x, self.weight, self.bias, tiles)
+        return ops.quant_dense_linear(x, self.weight, self.bias, tiles, swiglu)
 
 
 GEMV_RUNS = 5
@@ -314,6 +315,15 @@ def quantize_dense(
         model.lm_head = QuantLinear(weight, None)
         total += weight.nbytes
     return total
+
+
+def project_swiglu(layer: nn.Module, x: Tensor) -> Tensor:
+    """silu(gate) * up of a fused [gate | up] projection: a QuantLinear's kernel computes it
+    in its epilogue (one graph node fewer a layer), any other projection's output goes through
+    ops.silu_and_mul."""
+    if isinstance(layer, QuantLinear):
+        return layer(x, swiglu=True)
+    return ops.silu_and_mul(project(layer, x))
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridgen.kernels import ops
 from hybridgen.models.deepseek_moe import DeepseekMoeBlock
-from hybridgen.models.dense_quant import project
+from hybridgen.models.dense_quant import project, project_swiglu
 from hybridgen.models.host_layers import HostLayers
 from hybridgen.models.mla import MlaAttention
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
@@ -117,8 +117,7 @@ class MLP(nn.Module):
         self.down_proj: nn.Module = nn.Linear(width, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x)
-        return project(self.down_proj, ops.silu_and_mul(gate_up))
+        return project(self.down_proj, project_swiglu(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):
