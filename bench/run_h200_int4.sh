@@ -8,8 +8,12 @@
 # repo root with `.whl` carried; results land in $OUT as JSON.
 source scripts/device_setup.sh
 set -o pipefail
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_dense_quant.py -k "kernel or word or mma or dp4a or choose" \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_dense_quant.py \
+  -k "kernel or word or mma or dp4a or choose or swiglu or rope or repacked" \
   2>&1 | tee "$OUT/dense_quant_tests.log" | tail -n 5
+# The decode kernel's in-kernel split merge (909fee1): its CUDA cases, and the compile keys.
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
+  tests/test_kernel_compiles.py 2>&1 | tee "$OUT/attention_tests.log" | tail -n 3
 python3 bench/dense_quant_bench.py --kernel new,mma,dp4a,dp4a16,dp4a_w4,dp4a_k1,tinygemm 2>"$OUT/dense_quant_stderr.log" | tee "$OUT/dense_quant_table.txt"
 python3 -m hybridgen.benchmarks.engine_bench --model llama3-8b --weights-format int4 \
   --batches 1 --prompt-len 512 --new-tokens 256 --gpu-memory-mb 40960 \

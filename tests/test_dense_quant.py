@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridgen.kernels import ops, reference, split_counters, triton_activation, triton_dense_quant
+from hybridgen.kernels.rope_write import RopeWrite
 from hybridgen.kernels.triton_dense_quant import Tiles
 from hybridgen.models.dense_quant import (
     QuantLinear,
@@ -197,7 +198,7 @@ def test_quantize_error_is_bounded(fmt: str, bound: float) -> None:
 
 
 @pytest.mark.parametrize(("qtype", "fmt"), [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
-def test_repacked_gguf_gives_the_native_tokens(tmp_path, qtype: str, fmt: str) -> None:  # type: ignore[no-untyped-def]
+def test_repacked_gguf_gives_the_native_tokens(tmp_path, monkeypatch, qtype: str, fmt: str) -> None:  # type: ignore[no-untyped-def]
     """A GGUF's Q4_0/Q4_1/Q8_0 blocks repacked hold exactly the dequantized values, so the
     int4/int8 engine decodes as the native one (CPU, fp32); weights.format is honoured."""
     from hybridgen.config.file import parse_config
@@ -216,7 +217,17 @@ def test_repacked_gguf_gives_the_native_tokens(tmp_path, qtype: str, fmt: str) -
     assert len(modules) == 2 * 4 and all(m.fmt == fmt and m.group == 32 for m in modules)
     native = Engine(parse_config({"model": {"name_or_path": str(path)}}).engine_config("cpu"))
     want = [c.token_ids for c in native.generate(prompts, greedy)]
+    asked: set[str] = set()
+    real = ops.quant_dense_linear
+
+    def spy(x, w, bias=None, tiles=None, swiglu=False, rope=None):  # type: ignore[no-untyped-def]
+        asked.add("swiglu" if swiglu else "rope" if rope is not None else "plain")
+        return real(x, w, bias, tiles, swiglu, rope)
+
+    monkeypatch.setattr(ops, "quant_dense_linear", spy)
     assert [c.token_ids for c in quant.generate(prompts, greedy)] == want
+    # qkv takes RoPE and the cache write, gate_up SwiGLU (kernel epilogues on CUDA); o, down
+    assert asked == {"rope", "swiglu", "plain"}
 
 
 def test_engine_bench_runs_int4_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -514,7 +525,7 @@ def test_choose_gemv_by_fake_timings(monkeypatch) -> None:  # type: ignore[no-un
 
     calls: list[Tiles | None] = []
 
-    def record(x, w, bias=None, tiles=None, swiglu=False):  # type: ignore[no-untyped-def]
+    def record(x, w, bias=None, tiles=None, swiglu=False, rope=None):  # type: ignore[no-untyped-def]
         calls.append(tiles)
         return torch.zeros(x.shape[0], w.shape[0])
 
@@ -599,11 +610,60 @@ def test_a_quantized_mlp_asks_its_gate_up_for_silu_and_mul(monkeypatch) -> None:
     asked: list[bool] = []
     real = ops.quant_dense_linear
 
-    def spy(x, w, bias=None, tiles=None, swiglu=False):  # type: ignore[no-untyped-def]
+    def spy(x, w, bias=None, tiles=None, swiglu=False, rope=None):  # type: ignore[no-untyped-def]
         asked.append(swiglu)
-        return real(x, w, bias, tiles, swiglu)
+        return real(x, w, bias, tiles, swiglu, rope)
 
     monkeypatch.setattr(ops, "quant_dense_linear", spy)
     monkeypatch.setattr(ops, "silu_and_mul", lambda x: pytest.fail("a silu_and_mul of its own"))
     assert torch.equal(mlp(x), want)
     assert asked == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("tiles", "t", "bias"),
+    [
+        (replace(DP4A, split=1), 1, False),
+        (replace(WORDS, split=1), 2, True),  # qwen2's qkv bias; two tokens, one padding
+        (replace(DP4A, block_n=16, split=1), 2, False),
+        (replace(DP4A, split=3), 1, False),  # split: the epilogue cannot; rope after
+    ],
+)
+def test_rope_epilogue_equals_the_projection_then_rope_and_cache(
+    tiles: Tiles, t: int, bias: bool
+) -> None:
+    """A fused qkv's one-row kernel rotates q and k and writes k and v to the cache in its
+    epilogue (each program's rows pair a head's d and d + half): q and both caches equal the
+    projection then triton_rope_cache's kernel bit for bit, a padding slot (-1) writes
+    nothing, and every other cache row keeps its bytes."""
+    heads, kv_heads, dim, block, blocks = 4, 2, 64, 4, 6
+    n = (heads + 2 * kv_heads) * dim
+    qw = _weight("int4", n, 2112)
+    x = _x(t, 2112)
+    b = torch.randn(n, device=DEVICE) if bias else None
+    gen = torch.Generator().manual_seed(7)
+    cos = torch.randn(40, dim, generator=gen).to(DEVICE)
+    sin = torch.randn(40, dim, generator=gen).to(DEVICE)
+    caches = [torch.randn(blocks, block, kv_heads, dim, generator=gen) for _ in range(2)]
+    positions = torch.tensor([17, 3][:t], device=DEVICE)
+    slots = torch.tensor([9, -1][:t], device=DEVICE)
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = (c.to(DEVICE, torch.bfloat16) for c in caches)
+        rope = RopeWrite(positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+        args = (x, qw.fmt, qw.codes, qw.scale, qw.zero, qw.group, b, tiles)
+        if fused:
+            q = triton_dense_quant.quant_linear(*args, rope=rope)
+        else:
+            q = triton_dense_quant._after(triton_dense_quant.quant_linear(*args), False, rope)
+        return q, k_cache, v_cache
+
+    (q, k_cache, v_cache), (q2, k2, v2) = run(True), run(False)
+    assert q.shape == (t, heads, dim)
+    assert torch.equal(q, q2) and torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    written = torch.zeros(blocks * block, dtype=torch.bool)
+    written[9] = True
+    for cache, before in zip((k_cache, v_cache), caches, strict=True):
+        kept = cache.flatten(0, 1)[~written].cpu()
+        assert torch.equal(kept, before.to(torch.bfloat16).flatten(0, 1)[~written])
+        assert not torch.equal(cache.flatten(0, 1)[9].cpu(), before.flatten(0, 1)[9].bfloat16())

@@ -17,6 +17,7 @@ from torch import Tensor
 from hybridgen.kernels import reference
 from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.kernels.reference import merge_attention_partials, paged_prefill_attention
+from hybridgen.kernels.rope_write import RopeWrite
 
 try:
     from hybridgen.kernels import (
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HAS_TRITON",
     "KvCache",
+    "RopeWrite",
     "add_rms_norm",
     "decode_attention",
     "expert_weighted_sum",
@@ -198,17 +200,25 @@ def quant_dense_linear(
     bias: Tensor | None = None,
     tiles: triton_dense_quant.Tiles | None = None,
     swiglu: bool = False,
+    rope: RopeWrite | None = None,
 ) -> Tensor:
     """x [T, K] @ dequant(w).T (+ bias) for a dense layer's int8 / int4 weight: the fused
     Triton kernel on CUDA (`tiles`: its tiles, else the kernels' default), else dequantize to
     x's dtype and multiply (the CPU path). `swiglu`: w is a fused [gate | up] projection and
-    the result silu(gate) * up (triton_dense_quant.quant_linear)."""
+    the result silu(gate) * up; `rope`: w is a fused qkv and the result q (RopeWrite)."""
     if _use_triton(x):
         return triton_dense_quant.quant_linear(
-            x, w.fmt, w.codes, w.scale, w.zero, w.group, bias, tiles, swiglu
+            x, w.fmt, w.codes, w.scale, w.zero, w.group, bias, tiles, swiglu, rope
         )
     y = F.linear(x, w.dequantize(x.dtype), bias)
-    return reference.silu_and_mul(y) if swiglu else y
+    if swiglu:
+        return reference.silu_and_mul(y)
+    if rope is None:
+        return y
+    q, k, v = rope.split(y)
+    cache = (rope.k_cache, rope.v_cache)
+    reference.rope_and_cache(q, k, v, rope.positions, rope.cos, rope.sin, *cache, rope.slot_mapping)
+    return q
 
 
 def add_rms_norm(

@@ -78,13 +78,18 @@ The error this adds is x's rounding, at most d / 2 an input
 (kernels/reference.py `int8_runs` is the same rounding in torch). Under Triton's interpreter
 DP4A is the same integer sum from shifts (`_dp4a`; the inline PTX runs on the device only).
 
-SwiGLU epilogue (`quant_linear(swiglu=True)`, the MLP's fused [gate | up] projection): in the
-word and int8-activation GEMVs of one K slice a program's rows alternate gate row i and up
-row i (`_gemv_rows`), so its epilogue has both halves of BLOCK_N / 2 outputs and writes
-silu(gate) * up as triton_activation's kernel computes it from the projection's output in
-x's dtype: the same bits, and one kernel (graph node) a layer fewer. Other tiles and split K
-project, then call that kernel. Compiled for sm_90 offline: 48 more instructions a program,
-none in the loop; not yet timed on a GPU.
+Epilogues of the word and int8-activation GEMVs of one K slice (`EPILOGUE`), each taking a
+small kernel's place after the projection (a graph node a layer fewer each) and computing
+what that kernel computes from the projection's output in x's dtype, to the same bits. A
+program's rows then come in pairs, alternating (`_gemv_rows`):
+- SWIGLU (`quant_linear(swiglu=True)`, the MLP's fused [gate | up]): gate row i and up row
+  i; it writes silu(gate) * up as triton_activation's kernel does.
+- ROPE (`quant_linear(rope=RopeWrite)`, the fused qkv): a head's rows d and d + D / 2; it
+  rotates q and k as triton_rope_cache's kernel does, writes q, and k and v into the
+  native cache at the token's slot.
+Other tiles and split K run those kernels after the projection. Compiled for sm_90 offline
+(Triton 3.9): the loop is unchanged, the epilogue adds 48 (SWIGLU) and 320 (ROPE)
+instructions a program; not yet timed on a GPU.
 
 GEMM (several rows: `block_m >= 16`): grid (cdiv(N, BLOCK_N), cdiv(T, BLOCK_M), SPLIT); each
 weight tile is dequantized to x's dtype once per BLOCK_M rows and multiplied on the tensor
@@ -131,7 +136,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
-from hybridgen.kernels import triton_activation
+from hybridgen.kernels import triton_activation, triton_rope_cache
+from hybridgen.kernels.rope_write import RopeWrite
 from hybridgen.kernels.split_counters import counters
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -225,6 +231,10 @@ def gemv_fits(tiles: Tiles, group: int) -> bool:
         return tiles.block_k // group <= 16
     return group % tiles.block_k == 0
 
+
+PLAIN, SWIGLU, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+"""The one-row int4 kernels' epilogues (`EPILOGUE`): y as it is; silu(gate) * up of a fused
+gate_up; RoPE of a fused qkv with k and v written to the cache (module docstring)."""
 
 ROUND_MAGIC = 12582912.0
 """1.5 * 2^23: v + it is exact for |v| < 2^22 and rounds v to an integer in its low bits."""
@@ -326,14 +336,19 @@ def _store(y_ptr, b_ptr, acc, rm, rn, T, N, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
-    # (outputs, weight rows) [BLOCK_N] of this program. SWIGLU: the weight is a fused
-    # [gate (N / 2 rows) | up] and the program's rows alternate gate and up of N / 2's
-    # outputs program_id(0) * BLOCK_N / 2 + i / 2; outputs past the end re-read row 0.
+def _gemv_rows(N, half, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr):
+    # (outputs, weight rows) [BLOCK_N] of this program; outputs past the end re-read row 0.
+    # SWIGLU and ROPE take rows in pairs, alternating, and rn is the pair's id (twice):
+    # SWIGLU, of a fused [gate (N / 2 rows) | up]: gate row j and up row j; ROPE, of a fused
+    # qkv of heads of 2 * half rows: a head's row d and d + half (the two halves RoPE mixes).
     i = tl.arange(0, BLOCK_N)
-    if SWIGLU:
+    if EPILOGUE == SWIGLU:
         rn = tl.program_id(0) * (BLOCK_N // 2) + i // 2
         rows = tl.where(rn < N // 2, rn + (i % 2) * (N // 2), 0)
+    elif EPILOGUE == ROPE:
+        rn = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        at = (rn // half) * (2 * half) + rn % half + (i % 2) * half
+        rows = tl.where(rn < N // 2, at, 0)
     else:
         rn = tl.program_id(0) * BLOCK_N + i
         rows = tl.where(rn < N, rn, 0)
@@ -341,20 +356,70 @@ def _gemv_rows(N, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_store(y_ptr, b_ptr, y, t, rn, T, N, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
-    # A one-row kernel's y [BLOCK_N] fp32 of outputs rn (_gemv_rows). SWIGLU: silu(gate) *
-    # up into y [T, N / 2], computed as triton_activation's kernel computes it over the
-    # projection's output in y's dtype, so the fused and the two-kernel paths agree bit for bit.
-    if SWIGLU:
-        ty = y_ptr.dtype.element_ty
-        gate, up = tl.split(tl.reshape(y.to(ty).to(tl.float32), (y.shape[0] // 2, 2)))
-        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-        out_rn = tl.reshape(rn, (y.shape[0] // 2, 2))
-        cols, _ = tl.split(out_rn)
-        ok = cols < N // 2
-        tl.store(y_ptr + t.to(tl.int64) * (N // 2) + cols, (act * up).to(ty), mask=ok)
-    else:
+def _gemv_store(
+    y_ptr,
+    b_ptr,
+    y,
+    t,
+    rn,
+    rows,
+    T,
+    N,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    n_q_heads,
+    n_kv_heads,
+    half,
+    HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+):
+    # A one-row kernel's y [BLOCK_N] fp32 of outputs rn, weight rows `rows` (_gemv_rows):
+    # PLAIN into y [T, N] (or a K slice's partials); SWIGLU silu(gate) * up into y [T, N / 2];
+    # ROPE q roped into y [T, n_q_heads, 2 half], k roped and v into their cache rows. Each as
+    # the two-kernel path computes it from the projection's output in y's dtype (the same bits).
+    if EPILOGUE == PLAIN:
         _store(y_ptr, b_ptr, y[None, :], t + tl.arange(0, 1), rn, T, N, HAS_BIAS)
+    else:
+        ty = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows).to(tl.float32)
+        a, b = tl.split(tl.reshape(y.to(ty).to(tl.float32), (y.shape[0] // 2, 2)))
+        pair, _ = tl.split(tl.reshape(rn, (y.shape[0] // 2, 2)))
+        ok = pair < N // 2
+        if EPILOGUE == SWIGLU:
+            act = (a / (1.0 + tl.exp(-a))).to(ty).to(tl.float32)
+            tl.store(y_ptr + t.to(tl.int64) * (N // 2) + pair, (act * b).to(ty), mask=ok)
+        else:
+            head = pair // half
+            d = pair % half
+            at = tl.load(pos_ptr + t).to(tl.int64) * (2 * half) + d
+            c1 = tl.load(cos_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + at + half, mask=ok, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + at + half, mask=ok, other=0.0).to(tl.float32)
+            rotated = head < n_q_heads + n_kv_heads  # q and k; v as it is
+            o1 = tl.where(rotated, a * c1 - b * s1, a).to(ty)
+            o2 = tl.where(rotated, b * c2 + a * s2, b).to(ty)
+            q_at = y_ptr + (t.to(tl.int64) * n_q_heads + head) * (2 * half) + d
+            tl.store(q_at, o1, mask=ok & (head < n_q_heads))
+            tl.store(q_at + half, o2, mask=ok & (head < n_q_heads))
+            # The caches [blocks, block size, n_kv_heads, 2 half], contiguous: a slot's row.
+            # Loaded once a pair: the interpreter takes no scalar in a store's mask.
+            slot = tl.load(slot_ptr + t + 0 * pair).to(tl.int64)
+            kv = head - n_q_heads
+            row = tl.maximum(slot, 0) * n_kv_heads * (2 * half) + d
+            k_ok = ok & (kv >= 0) & (kv < n_kv_heads) & (slot >= 0)
+            k_at = kc_ptr + row + kv * (2 * half)
+            tl.store(k_at, o1.to(kc_ptr.dtype.element_ty), mask=k_ok)
+            tl.store(k_at + half, o2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+            v_ok = ok & (kv >= n_kv_heads) & (slot >= 0)
+            v_at = vc_ptr + row + (kv - n_kv_heads) * (2 * half)
+            tl.store(v_at, o1.to(vc_ptr.dtype.element_ty), mask=v_ok)
+            tl.store(v_at + half, o2.to(vc_ptr.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit
@@ -451,15 +516,24 @@ def _int4_gemv_words(
     RUNS_PER_GROUP,
     magic,
     two23,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    n_q_heads,
+    n_kv_heads,
+    half,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     # x bf16 [T, K]; q_ptr the codes as int32 words [N, K / 8]; see the module docstring.
     RUNS: tl.constexpr = BLOCK_K // 32
-    rn, rows = _gemv_rows(N, BLOCK_N, SWIGLU)
+    rn, rows = _gemv_rows(N, half, BLOCK_N, EPILOGUE)
     t = tl.program_id(1)
     k_begin = tl.program_id(2) * K_SPLIT
     r = tl.arange(0, RUNS)
@@ -504,7 +578,27 @@ def _int4_gemv_words(
         z = _load(z_ptr + g, run_ok, EVEN_K, 0.0).to(tl.float32)
         acc += s * tl.sum(p, axis=2) + z * tl.sum(x_sum, axis=2)
     y = tl.sum(acc, axis=1)
-    _gemv_store(y_ptr, b_ptr, y, t, rn, T, N, HAS_BIAS, SWIGLU)
+    _gemv_store(
+        y_ptr,
+        b_ptr,
+        y,
+        t,
+        rn,
+        rows,
+        T,
+        N,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        kc_ptr,
+        vc_ptr,
+        n_q_heads,
+        n_kv_heads,
+        half,
+        HAS_BIAS,
+        EPILOGUE,
+    )
 
 
 @triton.jit
@@ -582,10 +676,19 @@ def _int4_gemv_dp4a(
     stride_s,
     RUNS_PER_GROUP,
     round_magic,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    n_q_heads,
+    n_kv_heads,
+    half,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -594,7 +697,7 @@ def _int4_gemv_dp4a(
     # x is quantized to int8 in registers (scale max |x| / 127), so one DP4A multiplies four
     # codes by four inputs: sum_j (c_j s + z) x_j = s d sum_j c_j q_j + z sum_j x_j.
     RUNS: tl.constexpr = BLOCK_K // 32
-    rn, rows = _gemv_rows(N, BLOCK_N, SWIGLU)
+    rn, rows = _gemv_rows(N, half, BLOCK_N, EPILOGUE)
     t = tl.program_id(1)
     k_begin = tl.program_id(2) * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
@@ -630,7 +733,27 @@ def _int4_gemv_dp4a(
         d = amax * (1.0 / 127.0)
         acc += s * d * tl.sum(dot, axis=2).to(tl.float32) + z * tl.sum(sum_lo + sum_hi, axis=2)
     y = tl.sum(acc, axis=1)
-    _gemv_store(y_ptr, b_ptr, y, t, rn, T, N, HAS_BIAS, SWIGLU)
+    _gemv_store(
+        y_ptr,
+        b_ptr,
+        y,
+        t,
+        rn,
+        rows,
+        T,
+        N,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        kc_ptr,
+        vc_ptr,
+        n_q_heads,
+        n_kv_heads,
+        half,
+        HAS_BIAS,
+        EPILOGUE,
+    )
 
 
 @triton.jit
@@ -952,22 +1075,24 @@ def quant_linear(
     bias: Tensor | None = None,
     tiles: Tiles | None = None,
     swiglu: bool = False,
+    rope: RopeWrite | None = None,
 ) -> Tensor:
     """x [T, K] -> [T, N] in x.dtype for an int8 / int4 weight (dense_quant.QuantWeight's
     tensors, contiguous): the GEMV or fused GEMM by `tiles_for`, or from DEQUANT_MIN_ROWS
     rows the dequantized weight through torch's GEMM; `tiles` forces the fused kernels'
-    tiles (benchmarks). `swiglu`: the weight is a fused [gate | up] projection and the
-    result silu(gate) * up [T, N / 2]; the one-row int4 kernels (word, int8-activation) of a
-    single K slice compute it in their epilogue, the rest by triton_activation after."""
+    tiles (benchmarks). Two epilogues for the one-row int4 kernels (word, int8-activation)
+    of a single K slice (module docstring), which other tiles run as kernels after the
+    projection: `swiglu`, the weight a fused [gate | up] and the result silu(gate) * up
+    [T, N / 2]; `rope`, the weight a fused qkv and the result q (RopeWrite)."""
     x = x.contiguous()
     t, k = x.shape
     n, groups = scale.shape
     assert groups * group == k and k % 32 == 0 and group % 32 == 0
     assert codes.is_contiguous() and scale.is_contiguous()
-    assert not swiglu or (n % 2 == 0 and bias is None)
+    assert not swiglu or (n % 2 == 0 and bias is None and rope is None)
+    head_dim = 0 if rope is None else rope.head_dim(n)
     if tiles is None and t >= DEQUANT_MIN_ROWS:
-        y = _dequant_linear(x, fmt, codes, scale, zero, group, bias)
-        return triton_activation.silu_and_mul(y) if swiglu else y
+        return _after(_dequant_linear(x, fmt, codes, scale, zero, group, bias), swiglu, rope)
     cfg = tiles or tiles_for(t, fmt, x.element_size(), x.dtype == torch.bfloat16)
     assert cfg.block_k % 32 == 0 and (cfg.block_m == 1 or cfg.block_m >= 16)
     for special in (cfg.words, cfg.mma, cfg.dp4a):
@@ -976,12 +1101,15 @@ def quant_linear(
     split = cfg.split or split_k(programs, k, cfg.block_k, sm_count(x.device))
     k_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_split)  # no empty slice
-    if swiglu and not ((cfg.words or cfg.dp4a) and split == 1):
-        y = quant_linear(x, fmt, codes, scale, zero, group, None, cfg)
-        return triton_activation.silu_and_mul(y)
-    if swiglu:
-        assert cfg.block_n % 2 == 0, "gate and up rows come in pairs"
+    epilogue = ROPE if rope is not None else SWIGLU if swiglu else PLAIN
+    if epilogue != PLAIN and not (
+        (cfg.words or cfg.dp4a) and split == 1 and (rope is None or rope.fusable(head_dim))
+    ):
+        return _after(quant_linear(x, fmt, codes, scale, zero, group, bias, cfg), swiglu, rope)
+    if epilogue == SWIGLU:
         y = torch.empty(t, n // 2, dtype=x.dtype, device=x.device)
+    elif rope is not None:
+        y = torch.empty(t, rope.num_heads, head_dim, dtype=x.dtype, device=x.device)
     elif split == 1:
         y = torch.empty(t, n, dtype=x.dtype, device=x.device)
     else:
@@ -1013,12 +1141,21 @@ def quant_linear(
             x = x.clone()
         args[:2] = [x, codes.view(torch.int32)]
         args[-3] = k // 32  # a row's runs (the words' row stride / 4: 16-byte aligned)
-        launch.update(EVEN_K=k % cfg.block_k == 0, SWIGLU=swiglu)
-        grid = (triton.cdiv(n // 2 if swiglu else n, cfg.block_n // (2 if swiglu else 1)), t, split)
+        launch.update(EVEN_K=k % cfg.block_k == 0, EPILOGUE=epilogue)
+        paired = epilogue != PLAIN
+        assert not paired or cfg.block_n % 2 == 0, "paired rows: BLOCK_N even"
+        grid = (
+            triton.cdiv(n, cfg.block_n) if not paired else triton.cdiv(n // 2, cfg.block_n // 2),
+            t,
+            split,
+        )
         if cfg.dp4a:
-            _int4_gemv_dp4a[grid](*args, ROUND_MAGIC, ASM=not INTERPRETED, **launch)
+            args.append(ROUND_MAGIC)
+            kernel, launch["ASM"] = _int4_gemv_dp4a, not INTERPRETED
         else:
-            _int4_gemv_words[grid](*args, MAGIC, float(2**23), **launch)
+            args += [MAGIC, float(2**23)]
+            kernel = _int4_gemv_words
+        kernel[grid](*args, *_rope_operands(rope, head_dim, y), **launch)
     elif cfg.block_m == 1:
         kernel = _int8_gemv if fmt == "int8" else _int4_gemv
         kernel[(triton.cdiv(n, cfg.block_n), t, split)](*args, **launch)
@@ -1027,3 +1164,34 @@ def quant_linear(
         launch.update(UPCAST=INTERPRETED and x.dtype != torch.float32, BLOCK_M=cfg.block_m)
         kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m), split)](*args, **launch)
     return y if split == 1 else y.sum(0).to(x.dtype)
+
+
+def _rope_operands(rope: RopeWrite | None, head_dim: int, y: Tensor) -> tuple[Tensor | int, ...]:
+    """The one-row kernels' RoPE operands (pos, cos, sin, slot, k and v caches, heads, half
+    the head); without `rope` never read: y and 1s."""
+    if rope is None:
+        return (y, y, y, y, y, y, 1, 1, 1)
+    return (
+        rope.positions,
+        rope.cos,
+        rope.sin,
+        rope.slot_mapping,
+        rope.k_cache,
+        rope.v_cache,
+        rope.num_heads,
+        rope.num_kv_heads,
+        head_dim // 2,
+    )
+
+
+def _after(y: Tensor, swiglu: bool, rope: RopeWrite | None) -> Tensor:
+    """What quant_linear's epilogues compute, as kernels after the projection y [T, N]."""
+    if swiglu:
+        return triton_activation.silu_and_mul(y)
+    if rope is None:
+        return y
+    q, k, v = rope.split(y)
+    triton_rope_cache.rope_and_cache(
+        q, k, v, rope.positions, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
+    )
+    return q

@@ -206,11 +206,12 @@ class QuantLinear(nn.Module):
     def weight(self) -> QuantWeight:
         return QuantWeight(self.fmt, self.codes, self.scale, self.zero, self.group)  # type: ignore[arg-type]
 
-    def forward(self, x: Tensor, swiglu: bool = False) -> Tensor:
-        """x [T, K] -> [T, N]; `swiglu` (a fused [gate | up] weight): silu(gate) * up [T, N / 2],
-        in one kernel where the one-row kernel can (triton_dense_quant.quant_linear)."""
+    def forward(self, x: Tensor, swiglu: bool = False, rope: ops.RopeWrite | None = None) -> Tensor:
+        """x [T, K] -> [T, N]; `swiglu` (a fused [gate | up] weight): silu(gate) * up [T, N / 2];
+        `rope` (a fused qkv): q, k and v written (ops.RopeWrite). In one kernel where the
+        one-row kernel can (triton_dense_quant.quant_linear)."""
         tiles = self.gemv if x.shape[0] == 1 else None
-        return ops.quant_dense_linear(x, self.weight, self.bias, tiles, swiglu)
+        return ops.quant_dense_linear(x, self.weight, self.bias, tiles, swiglu, rope)
 
 
 GEMV_RUNS = 5

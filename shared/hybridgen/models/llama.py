@@ -19,7 +19,7 @@ from torch import nn
 
 from hybridgen.kernels import ops
 from hybridgen.models.deepseek_moe import DeepseekMoeBlock
-from hybridgen.models.dense_quant import project, project_swiglu
+from hybridgen.models.dense_quant import QuantLinear, project, project_swiglu
 from hybridgen.models.host_layers import HostLayers
 from hybridgen.models.mla import MlaAttention
 from hybridgen.models.moe import SparseMoeBlock, moe_blocks
@@ -89,12 +89,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        qkv = project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = self._head_norm(q.reshape(t, s.num_heads, s.head_dim), self.q_norm)
-        k = self._head_norm(k.reshape(t, s.num_kv_heads, s.head_dim), self.k_norm)
-        v = v.reshape(t, s.num_kv_heads, s.head_dim)
-        ops.write_kv(q, k, v, batch.positions, rope[0], rope[1], kv, batch.slot_mapping)
+        if isinstance(self.qkv_proj, QuantLinear) and self.q_norm is None and isinstance(kv, tuple):
+            # Rotation and the cache write in the projection's kernel where it can.
+            where = ops.RopeWrite(
+                batch.positions, *rope, *kv, batch.slot_mapping, s.num_heads, s.num_kv_heads
+            )
+            q = self.qkv_proj(x, rope=where)
+        else:
+            qkv = project(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
+            q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+            q = self._head_norm(q.reshape(t, s.num_heads, s.head_dim), self.q_norm)
+            k = self._head_norm(k.reshape(t, s.num_kv_heads, s.head_dim), self.k_norm)
+            v = v.reshape(t, s.num_kv_heads, s.head_dim)
+            ops.write_kv(q, k, v, batch.positions, rope[0], rope[1], kv, batch.slot_mapping)
         out = paged_attention(q, batch, kv, self.layer, self.scale, s.sliding_window)
         return project(self.o_proj, out.reshape(t, s.q_size))
 
