@@ -709,12 +709,12 @@ def _int4_gemv_dp4a(
     # step's projections 1.98 ms against 2.08 loading each in its own step).
     words, c0, c1, c2, c3 = _dp4a_tile(words_at, x_row, k_begin, k_end, RUNS)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        here = (words, c0, c1, c2, c3)
+        codes, x0, x1, x2, x3 = words, c0, c1, c2, c3  # this tile's, the loads below the next
         words, c0, c1, c2, c3 = _dp4a_tile(words_at, x_row, k0 + BLOCK_K, k_end, RUNS)
         run = k0 // 32 + r
         run_ok = (32 * run < K)[None, :]
-        a_lo, b_lo = _x_by_word(here[1], here[2], 0), _x_by_word(here[1], here[2], 1)
-        a_hi, b_hi = _x_by_word(here[3], here[4], 0), _x_by_word(here[3], here[4], 1)
+        a_lo, b_lo = _x_by_word(x0, x1, 0), _x_by_word(x0, x1, 1)
+        a_hi, b_hi = _x_by_word(x2, x3, 0), _x_by_word(x2, x3, 1)
         max_lo, sum_lo = _pairs_max_sum(a_lo, b_lo)  # inputs 0..15 of each run
         max_hi, sum_hi = _pairs_max_sum(a_hi, b_hi)  # inputs 16..31
         amax = tl.max(tl.maximum(max_lo, max_hi), axis=2)
@@ -724,7 +724,7 @@ def _int4_gemv_dp4a(
         inv = libdevice.div_rn(tl.zeros_like(amax_ok) + 127.0, amax_ok) if ASM else 127.0 / amax_ok
         q_lo = _x_int8_words(a_lo, b_lo, inv[:, :, None], round_magic, ASM)
         q_hi = _x_int8_words(a_hi, b_hi, inv[:, :, None], round_magic, ASM)
-        codes = tl.reshape(here[0], (BLOCK_N, RUNS, 4))
+        codes = tl.reshape(codes, (BLOCK_N, RUNS, 4))
         dot = _dp4a(codes & 0x0F0F0F0F, q_lo, tl.zeros_like(codes), ASM)
         dot = _dp4a((codes >> 4) & 0x0F0F0F0F, q_hi, dot, ASM)
         g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
