@@ -351,6 +351,9 @@ def test_console_script_entry() -> None:
     assert result.returncode == 0
     for command in ("serve", "generate", "models", "config-check"):
         assert command in result.stdout
+    version = cli("--version")
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"hybridgen {project['project']['version']}"
 
 
 # -- serve: the three real processes --------------------------------------------------------

@@ -336,28 +336,50 @@ def test_another_model_name_is_404() -> None:
 
 
 def test_the_request_timeout_holds_over_http() -> None:
-    """server.request_timeout_s as over gRPC: a non-streamed answer past it is 504 naming the
-    setting, a streamed one ends in an error event; both free their places."""
+    """server.request_timeout_s as over gRPC: an answer past it keeps the tokens it has,
+    finish reason length, streamed or not; one with no token by then is 504 naming the
+    setting (a streamed one ends in an error event). All free their places."""
     backend = ScriptedBackend(tokens=50, gap_s=0.05)  # 2.5 s of tokens against a 0.5 s limit
 
     async def scenario(port: int, service: GenerationService) -> Any:
         api = client(port)
-        with pytest.raises(openai.APIStatusError) as whole:
-            await api.completions.create(model="tiny-llama", prompt="hi", max_tokens=50)
+        whole = await api.completions.create(model="tiny-llama", prompt="hi", max_tokens=50)
         stream = await api.completions.create(
             model="tiny-llama", prompt="hi", max_tokens=50, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+        await asyncio.sleep(0.2)
+        return whole, chunks, service._reserved, backend.waiting
+
+    whole, chunks, reserved, waiting = run(backend, scenario, timeout_s=0.5)
+    assert whole.choices[0].finish_reason == "length"
+    assert 3 <= whole.usage.completion_tokens < 50
+    assert whole.choices[0].text == "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: whole.usage.completion_tokens]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert 3 <= len("".join(c.choices[0].text for c in chunks)) < 50
+    assert reserved == 0 and waiting == 0
+    assert [what for what, _ in backend.events].count("end") == 2
+
+    slow = ScriptedBackend(tokens=3, gap_s=2.0)  # the first token after the limit
+
+    async def nothing_yet(port: int, service: GenerationService) -> Any:
+        api = client(port)
+        with pytest.raises(openai.APIStatusError) as whole:
+            await api.completions.create(model="tiny-llama", prompt="hi", max_tokens=3)
+        stream = await api.completions.create(
+            model="tiny-llama", prompt="hi", max_tokens=3, stream=True
         )
         with pytest.raises(openai.APIError) as streamed:
             async for _ in stream:
                 pass
         await asyncio.sleep(0.2)
-        return whole.value, streamed.value, service._reserved, backend.waiting
+        return whole.value, streamed.value, service._reserved, slow.waiting
 
-    whole, streamed, reserved, waiting = run(backend, scenario, timeout_s=0.5)
-    assert whole.status_code == 504 and "server.request_timeout_s" in whole.body["message"]
-    assert "server.request_timeout_s" in str(streamed)
+    whole_err, streamed_err, reserved, waiting = run(slow, nothing_yet, timeout_s=0.5)
+    assert whole_err.status_code == 504
+    assert "server.request_timeout_s" in whole_err.body["message"]
+    assert "server.request_timeout_s" in str(streamed_err)
     assert reserved == 0 and waiting == 0
-    assert [what for what, _ in backend.events].count("end") == 2
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import sys
 import uuid
@@ -166,6 +167,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     """The command line; `serve_flags=False` leaves out serve's flags (generated from the
     config schema, which imports torch), for the commands that start quickly."""
     ap = argparse.ArgumentParser(prog="hybridgen", description="HybridGen LLM inference server")
+    ap.add_argument("--version", action="version", version=f"hybridgen {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(
@@ -183,7 +185,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     gen.add_argument("--host", default="127.0.0.1", help="the server's host (default 127.0.0.1)")
     gen.add_argument(
         "--port",
@@ -192,7 +194,9 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
         help="the server's gRPC port (env HYBRIDGEN_PORT, as serve's; default 50051)",
     )
     gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 to 100; 0 is greedy (default 0)"
+    )
     gen.add_argument(
         "--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1] (default 1)"
     )
@@ -206,9 +210,17 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     check = sub.add_parser("config-check", help="validate a hybridgen_config.yaml")
-    check.add_argument("file", type=Path)
+    check.add_argument("file", type=Path, help="the config file to check")
     check.set_defaults(func=cmd_config_check)
     return ap
+
+
+def _version() -> str:
+    """The installed package's version."""
+    try:
+        return importlib.metadata.version("hybridgen")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _seed(text: str) -> int:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -105,9 +106,15 @@ class Choices:
     samples that never started."""
 
     def __init__(
-        self, service: GenerationService, admitted: list[tuple[GenerateInput, list[int]]], n: int
+        self,
+        service: GenerationService,
+        admitted: list[tuple[GenerateInput, list[int]]],
+        n: int,
+        deadline: float | None,
     ) -> None:
+        """`deadline`: server.request_timeout_s's end for every choice (service.deltas)."""
         self._service = service
+        self._deadline = deadline
         self._q: asyncio.Queue[object] = asyncio.Queue()
         self._entered = 0
         self._tasks = []
@@ -155,7 +162,7 @@ class Choices:
                 await prefilled.wait()
             backend = self._service.backend
             stream = backend.generate(inp.request_id, prompt_ids, inp.params, list(inp.stop))
-            deltas = self._service.deltas(inp.request_id, stream, lambda: arrival)
+            deltas = self._service.deltas(inp.request_id, stream, lambda: arrival, self._deadline)
             self._entered += 1  # deltas takes the admitted place over at once (no await)
             async with contextlib.aclosing(deltas):  # type: ignore[type-var]
                 async for delta in deltas:
@@ -310,7 +317,7 @@ class OpenAIApi:
             self.service.release(req.n * len(admitted))
             raise _renamed(exc, req) from None
         responder = Responder(req, model, tokenizer)
-        choices = Choices(self.service, admitted, req.n)
+        choices = Choices(self.service, admitted, req.n, self.service.deadline(start))
         deltas = _within(self.service, start, choices.__aiter__())
         if req.stream:
             return _EventStream(_events(responder, deltas, req), choices.close)
@@ -442,10 +449,11 @@ async def _events(
 async def _within(
     service: GenerationService, start: float, deltas: AsyncIterator[tuple[int, Delta]]
 ) -> AsyncIterator[tuple[int, Delta]]:
-    """The choices' Deltas, each awaited within the request's time limit from `start` (not
-    around the yield: the limit cancels the waiting task, not the one sending to the client)."""
+    """The choices' Deltas, each awaited within the server's stop (not around the yield: it
+    cancels the waiting task, not the one sending to the client). server.request_timeout_s
+    ends each choice in service.deltas, keeping what it generated."""
     while True:
-        async with service.time_limit(start):
+        async with service.time_limit(start, own=False):
             try:
                 item = await anext(deltas)
             except StopAsyncIteration:
@@ -560,7 +568,10 @@ def _renamed(exc: BaseException, req: OpenAIRequest) -> BaseException:
     if req.chat and name in ("prompt", "prompt_token_ids"):
         param = "messages"
     error = _api_error(exc)
-    message = str(exc) if param == name else f"{param} ({exc})"
+    if name in req.aliases:  # the client's own word throughout: max_completion_tokens=0 ...
+        message = re.sub(rf"\b{re.escape(name)}\b", param, str(exc))
+    else:
+        message = str(exc) if param == name else f"{param} ({exc})"
     return ApiError(error.status, message, error.kind, param, error.code or "")
 
 

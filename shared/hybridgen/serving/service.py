@@ -329,10 +329,12 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> None:
         arrival = time.monotonic()
         req = _bound(from_pb, request)
-        async with self.time_limit():
+        start = asyncio.get_running_loop().time()
+        async with self.time_limit(start):
             prompt_ids = await self.admit(req)
-            stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
-            deltas = self.deltas(req.request_id, stream, lambda: arrival)
+        stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
+        deltas = self.deltas(req.request_id, stream, lambda: arrival, self.deadline(start))
+        async with self.time_limit(start, own=False):
             await _write(req.request_id, deltas, context)
 
     @grpc_errors
@@ -357,8 +359,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         start = PromptPart(req.prompt or "", tuple(req.prompt_token_ids))
         stream = self.backend.stream_generate(req, start, reader.parts())
         # TTFT counts from the last part: what a speaker waits for.
-        deltas = self.deltas(req.request_id, stream, lambda: reader.last_at)
-        async with self.time_limit():
+        begun = asyncio.get_running_loop().time()
+        deltas = self.deltas(req.request_id, stream, lambda: reader.last_at, self.deadline(begun))
+        async with self.time_limit(begun, own=False):
             await _write(req.request_id, deltas, context)
 
     async def admit(self, req: GenerateInput, count: int = 1) -> list[int]:
@@ -378,17 +381,22 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         log.info("request_admitted", prompt_tokens=len(prompt_ids), **_summary(req.params))
         return prompt_ids
 
+    def deadline(self, start: float) -> float | None:
+        """When server.request_timeout_s ends a call that began at `start` (a loop.time());
+        None: no limit."""
+        return start + self.request_timeout_s if self.request_timeout_s else None
+
     @contextlib.asynccontextmanager
-    async def time_limit(self, start: float | None = None) -> AsyncIterator[None]:
+    async def time_limit(self, start: float | None = None, own: bool = True) -> AsyncIterator[None]:
         """server.request_timeout_s around a call (or a part of one that began at `start`, a
         loop.time()): past it the call ends with DEADLINE_EXCEEDED (RequestTimedOut), and its
-        stream's abort frees the KV."""
-        limit = self.request_timeout_s
+        stream's abort frees the KV. `own` False: only the server's stop ends it (a call whose
+        streams keep their own deadline: `deltas`)."""
         begun = asyncio.get_running_loop().time() if start is None else start
-        own = begun + limit if limit else None
+        own_at = self.deadline(begun) if own else None
         try:
-            async with asyncio.timeout_at(_earliest(own, self._stop_at)) as deadline:
-                self._limits[deadline] = own
+            async with asyncio.timeout_at(_earliest(own_at, self._stop_at)) as deadline:
+                self._limits[deadline] = own_at
                 try:
                     yield
                 finally:
@@ -396,15 +404,18 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         except TimeoutError:
             if not deadline.expired():
                 raise
-            if own is None or (self._stop_at is not None and self._stop_at <= own):
+            if own_at is None or (self._stop_at is not None and self._stop_at <= own_at):
                 raise ServerStopping(
                     "the server is stopping: this request was still running when its drain "
                     "grace ran out, so it was ended here; retry it"
                 ) from None
-            raise RequestTimedOut(
-                f"the request ran longer than {limit:g} s (server.request_timeout_s); "
-                "it was stopped and its KV freed"
-            ) from None
+            raise self._timed_out() from None
+
+    def _timed_out(self) -> RequestTimedOut:
+        return RequestTimedOut(
+            f"the request ran longer than {self.request_timeout_s:g} s "
+            "(server.request_timeout_s) before its first token; it was stopped and its KV freed"
+        )
 
     def stop_calls_at(self, when: float) -> None:
         """On shutdown: calls still running at `when` (a loop.time()) end with ServerStopping,
@@ -437,19 +448,40 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self._reserved -= count
 
     async def deltas(
-        self, request_id: str, stream: AsyncIterator[Delta], arrival: Callable[[], float]
+        self,
+        request_id: str,
+        stream: AsyncIterator[Delta],
+        arrival: Callable[[], float],
+        deadline: float | None = None,
     ) -> AsyncIterator[Delta]:
         """A backend's stream on its way to a client, measured; a client that goes away
         (this iterator closed early, or its task cancelled) aborts the request at once. Its
         first step hands the admission's place to the backend, which counts the request as
-        it starts (no await between)."""
+        it starts (no await between). At `deadline` (a loop.time(): server.request_timeout_s)
+        a request that has tokens ends there with finish reason length, keeping them (as
+        llama.cpp's time limit does); one without any ends with RequestTimedOut."""
         self._reserved -= 1
-        outcome, last, tokens = "error", 0.0, 0
+        outcome, last, tokens, prompt_tokens = "error", 0.0, 0, 0
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for delta in stream:
+                while True:
+                    timer = asyncio.timeout_at(deadline)
+                    try:
+                        async with timer:
+                            delta = await anext(stream)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        if not timer.expired():
+                            raise
+                        if not tokens:
+                            raise self._timed_out() from None
+                        outcome = "time_limit"
+                        yield Delta((), "", None, True, FinishReason.LENGTH, prompt_tokens, tokens)
+                        return
                     last = self._observe(delta, arrival(), last, first=tokens == 0)
                     tokens += len(delta.token_ids)
+                    prompt_tokens = delta.prompt_tokens
                     if delta.finish_reason is not None:
                         outcome = delta.finish_reason.value
                     yield delta
@@ -457,7 +489,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             outcome = "cancelled"  # the client went away or its deadline passed
             raise
         finally:
-            if outcome in ("error", "cancelled"):
+            if outcome in ("error", "cancelled", "time_limit"):
                 await self.backend.abort(request_id)  # frees the KV now, not at GC
             self.metrics.requests.labels(finish_reason=outcome).inc()
             log.info("request_finished", finish_reason=outcome, completion_tokens=tokens)
