@@ -667,3 +667,50 @@ def test_rope_epilogue_equals_the_projection_then_rope_and_cache(
         kept = cache.flatten(0, 1)[~written].cpu()
         assert torch.equal(kept, before.to(torch.bfloat16).flatten(0, 1)[~written])
         assert not torch.equal(cache.flatten(0, 1)[9].cpu(), before.flatten(0, 1)[9].bfloat16())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's twin of the CUDA engine path")
+def test_an_int4_engine_decodes_through_the_epilogues_as_without_them(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The whole decode path as CUDA runs it (every op's Triton kernel, under the interpreter:
+    `ops._use_triton` says yes), tiny-llama with int4 weights in bf16: a decode step's qkv
+    and gate_up take their epilogues (the kernels after them never run at one row), and
+    the greedy tokens are those of the same kernels with the epilogues run apart."""
+    from hybridgen.config.engine import EngineConfig
+    from hybridgen.engine.engine import Engine
+    from hybridgen.sampling.params import SamplingParams
+
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    apart_at_one_row: list[str] = []
+    after = triton_dense_quant._after
+
+    def spied_after(y, swiglu, rope):  # type: ignore[no-untyped-def]
+        if y.shape[0] == 1 and (swiglu or rope is not None):
+            apart_at_one_row.append("swiglu" if swiglu else "rope")
+        return after(y, swiglu, rope)
+
+    monkeypatch.setattr(triton_dense_quant, "_after", spied_after)
+
+    def tokens() -> list[int]:
+        config = EngineConfig(
+            model="tiny-llama",
+            device="cpu",
+            dtype="bfloat16",
+            weights_format="int4",
+            gpu_memory_mb=128,
+            max_model_len=64,
+        )
+        return Engine(config).generate([[1, 2, 3]], greedy)[0].token_ids
+
+    fused = tokens()
+    assert apart_at_one_row == []
+    real = triton_dense_quant.quant_linear
+
+    def apart(x, fmt, codes, scale, zero, group, bias=None, tiles=None, swiglu=False, rope=None):  # type: ignore[no-untyped-def]
+        y = real(x, fmt, codes, scale, zero, group, bias, tiles)
+        return triton_dense_quant._after(y, swiglu, rope)
+
+    monkeypatch.setattr(triton_dense_quant, "quant_linear", apart)
+    assert tokens() == fused
+    assert set(apart_at_one_row) == {"swiglu", "rope"}  # the second run did take them apart
