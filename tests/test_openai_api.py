@@ -381,6 +381,23 @@ def test_the_request_timeout_holds_over_http() -> None:
     assert "server.request_timeout_s" in str(streamed_err)
     assert reserved == 0 and waiting == 0
 
+    # n = 2: the second sample starts after the first's first token (0.3 s) and has none
+    # by the limit; the answer keeps the first's token, the second ends empty.
+    paced = ScriptedBackend(tokens=5, gap_s=0.3)
+
+    async def two(port: int, service: GenerationService) -> Any:
+        answer = await client(port).completions.create(
+            model="tiny-llama", prompt="hi", max_tokens=5, n=2
+        )
+        await asyncio.sleep(0.2)
+        return answer, service._reserved, paced.waiting
+
+    answer, reserved, waiting = run(paced, two, timeout_s=0.5)
+    by_index = sorted(answer.choices, key=lambda c: c.index)
+    assert [c.text for c in by_index] == ["A", ""]
+    assert [c.finish_reason for c in by_index] == ["length", "length"]
+    assert reserved == 0 and waiting == 0
+
 
 def test_a_body_over_the_limit_is_413_before_it_is_read() -> None:
     """A body past server.max_message_mb: 413 naming the limit (not the upstream's gRPC

@@ -46,7 +46,7 @@ class Metrics:
         self.requests = Counter(
             "hybridgen_requests",
             "Finished Generate calls by finish reason (stop, length, stop_sequence, "
-            "cancelled, error).",
+            "cancelled, error, time_limit: server.request_timeout_s ended it).",
             ["finish_reason"],
             registry=r,
         )

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from hybridgen.engine.sequence import FinishReason
 from hybridgen.engine.step_errors import ErrorCode, StepFailed
 from hybridgen.engine.validation import InvalidRequest
 from hybridgen.models.default_model import shown_name
@@ -52,6 +53,7 @@ from hybridgen.serving.openai_request import (
 )
 from hybridgen.serving.openai_response import DONE, Responder, event
 from hybridgen.serving.service import (
+    WRITE_GRACE_S,
     GenerateInput,
     GenerationService,
     QueueFull,
@@ -99,6 +101,17 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _NoToken:
+    """A choice that server.request_timeout_s ended before its first token (Choices)."""
+
+    index: int
+    delta: Delta
+    """Its last Delta should another choice have tokens: empty, finish reason length."""
+    error: RequestTimedOut
+    """Its error should none have any."""
+
+
 class Choices:
     """The running choices of one request (n samples of each admitted prompt), started at
     once; iterate for (choice index, Delta) as they come. `close` cancels what still runs
@@ -126,14 +139,22 @@ class Choices:
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
-        running = len(self._tasks)
+        running, tokens = len(self._tasks), False
         while running:
             item = await self._q.get()
             if item is _END:
                 running -= 1
+            elif isinstance(item, _NoToken):
+                # server.request_timeout_s came before this choice's first token: while
+                # another has tokens the answer keeps them (this one ends empty, length), else
+                # the request times out.
+                if not tokens:
+                    raise item.error
+                yield item.index, item.delta
             elif isinstance(item, BaseException):
                 raise item  # one failed: the caller closes them all
             else:
+                tokens = tokens or bool(item[1].token_ids)  # type: ignore[index]
                 yield item  # type: ignore[misc]
 
     async def close(self) -> None:
@@ -168,6 +189,9 @@ class Choices:
                 async for delta in deltas:
                     prefilled.set()
                     self._q.put_nowait((index, delta))
+        except RequestTimedOut as exc:
+            empty = Delta((), "", None, True, FinishReason.LENGTH, len(prompt_ids), 0)
+            self._q.put_nowait(_NoToken(index, empty, exc))
         except Exception as exc:
             self._q.put_nowait(exc)
         finally:
@@ -449,11 +473,12 @@ async def _events(
 async def _within(
     service: GenerationService, start: float, deltas: AsyncIterator[tuple[int, Delta]]
 ) -> AsyncIterator[tuple[int, Delta]]:
-    """The choices' Deltas, each awaited within the server's stop (not around the yield: it
+    """The choices' Deltas, each awaited within the time limit (not around the yield: it
     cancels the waiting task, not the one sending to the client). server.request_timeout_s
-    ends each choice in service.deltas, keeping what it generated."""
+    ends each choice in service.deltas, keeping what it generated; this limit, WRITE_GRACE_S
+    later, and the server's stop are the backstops."""
     while True:
-        async with service.time_limit(start, own=False):
+        async with service.time_limit(start, WRITE_GRACE_S):
             try:
                 item = await anext(deltas)
             except StopAsyncIteration:

@@ -57,6 +57,11 @@ _FINISH_PB = {
 }
 
 
+WRITE_GRACE_S = 2.0
+"""How long past server.request_timeout_s a call's last messages may take to reach a client
+before the call is cut off (DEADLINE_EXCEEDED): its streams end themselves at the limit."""
+
+
 class QueueFull(RuntimeError):
     """The admission queue is full."""
 
@@ -334,7 +339,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             prompt_ids = await self.admit(req)
         stream = self.backend.generate(req.request_id, prompt_ids, req.params, list(req.stop))
         deltas = self.deltas(req.request_id, stream, lambda: arrival, self.deadline(start))
-        async with self.time_limit(start, own=False):
+        async with self.time_limit(start, WRITE_GRACE_S):
             await _write(req.request_id, deltas, context)
 
     @grpc_errors
@@ -361,7 +366,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         # TTFT counts from the last part: what a speaker waits for.
         begun = asyncio.get_running_loop().time()
         deltas = self.deltas(req.request_id, stream, lambda: reader.last_at, self.deadline(begun))
-        async with self.time_limit(begun, own=False):
+        async with self.time_limit(begun, WRITE_GRACE_S):
             await _write(req.request_id, deltas, context)
 
     async def admit(self, req: GenerateInput, count: int = 1) -> list[int]:
@@ -387,13 +392,17 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         return start + self.request_timeout_s if self.request_timeout_s else None
 
     @contextlib.asynccontextmanager
-    async def time_limit(self, start: float | None = None, own: bool = True) -> AsyncIterator[None]:
-        """server.request_timeout_s around a call (or a part of one that began at `start`, a
-        loop.time()): past it the call ends with DEADLINE_EXCEEDED (RequestTimedOut), and its
-        stream's abort frees the KV. `own` False: only the server's stop ends it (a call whose
-        streams keep their own deadline: `deltas`)."""
+    async def time_limit(
+        self, start: float | None = None, grace_s: float = 0.0
+    ) -> AsyncIterator[None]:
+        """server.request_timeout_s (plus `grace_s`) around a call (or a part of one that
+        began at `start`, a loop.time()): past it the call ends with DEADLINE_EXCEEDED
+        (RequestTimedOut), and its stream's abort frees the KV. A call whose streams end
+        themselves at the deadline (`deltas`) takes WRITE_GRACE_S: the limit then cuts off
+        only a writer still blocked after it (a client that stopped reading)."""
         begun = asyncio.get_running_loop().time() if start is None else start
-        own_at = self.deadline(begun) if own else None
+        own_at = self.deadline(begun)
+        own_at = None if own_at is None else own_at + grace_s
         try:
             async with asyncio.timeout_at(_earliest(own_at, self._stop_at)) as deadline:
                 self._limits[deadline] = own_at
@@ -458,8 +467,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         (this iterator closed early, or its task cancelled) aborts the request at once. Its
         first step hands the admission's place to the backend, which counts the request as
         it starts (no await between). At `deadline` (a loop.time(): server.request_timeout_s)
-        a request that has tokens ends there with finish reason length, keeping them (as
-        llama.cpp's time limit does); one without any ends with RequestTimedOut."""
+        a request that has tokens ends there with finish reason length, keeping what it sent
+        (as llama.cpp's time limit does; text the backend still held back, such as a possible
+        stop-string prefix, is not sent); one without any ends with RequestTimedOut."""
         self._reserved -= 1
         outcome, last, tokens, prompt_tokens = "error", 0.0, 0, 0
         try:
@@ -474,9 +484,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                     except TimeoutError:
                         if not timer.expired():
                             raise
+                        outcome = "time_limit"
                         if not tokens:
                             raise self._timed_out() from None
-                        outcome = "time_limit"
                         yield Delta((), "", None, True, FinishReason.LENGTH, prompt_tokens, tokens)
                         return
                     last = self._observe(delta, arrival(), last, first=tokens == 0)
