@@ -215,10 +215,7 @@ def quant_dense_linear(
         return reference.silu_and_mul(y)
     if rope is None:
         return y
-    q, k, v = rope.split(y)
-    cache = (rope.k_cache, rope.v_cache)
-    reference.rope_and_cache(q, k, v, rope.positions, rope.cos, rope.sin, *cache, rope.slot_mapping)
-    return q
+    return rope.after(y, reference.rope_and_cache)
 
 
 def add_rms_norm(

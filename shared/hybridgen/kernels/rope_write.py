@@ -5,9 +5,14 @@ to the layer's native cache at each token's slot, and return q."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
+
+RopeAndCache = Callable[..., None]
+"""rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping): q and k
+rotated in place, k and v written to the cache (triton_rope_cache's or reference's)."""
 
 
 @dataclass(frozen=True)
@@ -29,12 +34,24 @@ class RopeWrite:
         """The head size of a fused qkv projection `width` outputs wide."""
         return width // (self.num_heads + 2 * self.num_kv_heads)
 
-    def split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A projection's output [T, width] as views q [T, Hq, D], k and v [T, Hkv, D]."""
+    def after(self, qkv: Tensor, rope_and_cache: RopeAndCache) -> Tensor:
+        """What the epilogue does, by `rope_and_cache` (the Triton kernel or the torch
+        reference) over a projection's output [T, width]: q [T, Hq, D], a view of it."""
         t, d = qkv.shape[0], self.head_dim(qkv.shape[-1])
         sizes = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
-        q, k, v = qkv.split(sizes, dim=-1)
-        return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        q, k, v = (part.view(t, -1, d) for part in qkv.split(sizes, dim=-1))
+        rope_and_cache(
+            q,
+            k,
+            v,
+            self.positions,
+            self.cos,
+            self.sin,
+            self.k_cache,
+            self.v_cache,
+            self.slot_mapping,
+        )
+        return q
 
     def fusable(self, head_dim: int) -> bool:
         """Whether a kernel's epilogue takes these operands: contiguous caches and tables,

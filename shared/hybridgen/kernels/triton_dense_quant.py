@@ -1190,8 +1190,4 @@ def _after(y: Tensor, swiglu: bool, rope: RopeWrite | None) -> Tensor:
         return triton_activation.silu_and_mul(y)
     if rope is None:
         return y
-    q, k, v = rope.split(y)
-    triton_rope_cache.rope_and_cache(
-        q, k, v, rope.positions, rope.cos, rope.sin, rope.k_cache, rope.v_cache, rope.slot_mapping
-    )
-    return q
+    return rope.after(y, triton_rope_cache.rope_and_cache)
