@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 16's H200 runs through `hybridgen serve` and the project's load client, one device call
 # per argument group (each well inside 10 minutes):
-#   tests  every CUDA test in one pytest process (in the background; `tests_wait` in the
-#          next call collects the rest)
+#   tests  every CUDA test in one pytest process (scripts/cuda_suite.py, kernels compiled
+#          first by 12 processes; in the background, `tests_wait` in the next call collects
+#          what outlasts this one)
 #   b12    B1 (one stream, in-process beside it) and B2 (64 streams at once, then Poisson at
 #          80 % of the measured capacity), llama3-8b
 #   b3a    one 131,072-token prompt, int4 Hot, 24 GB budget
@@ -44,26 +45,22 @@ rate() { python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
 print(round(0.8 * d['median']['total_tok_s'] / d['workload']['max_new_tokens'], 2))" "$1"; }
 wait_tests() {  # up to $1 s for the background suite, then its log (and exit code) into $OUT
   for _ in $(seq "$1"); do [ -f /tmp/gpu_tests.rc ] && break; sleep 1; done
-  cp /tmp/gpu_tests.log "$OUT/gpu_tests.log"
+  cp /tmp/gpu_tests.log "$OUT/gpu_tests.log" 2>/dev/null; cat /tmp/gpu_suite.out 2>/dev/null
   if [ -f /tmp/gpu_tests.rc ]; then echo "suite exit code $(cat /tmp/gpu_tests.rc)"; tail -n 60 /tmp/gpu_tests.log
   else echo "suite still running: call again with tests_wait"; tail -c 600 /tmp/gpu_tests.log; fi
 }
 for what in "$@"; do
   case "$what" in
     tests)
-      # every test file that runs anything on CUDA (kernel_helpers.DEVICE, cuda skips, served
-      # CUDA engines), together in one process. The suite outlasts one 10-minute call, so it
-      # runs in a session of its own (setsid: the device tool leaves it running) and this call
-      # waits 560 s for it; `tests_wait`, the next call (within the machine's 30 s warm
-      # window), waits for the rest. Both copy the log so far into $OUT.
-      rm -f /tmp/gpu_tests.log /tmp/gpu_tests.rc
-      setsid bash -c 'python3 -m pytest -q -p no:cacheprovider -rf --durations=0 --durations-min=1 \
-        tests/test_gpu.py tests/test_kernels.py tests/test_kernels_attention.py \
-        tests/test_kernels_prefill.py tests/test_hot_codec_kernels.py tests/test_warm_device.py \
-        tests/test_kvcodec.py tests/test_step_faults.py tests/test_dense_quant.py \
-        tests/test_device_checker.py tests/test_grouped_experts.py tests/test_grouped_moe_block.py \
-        tests/test_host_layers.py tests/test_host_split.py tests/test_deepseek_v2.py \
-        >/tmp/gpu_tests.log 2>&1; echo $? >/tmp/gpu_tests.rc' </dev/null &
+      # scripts/cuda_suite.py: every test file that runs on CUDA, in one pytest process, after
+      # 12 processes have compiled the kernel tests' Triton kernels side by side (the one
+      # process then finds them in the cache). It runs in a session of its own (setsid: the
+      # device tool leaves it running) and this call waits 560 s for it; if it is still
+      # running, `tests_wait`, the next call (within the machine's 30 s warm window), waits for
+      # the rest. Both copy the log so far into $OUT.
+      rm -f /tmp/gpu_tests.log /tmp/gpu_tests.rc /tmp/gpu_suite.out
+      setsid bash -c 'python3 scripts/cuda_suite.py --log /tmp/gpu_tests.log >/tmp/gpu_suite.out 2>&1;
+        echo $? >/tmp/gpu_tests.rc' </dev/null &
       wait_tests 560
       ;;
     tests_wait)
