@@ -294,3 +294,34 @@ def test_calibration_shares_out_one_grouped_launch(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(ops, "GROUPED_EXPERTS", False)
     _, alone = enable_cold_weights(moe_blocks(loaded.model), 1, 0, DEVICE)
     assert launches == [8, 1] and alone.gpu_s == pytest.approx(10e-6)
+
+
+def test_misses_copied_beside_the_hits_launch_give_the_same_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer whose misses reach SIDE_COPY_BYTES copies them on a side stream (CUDA) and
+    launches its hits first, its copied misses after: two launches, pairs reordered, the
+    same outputs as the one launch. Here every miss reaches it (the threshold at 0)."""
+    launches = _counted_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3, 128, generator=gen).to(DEVICE) for _ in range(STEPS)]
+    expected, theirs = _run("tiny-mixtral", "int4", 0, xs, launches)
+    one_launch = list(launches)
+    monkeypatch.setattr(moe_module, "SIDE_COPY_BYTES", 0)
+    reordered: list[int] = []
+    real = moe_module.copied_last
+
+    def counted(packed: Any, copied: Any) -> Any:
+        out = real(packed, copied)
+        reordered.append(out[1])
+        return out
+
+    monkeypatch.setattr(moe_module, "copied_last", counted)
+    got, mine = _run("tiny-mixtral", "int4", 0, xs, launches)
+    for out, ref in zip(got, expected, strict=True):
+        assert rel_err(out, ref) < 1e-5
+    assert (mine.cache_hits, mine.cache_misses) == (theirs.cache_hits, theirs.cache_misses)
+    assert reordered, "layers with misses took the side path"
+    assert any(early > 0 for early in reordered), "hits launched ahead of copied misses"
+    assert sum(launches) == sum(one_launch)  # the same pairs, in more launches
+    assert len(launches) > len(one_launch)

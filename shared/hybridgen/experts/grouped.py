@@ -25,6 +25,7 @@ to the device in one copy:
 from __future__ import annotations
 
 from array import array
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -179,13 +180,30 @@ def _slices(table: Tensor, packed: Packed, top_k: int) -> StepTable:
     )
 
 
-def launch_hits(x: Tensor, table: StepTable, cache: ExpertCache, group: int) -> Tensor | None:
-    """The cache hits of `table` in one grouped launch -> their outputs [P, H] (None: none)."""
-    if table.rows.shape[0] == 0:
+def launch_hits(
+    x: Tensor, table: StepTable, cache: ExpertCache, group: int, pairs: slice = slice(None)
+) -> Tensor | None:
+    """The cache hits of `table` (its `pairs`) in one grouped launch -> their outputs [P, H]
+    (None: none)."""
+    rows, slots = table.rows[pairs], table.slots[pairs]
+    if rows.shape[0] == 0:
         return None
     return ops.grouped_expert_swiglu(
-        x, cache.gate_up.fmt, cache.gate_up.parts, cache.down.parts, table.rows, table.slots, group
+        x, cache.gate_up.fmt, cache.gate_up.parts, cache.down.parts, rows, slots, group
     )
+
+
+def copied_last(packed: Packed, copied: Set[int]) -> tuple[Packed, int]:
+    """packed with the pairs of the slots in `copied` (misses being copied in) after the
+    others, each part in its order -> (that table, the pairs before them). Its outs are then
+    not in Y's order: finish_step(..., in_order=False)."""
+    p = packed.pairs
+    host = np.frombuffer(packed.host, dtype=np.int32).copy()
+    late = np.isin(host[p : 2 * p], np.fromiter(copied, dtype=np.int32, count=len(copied)))
+    order = np.argsort(late, kind="stable")
+    for part in range(3):  # rows, slots, outs
+        host[part * p : (part + 1) * p] = host[part * p : (part + 1) * p][order]
+    return packed._replace(host=array("i", host.tobytes())), int(p - late.sum())
 
 
 def launch_many(x: Tensor, table: StepTable, cache: ExpertCache, group: int) -> Tensor | None:
@@ -213,12 +231,14 @@ def finish_step(
     other_ys: list[Tensor],
     weights: Tensor,
     full: Tensor | None = None,
+    in_order: bool = True,
 ) -> Tensor:
     """The hits' outputs `y` and the other experts' (in the table's order) in their rows of Y
     (`full`: launch_many's Y, its many-row experts' rows written), every token's experts
-    weighted and summed -> [T, H]."""
+    weighted and summed -> [T, H]. in_order: the hits' outs are Y's rows in order (pack_step's
+    table, not copied_last's)."""
     tokens, top_k = weights.shape
-    if table.other is not None or full is not None:
+    if table.other is not None or full is not None or not in_order:
         if full is None:
             full = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
         if y is not None:

@@ -184,6 +184,8 @@ class ExpertCache:
         daemon; dropped when it stops answering)."""
         self.hit_launches: HitLaunches | None = None
         """Steps whose pairs all hit, from static buffers (set by MoeDecodeGraphs)."""
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """The stream of fetch_beside's side copies (CUDA)."""
 
     @property
     def nbytes(self) -> int:
@@ -192,6 +194,7 @@ class ExpertCache:
     def resize(self, slots: int) -> None:
         """Reallocate with `slots` empty slots (cold_weights.expert_cache_slots: auto, once the
         budget's split is known); what was cached is dropped."""
+        self.side_copies_done()  # none may still write the old slots
         device = self.device
         self.gate_up = self.gate_up.empty(0, device)  # free the old slots first
         self.down = self.down.empty(0, device)
@@ -220,11 +223,14 @@ class ExpertCache:
         return slot
 
     def fetch_beside(
-        self, layer: int, expert: int, store: ExpertStore, keep: Set[int]
+        self, layer: int, expert: int, store: ExpertStore, keep: Set[int], side: bool = False
     ) -> int | None:
         """fetch() for a step that reads the slots in `keep` in one launch still to come: a miss
         takes no slot of `keep` (neither the least routed expert's nor the scratch slot), and
-        gets None when it would need one; the caller then runs it after that launch."""
+        gets None when it would need one; the caller then runs it after that launch. With
+        `side`, a miss is copied on a side stream (CUDA), after the work queued so far, so that
+        the device computes what is cached meanwhile: the caller calls side_copies_done()
+        before anything reads the slot."""
         key = (layer, expert)
         slot = self._slots.get(key)
         if slot is not None:
@@ -248,11 +254,14 @@ class ExpertCache:
                 if not free:
                     return None
                 slot, admit = free[0], False
-        # Same stream as the computations: a slot is overwritten only after the work that
-        # read it was queued, so the copy may be asynchronous.
-        non_blocking = self.device.type == "cuda"
-        self.gate_up.copy_(slot, store.gate_up, expert, non_blocking)
-        self.down.copy_(slot, store.down, expert, non_blocking)
+        # After the work queued so far (a slot is overwritten only after the work that read it
+        # was queued), so the copy may be asynchronous.
+        if side and self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                self._copy_in(slot, store, expert)
+        else:
+            self._copy_in(slot, store, expert)
         if admit:
             self._slots[key] = slot
             self._use(key)
@@ -260,6 +269,16 @@ class ExpertCache:
         self.stats.cache_misses += 1
         self.stats.bytes_h2d += self.expert_bytes
         return slot
+
+    def _copy_in(self, slot: int, store: ExpertStore, expert: int) -> None:
+        non_blocking = self.device.type == "cuda"
+        self.gate_up.copy_(slot, store.gate_up, expert, non_blocking)
+        self.down.copy_(slot, store.down, expert, non_blocking)
+
+    def side_copies_done(self) -> None:
+        """The work queued from here on waits for fetch_beside's side copies."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def _use(self, key: tuple[int, int]) -> None:
         self._clock += 1
