@@ -505,3 +505,40 @@ def test_requests_as_newer_clients_and_llama_cpp_users_send_them() -> None:
     for bad in (3, True):
         with pytest.raises(InvalidRequest, match="best_of"):
             parse({"best_of": bad}, False, ["Hi"])
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "neutral"),
+    [
+        ("min_tokens", 20, 0),
+        ("bad_words", ["Paris"], []),
+        ("allowed_token_ids", [504], None),
+        ("logits_processors", ["x"], []),
+        ("truncate_prompt_tokens", 8, None),
+        ("use_beam_search", True, False),
+        ("chat_template", "{{ messages[0].content }}", None),
+        ("chat_template_kwargs", {"enable_thinking": False}, {}),
+        ("continue_final_message", True, False),
+    ],
+)
+def test_vllm_parameters_that_change_the_output_are_refused(
+    name: str, changes: object, neutral: object
+) -> None:
+    """vLLM's extra parameters that would change what is generated are a 400 naming them,
+    not silently ignored (a new user's review: bad_words ["Paris"] still said Paris); their
+    absent or neutral values are accepted."""
+    from hybridgen.engine.validation import InvalidRequest
+    from hybridgen.serving.openai_request import parse
+
+    with pytest.raises(InvalidRequest, match=name) as err:
+        parse({name: changes}, True, ["Hi"])
+    assert err.value.field == name
+    assert parse({name: neutral}, True, ["Hi"]).n == 1
+
+
+def test_a_type_error_reads_well() -> None:
+    from hybridgen.engine.validation import InvalidRequest
+    from hybridgen.serving.openai_request import parse
+
+    with pytest.raises(InvalidRequest, match="must be an int, got True"):
+        parse({"logprobs": True}, False, ["Hi"])

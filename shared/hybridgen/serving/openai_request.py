@@ -50,6 +50,16 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "include_stop_str_in_output": lambda v: not v,
     "skip_special_tokens": lambda v: v in (None, True),
     "best_of": lambda v: v is None or (v == 1 and not isinstance(v, bool)),
+    # vLLM's extra parameters that change what is generated
+    "min_tokens": lambda v: v is None or (v == 0 and not isinstance(v, bool)),
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: v is None,
+    "logits_processors": lambda v: not v,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "use_beam_search": lambda v: not v,
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not v,
+    "continue_final_message": lambda v: not v,
 }
 """Parameters that change the result and are not supported: each with what a request may
 send that asks for nothing (absent, null, false, empty, or the default)."""
@@ -244,7 +254,8 @@ def _get(body: Any, name: str, kind: type, default: Any, prefix: str = "") -> An
     if value is None:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidRequest(f"{prefix}{name}", f"must be a {kind.__name__}, got {value!r}")
+        article = "an" if kind.__name__[0] in "aeiou" else "a"
+        raise InvalidRequest(f"{prefix}{name}", f"must be {article} {kind.__name__}, got {value!r}")
     return value
 
 
