@@ -84,6 +84,7 @@ FULL: dict[str, Any] = {
         },
         "api_key_file": "/etc/hg/api_keys",
         "reflection": False,
+        "cors_origins": ["http://localhost:3000"],
     },
     "mode": "hybrid",
 }
@@ -167,6 +168,7 @@ def test_every_section_parses() -> None:
     )
     assert dataclasses.asdict(config.model) == FULL["model"]
     server = dataclasses.asdict(config.server)
+    server["cors_origins"] = list(server["cors_origins"])  # a tuple, as the YAML list
     assert server == FULL["server"]
     assert isinstance(config.server.keepalive_s, float)
     assert config.mode == "hybrid"

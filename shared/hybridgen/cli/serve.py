@@ -80,6 +80,8 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         if section not in groups:
             groups[section] = serve.add_argument_group(f"config: {section}")
         default = "null" if s.default is None else s.default
+        if default == ():
+            default = "none"  # an empty list
         extra: dict[str, Any] = (
             {"action": argparse.BooleanOptionalAction} if s.is_bool else {"metavar": s.metavar}
         )

@@ -86,9 +86,12 @@ class Setting:
 
     @property
     def metavar(self) -> str:
-        """What the flag takes, for --help: {native,int8,int4}, N, X, TEXT, CPUS or GPUS."""
+        """What the flag takes, for --help: {native,int8,int4}, N, X, TEXT, CPUS, GPUS or
+        ORIGINS (the comma-separated lists)."""
         names = [_metavar(a) for a in typing.get_args(self.hint) if a is not type(None)]
         shown = "|".join(names) if names and _optional(self.hint) else _metavar(self.hint)
+        if self.key == "server.cors_origins":
+            return "ORIGINS"
         return shown.replace("CPUS", "GPUS") if ".gpu." in self.key else shown  # id lists
 
     def parse(self, text: str, where: str) -> object:

@@ -157,6 +157,28 @@ def parse_device_ids(value: object, key: str = "ids") -> tuple[int, ...]:
     return tuple(value)
 
 
+_ORIGIN = re.compile(r"https?://[^/\s:]+(:[0-9]{1,5})?")
+
+
+def parse_origins(value: object, key: str = "cors_origins") -> tuple[str, ...]:
+    """Browser origins: "*" (any) or scheme://host[:port] each, as a YAML list or as text
+    separated by commas (a flag, a variable, the printed config)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(
+            f"{key}={value!r} has the wrong type: expected a list of origins such as "
+            "['http://localhost:3000'] or ['*']"
+        )
+    bad = [v for v in value if v != "*" and not _ORIGIN.fullmatch(v)]
+    if bad:
+        raise ConfigError(
+            f"{key}={bad[0]!r} is out of range: allowed '*' or an origin such as "
+            "'https://chat.example.com' or 'http://localhost:3000' (no path)"
+        )
+    return tuple(value)
+
+
 def parse_cpu_list(value: object, key: str = "cores") -> tuple[int, ...]:
     """CPU ids of a list such as "0-15" or "0,2,4-7" (the cpuset / taskset -c syntax)."""
 

@@ -31,6 +31,7 @@ from hybridgen.config.schema import (
     in_range,
     parse_cpu_list,
     parse_device_ids,
+    parse_origins,
     shared,
 )
 from hybridgen.models.default_model import DEFAULT_MODEL
@@ -334,6 +335,9 @@ class ServerConfig:
     needs the header `authorization: Bearer KEY`, else UNAUTHENTICATED. null: no keys."""
     reflection: bool = True
     """Serve gRPC server reflection (grpcurl list/describe without proto files)."""
+    cors_origins: tuple[str, ...] = field(default=(), metadata={"parse": parse_origins})
+    """Browser origins the HTTP API answers cross-origin (CORS), e.g. ['http://localhost:3000'];
+    ['*']: any. Empty: none, so a web page on another site cannot call the local API."""
     runtime_dir: str = checked("/run/hybridgen", lambda v: v.startswith("/"), "an absolute path")
     """Folder of the daemons' unix sockets (systemd's RuntimeDirectory=hybridgen)."""
 

@@ -31,6 +31,8 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -226,9 +228,12 @@ class OpenAIApi:
         service: GenerationService,
         authorize: Authorize | None = None,
         max_body_bytes: int = 16 << 20,
+        cors_origins: tuple[str, ...] = (),
     ) -> None:
         self.service = service
         self._authorize = authorize
+        self.cors_origins = cors_origins
+        """server.cors_origins: who may call from a browser page of another origin."""
         self.max_body_bytes = max_body_bytes
         """Largest request body read (server.max_message_mb, as a gRPC message)."""
         self._model: tuple[str, Tokenizer, int] | None = None
@@ -250,7 +255,20 @@ class OpenAIApi:
             Route("/metrics", guard(self.metrics), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),  # open, as gRPC health is
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+        middleware = []
+        if self.cors_origins:
+            # Preflights are answered before the routes (and the API key check: a browser
+            # sends none with them); the answers carry Access-Control-Allow-Origin.
+            cors = Middleware(
+                CORSMiddleware,
+                allow_origins=list(self.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],
+            )
+            middleware.append(cors)
+        return Starlette(
+            routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error}
+        )
 
     # -- routes ------------------------------------------------------------------------------
 

@@ -335,7 +335,7 @@ async def _start_http(
         return None
     keys = gateway.keys
     allows = keys.allows if keys is not None else None
-    api = OpenAIApi(gateway.service, allows, config.max_message_bytes)
+    api = OpenAIApi(gateway.service, allows, config.max_message_bytes, config.cors_origins)
     http = HttpServer(api.app(), config.host, config.http_port, grace_s, config.tls)
     try:
         port = await http.start()
