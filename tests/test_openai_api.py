@@ -464,6 +464,12 @@ def test_the_default_model_answers_to_its_name() -> None:
     assert OpenAIApi._names("/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf", smol)
     assert not OpenAIApi._names("smollm2-135m-instruct", "/models/llama3")
     assert not OpenAIApi._names("gpt-4", smol)
+    # any case, and the Hugging Face id (a review: users type it)
+    assert OpenAIApi._names("HuggingFaceTB/SmolLM2-135M-Instruct", smol)
+    assert OpenAIApi._names("SmolLM2-135M-Instruct", smol)
+    assert OpenAIApi._names("Llama3", "/models/llama3")
+    assert not OpenAIApi._names("HuggingFaceTB/SmolLM2-360M-Instruct", smol)
+    assert not OpenAIApi._names("", smol)
 
 
 def test_the_default_model_goes_by_its_name_not_its_files_path() -> None:

@@ -143,4 +143,5 @@ class SamplingParams:
             allowed = f"None or 0 <= logprobs <= {MAX_LOGPROBS}"
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allowed)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, MAX_SEED, f"None or 0 <= seed <= {MAX_SEED}")
+            allowed = f"None (-1 over HTTP) or 0 <= seed <= {MAX_SEED}"
+            _check_int("seed", self.seed, 0, MAX_SEED, allowed)

@@ -428,9 +428,12 @@ class OpenAIApi:
 
     @staticmethod
     def _names(named: str, served: str) -> bool:
-        """Whether a request's `model` names the served one: its path, a path of the same
-        name, or for the default model its name (`model.name_or_path`'s default)."""
-        return Path(named).name == Path(served).name or named == shown_name(served)
+        """Whether a request's `model` names the served one, in any case: its path, a path of
+        the same name, or for the default model its name (`model.name_or_path`'s default) or
+        its Hugging Face id (HuggingFaceTB/SmolLM2-135M-Instruct, the name users type)."""
+        name = Path(named).name.lower()
+        shown = shown_name(served).lower()
+        return name in (Path(served).name.lower(), shown) or named.lower() == shown
 
     async def _json(self, request: Request) -> dict[str, Any]:
         return _parse_json(await _body(request, self.max_body_bytes))
