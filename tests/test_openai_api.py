@@ -548,3 +548,22 @@ def test_a_type_error_reads_well() -> None:
 
     with pytest.raises(InvalidRequest, match="must be an int, got True"):
         parse({"logprobs": True}, False, ["Hi"])
+
+
+def test_a_chat_streams_first_chunk_has_every_key() -> None:
+    """Its role, empty content, and null logprobs and finish_reason (a review: the keys were
+    left out, which clients with strict types may refuse)."""
+    from hybridgen.serving.openai_request import parse
+    from hybridgen.serving.openai_response import Responder
+
+    req = parse({"n": 2}, True, ["Hi"])
+    first = Responder(req, "m", None).first_chunks()  # type: ignore[arg-type]
+    assert [c["choices"][0]["index"] for c in first] == [0, 1]
+    choice = first[0]["choices"][0]
+    assert choice == {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert first[0]["object"] == "chat.completion.chunk"

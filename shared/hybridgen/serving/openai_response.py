@@ -71,11 +71,14 @@ class Responder:
         return {**self._head(self._object), "choices": choices, "usage": self.usage()}
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open each choice with its role."""
+        """Chat streams open each choice with its role (every key of a chunk there, as OpenAI
+        sends it: clients with strict types read logprobs and finish_reason as null)."""
         if not self._req.chat:
             return []
-        delta = {"role": "assistant", "content": ""}
-        return [self._chunk(i, {"delta": delta}) for i in range(len(self._choices))]
+        fields = {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return [
+            self._chunk(i, {**fields, "finish_reason": None}) for i in range(len(self._choices))
+        ]
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
         """The stream's chunk for a Delta of choice `index` (recorded too); None when it
