@@ -296,15 +296,23 @@ def test_calibration_shares_out_one_grouped_launch(monkeypatch: pytest.MonkeyPat
     assert launches == [8, 1] and alone.gpu_s == pytest.approx(10e-6)
 
 
+@pytest.mark.parametrize(("tokens", "alike"), [(3, False), (80, False), (40, True)])
 def test_misses_copied_beside_the_hits_launch_give_the_same_outputs(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tokens: int, alike: bool
 ) -> None:
     """A layer whose misses reach SIDE_COPY_BYTES copies them on a side stream (CUDA) and
     launches its hits first, its copied misses after: two launches, pairs reordered, the
-    same outputs as the one launch. Here every miss reaches it (the threshold at 0)."""
+    same outputs as the one launch. Here every miss reaches it (the threshold at 0). 80
+    tokens: a prompt's step, whose experts of many rows (the grouped GEMM) wait for the
+    copies too; 40 alike tokens: only such experts (40 rows each), no GEMV pair at all."""
     launches = _counted_launches(monkeypatch)
+    gemms = _counted_gemms(monkeypatch)
     gen = torch.Generator().manual_seed(5)
-    xs = [torch.randn(3, 128, generator=gen).to(DEVICE) for _ in range(STEPS)]
+    if alike:
+        x = torch.randn(1, 128, generator=gen).expand(tokens, -1).contiguous()
+        xs = [x.to(DEVICE)] * STEPS
+    else:
+        xs = [torch.randn(tokens, 128, generator=gen).to(DEVICE) for _ in range(STEPS)]
     expected, theirs = _run("tiny-mixtral", "int4", 0, xs, launches)
     one_launch = list(launches)
     monkeypatch.setattr(moe_module, "SIDE_COPY_BYTES", 0)
@@ -322,6 +330,10 @@ def test_misses_copied_beside_the_hits_launch_give_the_same_outputs(
         assert rel_err(out, ref) < 1e-5
     assert (mine.cache_hits, mine.cache_misses) == (theirs.cache_hits, theirs.cache_misses)
     assert reordered, "layers with misses took the side path"
+    if tokens > 3:  # the grouped GEMM ran after the copies, the GEMV pairs too if any
+        assert gemms
+        assert not alike or (not launches and all(early == 0 for early in reordered))
+        return
     assert any(early > 0 for early in reordered), "hits launched ahead of copied misses"
     assert sum(launches) == sum(one_launch)  # the same pairs, in more launches
     assert len(launches) > len(one_launch)

@@ -333,7 +333,8 @@ class SparseMoeBlock(nn.Module):
         y_hits = launch_hits(x, table, cache, GROUP, slice(None, early))
         cache.side_copies_done()
         y_copied = launch_hits(x, table, cache, GROUP, slice(early, None))
-        y = torch.cat([t for t in (y_hits, y_copied) if t is not None])
+        parts = [t for t in (y_hits, y_copied) if t is not None]
+        y = torch.cat(parts) if parts else None  # none: every expert had many rows
         full = launch_many(x, table, cache, GROUP)
         ys = self._run_placed(x, placed, others)
         other_ys = [ys[r.expert] for r in others]
