@@ -143,7 +143,7 @@ def test_python_client_over_tls(tls_gateway: InProcessGateway, pki: Pki) -> None
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         api = pb_grpc.GenerationServiceStub(channel)
-        request = pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2)
+        request = pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
         for metadata in ((), (("authorization", "Bearer nope"),)):
             with pytest.raises(grpc.RpcError) as err:
                 list(api.Generate(request, metadata=metadata, timeout=10))

@@ -310,7 +310,11 @@ def test_backpressure_degrades_and_recovers(server: Server, checkpoint) -> None:
     assert info.degrade_entries > before.degrade_entries
     assert info.degraded_steps > before.degraded_steps
     assert info.gpu_backpressure == 0
-    done = list(server.stub.Generate(pb.GenerateRequest(prompt="after", max_tokens=3), timeout=60))
+    done = list(
+        server.stub.Generate(
+            pb.GenerateRequest(prompt="after", max_tokens=3, ignore_eos=True), timeout=60
+        )
+    )
     assert done[-1].usage.completion_tokens == 3
 
 
@@ -338,7 +342,11 @@ def test_dead_daemon_fails_streams_then_recovers(server: Server, victim: str) ->
     assert time.monotonic() - killed < 2.0
     wait_serving(server.port, timeout=30, want=False)  # health follows the dead daemon
     wait_serving(server.port, timeout=120, proc=server.proc)  # and `hybridgen serve` restarts it
-    done = list(server.stub.Generate(pb.GenerateRequest(prompt="again", max_tokens=3), timeout=60))
+    done = list(
+        server.stub.Generate(
+            pb.GenerateRequest(prompt="again", max_tokens=3, ignore_eos=True), timeout=60
+        )
+    )
     assert done[-1].usage.completion_tokens == 3
 
 
