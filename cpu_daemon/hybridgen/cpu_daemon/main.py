@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import signal
 import sys
 
 import structlog
@@ -85,17 +84,24 @@ def socket_settings(server: config_sections.ServerConfig) -> config_sections.Ser
 
 
 async def run(backend: RingBackend, listen: str, server: config_sections.ServerConfig) -> int:
+    """Serve until stopped -> 0, or PEER_DEAD when the GPU daemon died first (not when it
+    stops after this daemon was told to: systemd's stop, or SIGTERM to both at once)."""
+    stop = asyncio.Event()
+    peer_died_first = False
+
     async def watch_peer() -> None:
+        nonlocal peer_died_first
         while backend.dead is None:
             await asyncio.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)  # drain and stop: the streams already failed
+        peer_died_first = not stop.is_set()
+        stop.set()  # drain and stop: the streams already failed
 
     watcher = asyncio.create_task(watch_peer())
     socket = socket_settings(server)
-    await serve(backend, socket, Metrics(), listen, _DRAIN_GRACE_S, watchdog=False)  # the
-    # heartbeat pings the watchdog
+    await serve(backend, socket, Metrics(), listen, _DRAIN_GRACE_S, watchdog=False, stop=stop)
+    # (the heartbeat pings the watchdog)
     watcher.cancel()
-    return PEER_DEAD if backend.dead is not None else 0
+    return PEER_DEAD if peer_died_first else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,4 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (its threads and imports): a faster stop

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 from types import FrameType
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         sd_notify.ready(f"serving {engine.spec.name}")
         log.info("gpu_daemon_ready", model=engine.spec.name)
         status = loop.run()
+        engine.close()
     finally:
         sd_notify.stopping()
         channels.close()
@@ -103,4 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: freeing the model and its KV pool took seconds

@@ -703,6 +703,12 @@ class Engine:
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
+    def close(self) -> None:
+        """Stop what would outlive a process that exits without its interpreter's teardown
+        (the GPU daemon's fast stop): tensor-parallel workers leave the process group."""
+        if self._owns_loaded and isinstance(self.loaded.model, ShardedCausalLM):
+            tensor_parallel.stop(self.loaded.model)
+
     def _free_host_memory(self) -> None:
         """Unpin and unlink the Warm pool and, when this engine loaded the model, the shared
         expert arena and the host layers' CPU worker."""

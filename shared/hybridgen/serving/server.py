@@ -271,11 +271,12 @@ async def serve(
     listen: str | None = None,
     grace_s: float = DRAIN_GRACE_S,
     watchdog: bool = True,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Run until SIGTERM/SIGINT, then drain: running streams get `grace_s` to finish.
-    `listen`: as build's. `metrics` is shared with the backend, which sets its own gauges.
-    Tells systemd READY once serving; `watchdog`: ping its watchdog from the event loop (a
-    process whose own loop pings it passes False)."""
+    """Run until SIGTERM/SIGINT (or `stop` is set: the caller's own reason), then drain:
+    running streams get `grace_s` to finish. `listen`: as build's. `metrics` is shared with
+    the backend, which sets its own gauges. Tells systemd READY once serving; `watchdog`:
+    ping its watchdog from the event loop (a process whose own loop pings it passes False)."""
     if config.metrics_port:
         _serve_metrics(metrics, config)
     try:
@@ -287,7 +288,7 @@ async def serve(
     started = await _start_http(gateway, config, grace_s)
     http, api = started if started is not None else (None, None)
     log.info("gateway_listening", address=gateway.address, metrics=config.metrics_port)
-    stop = asyncio.Event()
+    stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
