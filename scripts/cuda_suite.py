@@ -57,7 +57,8 @@ def collect(files: tuple[str, ...]) -> list[str]:
     out = subprocess.run(
         [*PYTEST, "--collect-only", *files], capture_output=True, text=True, check=True
     ).stdout
-    return [line for line in out.splitlines() if "::" in line]
+    ids = (line for line in out.splitlines() if not line.startswith(" ") and "::" in line)
+    return list(dict.fromkeys(i for i in ids if i.split("::")[0].endswith(".py")))
 
 
 def shards(ids: list[str], n: int) -> list[list[str]]:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "cuda_suite.py"
 SUITE = runpy.run_path(str(SCRIPT))
@@ -48,6 +50,18 @@ def test_shards_deal_every_test_once() -> None:
     assert SUITE["shards"](ids[:2], 12) == [["t::0"], ["t::1"]]
 
 
+def test_collect_gives_each_test_id_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "test_ids.py").write_text(
+        "import warnings\n\nimport pytest\n\nwarnings.warn('at import')\n\n"
+        "@pytest.mark.parametrize('v', ['a b', 'c'])\ndef test_p(v):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert SUITE["collect"](("test_ids.py",)) == [
+        "test_ids.py::test_p[a b]",
+        "test_ids.py::test_p[c]",
+    ]
+
+
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--log", "suite.log", *args],
@@ -59,9 +73,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_warms_in_shards_then_runs_the_suite_in_one_process(tmp_path: Path) -> None:
-    (tmp_path / "test_warm.py").write_text(
-        "import os\n\ndef test_a():\n    print(os.getpid())\n\ndef test_b():\n    pass\n"
-    )
+    (tmp_path / "test_warm.py").write_text("def test_a():\n    pass\n\ndef test_b():\n    pass\n")
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
     (tmp_path / "test_bad.py").write_text("def test_bad():\n    assert False\n")
     ok = _run(tmp_path, "--shards", "2", "--warm-files", "test_warm.py", "--files", "test_ok.py")
