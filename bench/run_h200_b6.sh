@@ -87,7 +87,7 @@ for what in "$@"; do
       python3 bench/decode_kernel_bench.py | tee "$OUT/decode_kernel_magic.txt"
       mv "$OUT/decode_kernel.json" "$OUT/decode_kernel_magic.json"
       rm -rf "$work/i2f" && cp -r shared "$work/i2f"
-      sed -i 's/x = _int8_to_float(c) \* scale/x = c.to(tl.float32) * scale/' \
+      sed -i 's/x = int8_float(c) \* scale/x = c.to(tl.float32) * scale/' \
         "$work/i2f/hybridgen/kernels/triton_paged_decode.py"
       grep -c "c.to(tl.float32) \* scale" "$work/i2f/hybridgen/kernels/triton_paged_decode.py"
       PYTHONPATH="$work/i2f:/tmp/site:$PWD" python3 -c "import hybridgen.kernels.triton_paged_decode as m; print(m.__file__)"

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from hybridgen.kernels import ops, reference, split_counters
 from hybridgen.kernels import triton_paged_decode as t_decode
+from hybridgen.kernels.exact_float import int8_float
 from tests.kernel_helpers import DEVICE, FP32_TOL, LOW_TOL, randn, rel_err, tol
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +321,7 @@ def test_int8_codes_convert_to_float_exactly() -> None:
     @triton.jit
     def _convert(c_ptr, out_ptr):
         i = tl.arange(0, 256)
-        tl.store(out_ptr + i, t_decode._int8_to_float(tl.load(c_ptr + i)))
+        tl.store(out_ptr + i, int8_float(tl.load(c_ptr + i)))
 
     codes = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
     out = torch.empty(256, dtype=torch.float32, device=DEVICE)

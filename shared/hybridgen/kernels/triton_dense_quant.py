@@ -137,6 +137,7 @@ from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
 from hybridgen.kernels import triton_activation, triton_rope_cache
+from hybridgen.kernels.exact_float import byte_float, int8_float
 from hybridgen.kernels.rope_write import RopeWrite
 from hybridgen.kernels.split_counters import counters
 
@@ -274,12 +275,6 @@ def split_k(programs: int, k: int, block_k: int, sms: int) -> int:
 
 
 @triton.jit
-def _exact_float(c):
-    # int32 c in 0..255 -> the same value as fp32 (bit trick: 2^23 + c, minus 2^23).
-    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _int4_tile(
     q_ptr, s_ptr, z_ptr, rows, stride_q, stride_s, k0, K, RUNS_PER_GROUP, BLOCK_K: tl.constexpr
 ):
@@ -298,7 +293,7 @@ def _int4_tile(
     g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
     s = tl.load(s_ptr + g, mask=run_ok[None, :], other=0.0).to(tl.float32)[:, :, None]
     z = tl.load(z_ptr + g, mask=run_ok[None, :], other=0.0).to(tl.float32)[:, :, None]
-    return _exact_float(codes & 15) * s + z, _exact_float(codes >> 4) * s + z
+    return byte_float(codes & 15) * s + z, byte_float(codes >> 4) * s + z
 
 
 @triton.jit
@@ -318,8 +313,7 @@ def _int8_tile(
     ).to(tl.int32)
     g = rows[:, None] * stride_s + (run // RUNS_PER_GROUP)[None, :]
     s = tl.load(s_ptr + g, mask=run_ok[None, :], other=0.0).to(tl.float32)[:, :, None]
-    # q + 128 in 0..255: 2^23 + 128 + q exactly.
-    return ((q + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * s
+    return int8_float(q) * s
 
 
 @triton.jit

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hybridgen.kernels.exact_float import int8_float
 from hybridgen.kernels.kv_quant import QuantKvCache
 from hybridgen.kernels.split_counters import counters
 
@@ -103,14 +104,6 @@ def _group_meta(
 
 
 @triton.jit
-def _int8_to_float(c):
-    # c's value as fp32, exactly: the bits 2^23 + 128 + c as a float, less 2^23 + 128. Two
-    # full-rate integer ops and an FADD, where c.to(tl.float32) is an I2F from a byte, which
-    # sm_90 issues at 16 a clock per SM (1/8 of the FMA pipe): the int8 cache's bottleneck.
-    return (c.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-
-
-@triton.jit
 def _load_kv_tile(
     code_ptr,
     scale_ptr,
@@ -138,7 +131,8 @@ def _load_kv_tile(
         scale = _group_meta(scale_ptr, meta_row, row_ok, n_groups, BLOCK_N, BLOCK_D, QGROUP)
         if QUANT == 8:
             c = tl.load(code_ptr + code_row[:, None] + d[None, :], mask=mask, other=0)
-            x = _int8_to_float(c) * scale
+            # without an I2F, which held the int8 cache back (exact_float)
+            x = int8_float(c) * scale
         else:
             # One byte load per two channels, split into nibbles and interleaved back.
             h = tl.arange(0, BLOCK_D // 2)
