@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
-import sys
 
 import structlog
 
@@ -30,6 +28,7 @@ from hybridgen.models.tokenizer_source import load_tokenizer
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime.affinity import bind, cpu_daemon_cores
 from hybridgen.runtime.prestart import wait_for_go
+from hybridgen.runtime.process_exit import exit_with
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import serve
@@ -141,7 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown (its threads and imports): a faster stop
+    exit_with(main)

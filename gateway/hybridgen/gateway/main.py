@@ -18,8 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import os
-import sys
 
 import structlog
 
@@ -28,6 +26,7 @@ from hybridgen.config.sections import ServerConfig
 from hybridgen.gateway.proxy_backend import ProxyBackend
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime.prestart import wait_for_go
+from hybridgen.runtime.process_exit import exit_with
 from hybridgen.runtime.startup_error import startup_failed
 from hybridgen.serving.metrics import Metrics
 from hybridgen.serving.server import serve
@@ -83,7 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown (its threads and imports): a faster stop
+    exit_with(main)

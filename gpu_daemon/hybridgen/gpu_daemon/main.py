@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
-import sys
 from types import FrameType
 
 import structlog
@@ -31,6 +29,7 @@ from hybridgen.models.errors import ModelLoadError
 from hybridgen.runtime import log as hlog
 from hybridgen.runtime import sd_notify
 from hybridgen.runtime.affinity import bind, cpu_daemon_cores
+from hybridgen.runtime.process_exit import exit_with
 from hybridgen.runtime.startup_error import startup_failed
 
 log = structlog.get_logger()
@@ -105,7 +104,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: freeing the model and its KV pool took seconds
+    exit_with(main)
