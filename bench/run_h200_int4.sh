@@ -11,7 +11,7 @@ set -o pipefail
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_dense_quant.py \
   -k "kernel or word or mma or dp4a or choose or swiglu or rope or repacked" \
   2>&1 | tee "$OUT/dense_quant_tests.log" | tail -n 5
-# The decode kernel's in-kernel split merge (909fee1): its CUDA cases, and the compile keys.
+# The decode kernel's CUDA cases (the split merge among them), and the compile keys.
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py \
   tests/test_kernel_compiles.py 2>&1 | tee "$OUT/attention_tests.log" | tail -n 3
 python3 bench/dense_quant_bench.py --kernel new,mma,dp4a,dp4a16,dp4a_w4,dp4a_k1,tinygemm 2>"$OUT/dense_quant_stderr.log" | tee "$OUT/dense_quant_table.txt"

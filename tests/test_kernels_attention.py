@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from hybridgen.kernels import ops, reference, split_counters
+from hybridgen.kernels import ops, reference
 from hybridgen.kernels import triton_paged_decode as t_decode
 from hybridgen.kernels.exact_float import int8_float
 from tests.kernel_helpers import DEVICE, FP32_TOL, LOW_TOL, randn, rel_err, tol
@@ -154,21 +154,6 @@ def test_paged_decode_splits_agree() -> None:
     for o, lse in results[1:]:
         assert rel_err(o, results[0][0]) < 1e-6
         assert torch.allclose(lse, results[0][1], atol=1e-5, rtol=0)
-
-
-def test_the_last_split_merges_in_split_order_and_resets_its_counter() -> None:
-    """No merge launch: the last of a (sequence, kv head)'s splits to finish merges all of
-    them in split order, so two runs agree bit for bit whichever finished last; every
-    counter is back at zero for the next launch (or graph replay); empty splits (more
-    splits than key tiles) weigh nothing."""
-    runs = [
-        _decode_case("triton", [150, 3, 64], 8, 2, 64, 16, torch.float32, 0, 7, seed=5)
-        for _ in range(2)
-    ]
-    (o, lse, ref_o, ref_lse), (o2, lse2, _, _) = runs
-    assert torch.equal(o, o2) and torch.equal(lse, lse2)
-    _check_decode(o, lse, ref_o, ref_lse, FP32_TOL)
-    assert not split_counters.counters(o.device, 1).any()
 
 
 def test_paged_decode_without_lse_and_out() -> None:

@@ -1,5 +1,5 @@
 """Counters at zero on a device, for kernels whose last program to finish a piece of work
-sums what the others left (a split-K GEMV's slices, a split decode's partials): each
+sums what the others left (a split-K GEMV's slices, triton_dense_quant): each
 program adds 1 to its piece's counter; the one that reads `programs - 1` does the sum and
 puts the counter back to 0, so the next launch, or the next replay of a CUDA graph that
 captured the same counters, finds them at zero. No launch of its own for the sum.

@@ -5,9 +5,11 @@ each K/V tile is loaded once and multiplied against a [BLOCK_G, D] query tile (B
 tl.dot's minimum), which is what makes GQA decode bandwidth-bound rather than load-bound.
 Keys are walked in tiles of BLOCK_N (independent of the cache block size S) by gathering the
 physical block of every key through the block table. Each split writes an unnormalized partial
-(acc, running max m, running sum l) in the log2 domain; the last split of a (sequence, kv head)
-to finish merges them in split order (split_counters.py: no second launch, one graph node a
-layer fewer). With one split the kernel normalizes and writes the output itself.
+(acc, running max m, running sum l) in the log2 domain; a second kernel merges the splits. With
+one split the first kernel normalizes and writes the output itself. (A merge by the last split
+to finish, 909fee1, saved that launch but was slower: B1 int4 on an H100 decoded at 323 tok/s
+against 354 before it, `bench/ab_commits.sh`; its one program walked the splits' partials one
+after another, each load waiting on L2, where the merge kernel's programs load them at once.)
 
 Quantized caches (kv_quant.QuantKvCache, int8 or int4 per token and group of channels) take the
 same kernel: each K/V tile is loaded as codes plus per-group scales (and zeros), dequantized in
@@ -33,13 +35,14 @@ from torch import Tensor
 
 from hybridgen.kernels.exact_float import int8_float
 from hybridgen.kernels.kv_quant import QuantKvCache
-from hybridgen.kernels.split_counters import counters
 
 _LOG2E = 1.4426950408889634
 _MIN_TILES_PER_SPLIT = 2
 _CTAS_PER_SM = 4  # H200 sweep: ~4 resident programs per SM saturate HBM best
 _MAX_SPLITS = 64
 _DEFAULT_SMS = 132
+_MERGE_SPLITS = triton.next_power_of_2(_MAX_SPLITS)  # the merge's lanes: one compile for all
+_MERGE_TILE = 4096  # fp32 elements of the merge's [splits, head dims] tile (CHUNK_D from it)
 _NO_WINDOW = 1 << 30  # longer than any sequence; keeps the kernel free of a window branch
 # Launch tunables (module-level so a benchmark can sweep them).
 _TILE_KEYS = 64  # keys per inner-loop tile for head dims <= 128 (halved above)
@@ -161,7 +164,6 @@ def _decode_split_kernel(
     l_ptr,
     out_ptr,
     lse_ptr,
-    count_ptr,
     qk_scale,
     sliding_window,
     num_splits,
@@ -288,79 +290,56 @@ def _decode_split_kernel(
             WRITE_LSE,
         )
     else:
-        # Scratch: acc [B, Hq, NS, BLOCK_D]; m, l [B, Hq, NS]. The last split of this
-        # (sequence, kv head) to finish merges them (split_counters.py).
-        rows = (b * n_q_heads + heads) * num_splits  # [BLOCK_G]: split 0's partial
-        tl.store(
-            acc_ptr + (rows + split)[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None]
-        )
-        tl.store(m_ptr + rows + split, m_i, mask=row_ok)
-        tl.store(l_ptr + rows + split, l_i, mask=row_ok)
-        tl.debug_barrier()  # every thread's partial stored before the count (released by it)
-        count = count_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-            _merge_splits(
-                acc_ptr,
-                m_ptr,
-                l_ptr,
-                rows,
-                row_ok,
-                d,
-                d_ok,
-                heads,
-                num_splits,
-                out_ptr + b * so_b,
-                so_h,
-                lse_ptr + b * n_q_heads,
-                BLOCK_G,
-                BLOCK_D,
-                WRITE_LSE,
-            )
-            tl.atomic_xchg(count, 0)
+        # Scratch: acc [B, Hq, NS, BLOCK_D]; m, l [B, Hq, NS].
+        part = (b * n_q_heads + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits(
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(
     acc_ptr,
     m_ptr,
     l_ptr,
-    rows,
-    row_ok,
-    d,
-    d_ok,
-    heads,
+    out_ptr,
+    lse_ptr,
     num_splits,
-    out_row_ptr,
+    n_q_heads,
+    head_dim,
+    so_b,
     so_h,
-    lse_row_ptr,
-    BLOCK_G: tl.constexpr,
+    SPLITS_BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    # The splits' partials of BLOCK_G heads (rows: each head's split 0), rescaled to their
-    # common max and summed in split order; loads bypass L1 (.cg: other programs wrote them).
-    m_max = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
-    for i in range(0, num_splits):
-        m_part = tl.load(m_ptr + rows + i, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_part)
+    # Grid (B, Hq): rescales each split's partial to the global max and sums them.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = b * n_q_heads + h
+    sp = tl.arange(0, SPLITS_BLOCK)
+    sp_ok = sp < num_splits
+    m = tl.load(m_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))
+    l_part = tl.load(l_ptr + row * num_splits + sp, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max > float("-inf"), m_max, 0.0)
-    l_tot = tl.zeros([BLOCK_G], dtype=tl.float32)
-    o = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for i in range(0, num_splits):
-        m_part = tl.load(m_ptr + rows + i, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m_part - m_safe)  # an empty split: exp2(-inf) = 0
-        l_tot += w * tl.load(l_ptr + rows + i, mask=row_ok, other=0.0, cache_modifier=".cg")
-        part = tl.load(
-            acc_ptr + (rows + i)[:, None] * BLOCK_D + d[None, :],
-            mask=row_ok[:, None],
+    w = tl.exp2(m - m_safe)  # empty splits: exp2(-inf) = 0
+    l_tot = tl.sum(l_part * w, axis=0)
+    has_keys = l_tot > 0
+    denom = tl.where(has_keys, l_tot, 1.0)
+    for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):  # [SPLITS_BLOCK, CHUNK_D] tiles
+        d = d0 + tl.arange(0, CHUNK_D)
+        acc = tl.load(
+            acc_ptr + (row * num_splits + sp[:, None]) * BLOCK_D + d[None, :],
+            mask=sp_ok[:, None],
             other=0.0,
-            cache_modifier=".cg",
         )
-        o += part * w[:, None]
-    # m_safe and l_tot are one partial of all keys: the one-split epilogue writes it.
-    _decode_epilogue(
-        o, m_safe, l_tot, heads, row_ok, d, d_ok, out_row_ptr, so_h, lse_row_ptr, WRITE_LSE
-    )
+        o = tl.sum(acc * w[:, None], axis=0) / denom
+        o_ptrs = out_ptr + b * so_b + h * so_h + d
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row, _natural_lse(m_safe, l_tot))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -545,7 +524,6 @@ def _decode(
         l_,
         out,
         lse,
-        counters(q.device, batch * n_kv_heads),
         scale * _LOG2E,
         window,
         num_splits,
@@ -572,4 +550,22 @@ def _decode(
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
+    if not direct:
+        _decode_merge_kernel[(batch, n_q_heads)](
+            acc,
+            m,
+            l_,
+            out,
+            lse,
+            num_splits,
+            n_q_heads,
+            head_dim,
+            out.stride(0),
+            out.stride(1),
+            SPLITS_BLOCK=_MERGE_SPLITS,
+            BLOCK_D=block_d,
+            CHUNK_D=min(block_d, _MERGE_TILE // _MERGE_SPLITS),
+            WRITE_LSE=return_lse,
+            num_warps=4,
+        )
     return (out, lse) if return_lse else out
