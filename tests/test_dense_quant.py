@@ -4,11 +4,14 @@ kernel (CPU interpreter) against a float64 reference on fresh random inputs."""
 from __future__ import annotations
 
 from dataclasses import replace
+from fractions import Fraction
 
 import gguf
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from hybridgen.kernels import ops, reference, split_counters, triton_activation, triton_dense_quant
 from hybridgen.kernels.rope_write import RopeWrite
@@ -459,6 +462,70 @@ def test_int8_runs_rounds_each_run_to_its_own_scale() -> None:
     got = reference.int8_runs(x)
     assert torch.allclose(got[0, :32], torch.round(x[0, :32] * 127 / 16) * (16 / 127))
     assert torch.equal(got[0, 32:], x[0, 32:])
+
+
+def _ulp32(x: Fraction) -> Fraction:
+    """The fp32 step at x > 0 (normal range): 2^(e - 23) for x in [2^e, 2^(e + 1))."""
+    e = x.numerator.bit_length() - x.denominator.bit_length()  # e or e + 1
+    return Fraction(2) ** (e - 24 if x < Fraction(2) ** e else e - 23)
+
+
+def _rn32(x: Fraction) -> Fraction:
+    """x rounded to the nearest fp32 (ties to even; x in the normal range, or zero)."""
+    if x <= 0:
+        return -_rn32(-x) if x else x
+    m = x / _ulp32(x)  # in [2^23, 2^24)
+    fl, rem = divmod(m.numerator, m.denominator)
+    if 2 * rem > m.denominator or (2 * rem == m.denominator and fl % 2):
+        fl += 1
+    return fl * _ulp32(x)
+
+
+def _div_127_steps(b: Fraction, y: Fraction) -> tuple[Fraction, Fraction]:
+    """triton_dense_quant._div_127's PTX in exact arithmetic, each fma or mul rounded once,
+    from y, the reciprocal's approximation: (the refined reciprocal, the quotient)."""
+    y = _rn32(_rn32(1 - b * y) * y + y)  # fma(-b, y, 1), then fma(e, y, y)
+    q = _rn32(127 * y)
+    r = _rn32(127 - b * q)  # fma(-b, q, 127)
+    return y, _rn32(r * y + q)  # fma(r, y, q)
+
+
+def test_div_127_steps_round_as_a_true_quotient() -> None:
+    """The int8-activation GEMV's run scale 127 / max |x| without div.rn's branch: for every
+    bf16 mantissa of max |x| (x is bf16), 1e-30 (the floor) and random fp32 ones, whatever
+    the device's reciprocal within 8 ulp of 1 / b, the steps give the nearest fp32 to 127 / b
+    (what torch divides in reference.int8_runs). The refined reciprocal is within an ulp of
+    1 / b, the premise of Markstein's theorem that one correction then rounds the quotient
+    correctly for every b, not only those tried here."""
+    gen = np.random.default_rng(0)
+    mantissas = [1 + Fraction(m, 128) for m in range(128)]
+    mantissas += [1 + Fraction(int(m), 1 << 23) for m in gen.integers(0, 1 << 23, 200)]
+    for b in [*mantissas, Fraction(float(np.float32(1e-30)))]:
+        want = _rn32(127 / b)
+        y0 = _rn32(1 / b)
+        ulp = _ulp32(y0)
+        for k in range(-8, 9):
+            y, q = _div_127_steps(b, y0 + k * ulp)
+            assert abs(y - 1 / b) <= ulp and q == want, (b, k)
+
+
+@triton.jit
+def _div_127_kernel(b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    b = tl.load(b_ptr + i, mask=ok, other=1.0)
+    tl.store(out_ptr + i, triton_dense_quant._div_127(b, not triton_dense_quant.INTERPRETED), ok)
+
+
+def test_div_127_on_the_device_equals_torchs_quotient() -> None:
+    """The PTX itself (on CUDA; the interpreter divides in numpy): every bf16 value of
+    2^-30 .. 2^30, 1e-30 and random fp32 values give torch's 127 / b bit for bit."""
+    bf16 = torch.arange(0x3080, 0x4E80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    b = torch.cat([bf16.float(), torch.tensor([1e-30]), torch.rand(4096) * 1e3 + 1e-6])
+    b = b.to(DEVICE)
+    got = torch.empty_like(b)
+    _div_127_kernel[(triton.cdiv(len(b), 1024),)](b, got, len(b), BLOCK=1024)
+    assert torch.equal(got, torch.full_like(b, 127.0) / b)
 
 
 def test_word_gemv_split_is_deterministic() -> None:

@@ -72,8 +72,10 @@ a thread with Triton 3.9 for sm_90 offline (`ptxas` + `nvdisasm`), against the w
 4.3 there: the codes cost 5 a word (an AND, a shift and an AND, two DP4As), the run of x ~170
 shared by the rows. Each tile's codes and x load a loop step ahead. On the H100 a llama3-8b
 step's projections take 1.98 ms against the word GEMV's 2.28 (`bench/dense_quant_bench.py`).
-A run's 127 / max |x| is an IEEE quotient (div.rn, as torch divides in the reference; Triton's
-own fp32 division is div.full), ~0.2 more instructions a weight (not yet timed on a GPU).
+A run's 127 / max |x| is an IEEE quotient, as torch divides in the reference (Triton's own
+fp32 division is div.full, ~2 ulp off). div.rn itself (f3a0030) cost B1 int4 ~4 % on an H100
+(368 -> 354 tok/s, `bench/ab_commits.sh`): a range check, a branch and a slow-path call in the
+loop. `_div_127` is its fast path alone (the range check always passes here), untimed.
 The error this adds is x's rounding, at most d / 2 an input
 (kernels/reference.py `int8_runs` is the same rounding in torch). Under Triton's interpreter
 DP4A is the same integer sum from shifts (`_dp4a`; the inline PTX runs on the device only).
@@ -610,6 +612,33 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
+def _div_127(b, ASM: tl.constexpr):
+    # 127 / b rounded to nearest (b > 0 normal): on the device div.rn's fast path without its
+    # range check and slow-path call (a branch a loop step, ~4 % of B1 int4 on an H100): a
+    # reciprocal refined once, the quotient corrected once. Correct for every b whatever the
+    # reciprocal within 8 ulp (tests/test_dense_quant.py checks the steps in exact arithmetic
+    # and the kernel against torch's quotient); Triton's `/` is div.full (~2 ulp off).
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{ .reg .f32 y, e, q, r, nb;
+            rcp.approx.ftz.f32 y, $1;
+            neg.f32 nb, $1;
+            fma.rn.f32 e, nb, y, 0f3F800000;
+            fma.rn.f32 y, e, y, y;
+            mul.rn.f32 q, 0f42FE0000, y;
+            fma.rn.f32 r, nb, q, 0f42FE0000;
+            fma.rn.f32 $0, r, y, q; }""",
+            "=r,r",
+            [b],
+            tl.float32,
+            True,
+            1,
+        )
+    else:
+        return 127.0 / b
+
+
+@triton.jit
 def _int8_byte(v, inv, round_magic, ASM: tl.constexpr):
     # round(v * inv) (|.| <= 127) as its two's complement byte: 1.5 * 2^23 + r is an exact
     # float whose low mantissa byte is r's. The product is rounded to fp32 first (mul.rn is
@@ -712,10 +741,8 @@ def _int4_gemv_dp4a(
         max_lo, sum_lo = _pairs_max_sum(a_lo, b_lo)  # inputs 0..15 of each run
         max_hi, sum_hi = _pairs_max_sum(a_hi, b_hi)  # inputs 16..31
         amax = tl.max(tl.maximum(max_lo, max_hi), axis=2)
-        # A true quotient (div.rn: Triton's fp32 `/` on the device is div.full, ~2 ulp), as
-        # reference.int8_runs divides; an all-zero run: inv * 0 = 0.
-        amax_ok = tl.maximum(amax, 1e-30)
-        inv = libdevice.div_rn(tl.zeros_like(amax_ok) + 127.0, amax_ok) if ASM else 127.0 / amax_ok
+        # A true quotient, as reference.int8_runs divides; an all-zero run: inv * 0 = 0.
+        inv = _div_127(tl.maximum(amax, 1e-30), ASM)
         q_lo = _x_int8_words(a_lo, b_lo, inv[:, :, None], round_magic, ASM)
         q_hi = _x_int8_words(a_hi, b_hi, inv[:, :, None], round_magic, ASM)
         codes = tl.reshape(codes, (BLOCK_N, RUNS, 4))
