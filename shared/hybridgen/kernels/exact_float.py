@@ -1,6 +1,6 @@
-"""Small integers to fp32 without an I2F: the SM issues a conversion from a byte at 16 a clock
-(1/8 of the FMA pipe), while these are integer adds or ORs and an FADD at full rate. Both
-give the integer's value exactly."""
+"""Small integers to fp32 or fp16 without an I2F: the SM issues a conversion from a byte at 16
+a clock (1/8 of the FMA pipe), while these are integer adds, ORs and byte permutes and an FADD
+(HSUB2 for two halves) at full rate. Each gives the integer's value exactly."""
 
 from __future__ import annotations
 
@@ -19,3 +19,44 @@ def int8_float(c):
     # int8 (or int32) c in -128..127 -> the same value as fp32: the bits of 2^23 + 128 + c,
     # less 2^23 + 128 (c + 128 is in 0..255).
     return (c.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def int8_words_half(w, ASM: tl.constexpr):
+    # int32 words of four int8 codes (byte k: code k) -> [*w.shape, 4] fp16, the codes' values
+    # in byte order. On the device a word takes an XOR, two PRMTs and two HSUB2s: c ^ 0x80 is
+    # c + 128 as a byte; under a 0x64 byte it reads as the half 1024 + c + 128, less 1152.
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            """{ .reg .b32 a, m;
+            xor.b32 a, $2, 0x80808080;
+            mov.b32 m, 0x64806480;
+            prmt.b32 $0, a, 0x64646464, 0x4140;
+            prmt.b32 $1, a, 0x64646464, 0x4342;
+            sub.f16x2 $0, $0, m;
+            sub.f16x2 $1, $1, m; }""",
+            "=r,=r,r",
+            [w],
+            (tl.int32, tl.int32),
+            True,
+            1,
+        )
+        h0, h1 = _halves(lo)
+        h2, h3 = _halves(hi)
+    else:
+        h0, h1, h2, h3 = _magic_half(w, 0), _magic_half(w, 1), _magic_half(w, 2), _magic_half(w, 3)
+    return tl.join(tl.join(h0, h2), tl.join(h1, h3))  # [..., 2, 2]: h0, h1, h2, h3
+
+
+@triton.jit
+def _halves(x):
+    # int32 x -> its low and high 16 bits as fp16.
+    lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _magic_half(w, k: tl.constexpr):
+    # byte k of w (an int8 code) as fp16, by the bits the device's PRMT builds.
+    bits = (((w >> (8 * k)) & 0xFF) ^ 0x80) | 0x6400
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) - 1152.0

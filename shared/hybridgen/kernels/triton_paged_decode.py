@@ -14,7 +14,10 @@ after another, each load waiting on L2, where the merge kernel's programs load t
 Quantized caches (kv_quant.QuantKvCache, int8 or int4 per token and group of channels) take the
 same kernel: each K/V tile is loaded as codes plus per-group scales (and zeros), dequantized in
 registers and rounded to q's dtype, so the kernel computes the same attention as the torch
-reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). Every
+reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). An int8
+cache with one group size (the Hot tier's) instead keeps the scales out of the codes
+(`_attend_int8_folded`): the codes enter fp16 dots as they are and the scales multiply the
+dots' results, a finer rounding than the dequantized cache's. Every
 byte is loaded once: scales as [BLOCK_N, D / g] and broadcast over their g channels, int4 codes
 as [BLOCK_N, D / 2] bytes split into nibbles, so the group size must be a power of two. Keys
 and values have a group each: the Warm pool's int4 records (KIVI) keep one key scale and zero
@@ -33,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybridgen.kernels.exact_float import int8_float
+from hybridgen.kernels.exact_float import int8_float, int8_words_half
 from hybridgen.kernels.kv_quant import QuantKvCache
 
 _LOG2E = 1.4426950408889634
@@ -149,6 +152,140 @@ def _load_kv_tile(
     return x
 
 
+@triton.jit
+def _attend_int8_folded(
+    q_row_ptr,
+    sq_h,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_row_ptr,
+    start,
+    seq_len,
+    t_lo,
+    t_hi,
+    kvh,
+    group,
+    head_dim,
+    qk_scale,
+    skc_n,
+    skc_s,
+    skc_h,
+    svc_n,
+    svc_s,
+    svc_h,
+    ksm_n,
+    ksm_s,
+    ksm_h,
+    vsm_n,
+    vsm_s,
+    vsm_h,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QGROUP: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # An int8 cache's tiles with their scales kept out of the codes (-> acc [BLOCK_G, BLOCK_D],
+    # m, l [BLOCK_G] as the generic loop's). The dots' rows are (head h, group j) at h * NG + j:
+    # row (h, j) of the query holds head h's channels of group j (0 elsewhere), so a key's
+    # score for head h is the sum over j of row (h, j)'s dot times the key's scale of group j,
+    # and the values' dot takes row (h, j) = p_h times each key's value scale of group j,
+    # giving group j's channels of head h. The codes go to the dots as they are (exact in
+    # fp16): no multiply a code; they load as int32 words of four, which convert in the
+    # loaded layout (int8_words_half: five instructions a word) before the dot's layout, as
+    # a native cache's bf16 tiles go (Triton 3.9 for sm_90 offline: 754 instructions in the
+    # loop a 64-key tile against 1,454 dequantizing each code and native's 594).
+    # fp16 keeps 11 bits: the queries are scaled to a max of 1024 and each tile's value
+    # scales of a group to a max of 4096 (p <= 1), both undone after the dots in fp32.
+    NG: tl.constexpr = BLOCK_D // QGROUP
+    R: tl.constexpr = BLOCK_G * NG
+    dot_ty = tl.float16 if HALF else tl.float32
+    r = tl.arange(0, R)
+    rh = r // NG
+    rj = r % NG
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    in_group = (d // QGROUP)[None, :] == rj[:, None]  # [R, BLOCK_D]
+    gi = tl.arange(0, NG)
+    gi_ok = gi < head_dim // QGROUP
+    dw = tl.arange(0, BLOCK_D // 4)  # the codes as int32 words of four (head_dim % 4 == 0)
+    kc_words = kc_ptr.to(tl.pointer_type(tl.int32))
+    vc_words = vc_ptr.to(tl.pointer_type(tl.int32))
+    qb = tl.load(
+        q_row_ptr + rh[:, None] * sq_h + d[None, :],
+        mask=(rh < group)[:, None] & d_ok[None, :] & in_group,
+        other=0.0,
+    ).to(tl.float32)
+    qmax = tl.max(tl.abs(qb))
+    q_up = tl.where(qmax > 0, 1024.0 / tl.maximum(qmax, 1e-30), 1.0)
+    q_dot = (qb * q_up).to(dot_ty)
+    score_scale = qk_scale / q_up
+
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([R, BLOCK_D], dtype=tl.float32)
+    for tile in range(t_lo, t_hi):
+        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = (j >= start) & (j < seq_len)
+        phys = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = j % BLOCK_SIZE
+        word_ok = valid[:, None] & (dw < head_dim // 4)[None, :]
+        meta_ok = gi_ok[:, None] & valid[None, :]
+        kc = tl.load(
+            kc_words + ((phys * skc_n + off * skc_s + kvh * skc_h) // 4)[:, None] + dw[None, :],
+            mask=word_ok,
+            other=0,
+        )
+        k = _int8_dot_operand(kc, HALF, BLOCK_N, BLOCK_D, ASM)
+        ks = tl.load(
+            ks_ptr + (phys * ksm_n + off * ksm_s + kvh * ksm_h)[None, :] + gi[:, None],
+            mask=meta_ok,
+            other=0.0,
+        ).to(tl.float32)  # [NG, BLOCK_N]
+        s3 = tl.reshape(tl.dot(q_dot, tl.trans(k), input_precision="ieee"), (BLOCK_G, NG, BLOCK_N))
+        s = tl.sum(s3 * (ks * score_scale)[None, :, :], axis=1)  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vc = tl.load(
+            vc_words + ((phys * svc_n + off * svc_s + kvh * svc_h) // 4)[:, None] + dw[None, :],
+            mask=word_ok,
+            other=0,
+        )
+        v = _int8_dot_operand(vc, HALF, BLOCK_N, BLOCK_D, ASM)
+        vs = tl.load(
+            vs_ptr + (phys * vsm_n + off * vsm_s + kvh * vsm_h)[None, :] + gi[:, None],
+            mask=meta_ok,
+            other=0.0,
+        ).to(tl.float32)  # [NG, BLOCK_N]
+        v_max = tl.max(vs, axis=1)  # [NG]; 0: no visible key has a nonzero value in group
+        v_up = vs * tl.where(v_max > 0, 4096.0 / tl.maximum(v_max, 1e-30), 0.0)[:, None]
+        pv = tl.reshape(p[:, None, :] * v_up[None, :, :], (R, BLOCK_N)).to(dot_ty)
+        v_down = tl.reshape(tl.broadcast_to((v_max * (1.0 / 4096.0))[None, :], (BLOCK_G, NG)), (R,))
+        alpha_r = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, NG)), (R,))
+        pv_v = tl.dot(pv, v, input_precision="ieee")
+        acc = acc * alpha_r[:, None] + pv_v * v_down[:, None]
+        m_i = m_new
+    # Row (h, j) holds group j's channels of head h (and sums of no use elsewhere).
+    acc = tl.where(in_group, acc, 0.0)
+    return tl.sum(tl.reshape(acc, (BLOCK_G, NG, BLOCK_D)), axis=1), m_i, l_i
+
+
+@triton.jit
+def _int8_dot_operand(
+    words, HALF: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ASM: tl.constexpr
+):
+    # [ROWS, COLS / 4] int32 words of int8 codes -> [ROWS, COLS] fp16 (HALF) or fp32, exactly.
+    x = tl.reshape(int8_words_half(words, ASM), (ROWS, COLS))
+    return x if HALF else x.to(tl.float32)
+
+
 @triton.jit(
     do_not_specialize=["num_splits", "s_bt"],
     do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr"],
@@ -201,6 +338,8 @@ def _decode_split_kernel(
     QUANT: tl.constexpr,
     KGROUP: tl.constexpr,
     VGROUP: tl.constexpr,
+    FOLD: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     # q: [B, Hq, D]; caches: [N, S, Hkv, D] (or quantized codes, see _load_kv_tile) with unit
     # stride along D; K's scales and zeros share strides ksm_* (ksm_s 0: one per block and
@@ -216,64 +355,102 @@ def _decode_split_kernel(
     row_ok = g < group
     d_ok = d < head_dim
     heads = kvh * group + g
-    q = tl.load(
-        q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    # Quantized tiles are dequantized to q's dtype, in which the dots then run.
-    kv_ty = kc_ptr.dtype.element_ty if QUANT == 0 else q_ptr.dtype.element_ty
-    q = q.to(tl.float32) if DOT_FP32 else q.to(kv_ty)
-
-    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for tile in range(t_lo, t_hi):
-        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = (j >= start) & (j < seq_len)
-        phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = j % BLOCK_SIZE
-        k = _load_kv_tile(
+    if FOLD:  # int8 with one group size: the scales kept out of the codes
+        acc, m_i, l_i = _attend_int8_folded(
+            q_ptr + b * sq_b + kvh * group * sq_h,
+            sq_h,
             kc_ptr,
+            vc_ptr,
             ks_ptr,
-            kz_ptr,
-            phys * skc_n + off * skc_s + kvh * skc_h,
-            phys * ksm_n + off * ksm_s + kvh * ksm_h,
-            valid,
+            vs_ptr,
+            bt_ptr + b * s_bt,
+            start,
+            seq_len,
+            t_lo,
+            t_hi,
+            kvh,
+            group,
             head_dim,
-            kv_ty,
+            qk_scale,
+            skc_n,
+            skc_s,
+            skc_h,
+            svc_n,
+            svc_s,
+            svc_h,
+            ksm_n,
+            ksm_s,
+            ksm_h,
+            vsm_n,
+            vsm_s,
+            vsm_h,
+            q_ptr.dtype.element_ty != tl.float32,  # fp16 dots (fp32 for an fp32 model)
+            BLOCK_SIZE,
             BLOCK_N,
+            BLOCK_G,
             BLOCK_D,
             KGROUP,
-            QUANT,
+            ASM,
         )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile holds >= 1 visible key, so m_new is finite and no exp2(-inf - -inf) occurs.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
-            vc_ptr,
-            vs_ptr,
-            vz_ptr,
-            phys * svc_n + off * svc_s + kvh * svc_h,
-            phys * vsm_n + off * vsm_s + kvh * vsm_h,
-            valid,
-            head_dim,
-            kv_ty,
-            BLOCK_N,
-            BLOCK_D,
-            VGROUP,
-            QUANT,
+    else:
+        q = tl.load(
+            q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
         )
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        # Quantized tiles are dequantized to q's dtype, in which the dots then run.
+        kv_ty = kc_ptr.dtype.element_ty if QUANT == 0 else q_ptr.dtype.element_ty
+        q = q.to(tl.float32) if DOT_FP32 else q.to(kv_ty)
+
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for tile in range(t_lo, t_hi):
+            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = (j >= start) & (j < seq_len)
+            phys = tl.load(bt_ptr + b * s_bt + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            off = j % BLOCK_SIZE
+            k = _load_kv_tile(
+                kc_ptr,
+                ks_ptr,
+                kz_ptr,
+                phys * skc_n + off * skc_s + kvh * skc_h,
+                phys * ksm_n + off * ksm_s + kvh * ksm_h,
+                valid,
+                head_dim,
+                kv_ty,
+                BLOCK_N,
+                BLOCK_D,
+                KGROUP,
+                QUANT,
+            )
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            # Every tile holds >= 1 visible key, so m_new is finite and no exp2(-inf - -inf) occurs.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load_kv_tile(
+                vc_ptr,
+                vs_ptr,
+                vz_ptr,
+                phys * svc_n + off * svc_s + kvh * svc_h,
+                phys * vsm_n + off * vsm_s + kvh * vsm_h,
+                valid,
+                head_dim,
+                kv_ty,
+                BLOCK_N,
+                BLOCK_D,
+                VGROUP,
+                QUANT,
+            )
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
 
     if DIRECT:
         _decode_epilogue(
@@ -377,10 +554,13 @@ def key_tile(block_d: int, keys: int) -> int:
     return 16
 
 
-def _tile_sizes(head_dim: int, group: int) -> tuple[int, int, int]:
-    # (BLOCK_D, BLOCK_G, BLOCK_N); tl.dot needs every dimension >= 16.
+def _tile_sizes(head_dim: int, group: int, fold_group: int = 0) -> tuple[int, int, int]:
+    # (BLOCK_D, BLOCK_G, BLOCK_N); tl.dot needs every dimension >= 16. With fold_group (the
+    # folded int8 loop's channels a scale) the dots' rows are BLOCK_G heads x BLOCK_D /
+    # fold_group groups, and only those need 16.
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_g = max(16, triton.next_power_of_2(group))
+    min_rows = triton.cdiv(16, block_d // fold_group) if fold_group else 16
+    block_g = max(min_rows, triton.next_power_of_2(group))
     block_n = key_tile(block_d, _TILE_KEYS)
     return block_d, block_g, block_n
 
@@ -496,7 +676,15 @@ def _decode(
     assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = n_q_heads // n_kv_heads
-    block_d, block_g, block_n = _tile_sizes(head_dim, group)
+    # int8 with one group size for keys and values: the scales kept out of the codes, which
+    # load as int32 words (every row of codes 4-byte aligned)
+    fold = (
+        kv.quant == 8
+        and kv.k_group == kv.v_group
+        and all(st % 4 == 0 for st in kv.cache_strides())
+        and kv.k.data_ptr() % 4 == kv.v.data_ptr() % 4 == 0
+    )
+    block_d, block_g, block_n = _tile_sizes(head_dim, group, kv.k_group if fold else 0)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     assert out.stride(-1) == 1
@@ -547,6 +735,8 @@ def _decode(
         QUANT=kv.quant,
         KGROUP=kv.k_group,
         VGROUP=kv.v_group,
+        FOLD=fold,
+        ASM=q.is_cuda,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
