@@ -231,14 +231,15 @@ def test_decode_quant_bf16(codec: HotCodec) -> None:
     assert (lse.cpu()[live].double() - ref_lse[live]).abs().max() < 2e-3 * ref_lse.abs().max()
 
 
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("case", [0, 2, 3])
-def test_int8_decode_keeps_the_scales_out_of_the_codes(case: int) -> None:
-    """bf16 queries over an int8 cache: the codes enter fp16 dots as they are and the scales
-    multiply the dots' results (_attend_int8_folded), so the output is within its own bf16
-    rounding (~0.003 measured) of float64 attention over codes x scales; tiles dequantized
-    to bf16 first (the generic loop) were 0.0066-0.008 off on the CPU."""
+def test_decode_keeps_the_scales_out_of_the_codes(case: int, codec: HotCodec) -> None:
+    """bf16 queries over an int8 or int4 cache: the codes enter fp16 dots as they are and
+    the scales (and zeros) apply to the dots' results (_attend_folded), so the output is
+    within its own bf16 rounding (~0.003 measured) of float64 attention over the dequantized
+    codes; tiles dequantized to bf16 first (the generic loop) were 0.0064-0.008 off (CPU)."""
     seq_lens, _, _, dim, _, window, _ = DECODE_CASES[case]
-    cache, _, _, table, q = _decode_setup("int8", case, torch.bfloat16)
+    cache, _, _, table, q = _decode_setup(codec, case, torch.bfloat16)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     o = t_decode.paged_decode_attention_quant(q, cache, table, sl, dim**-0.5, window, num_splits=2)
     k, v = dequantize_blocks(cache, torch.arange(cache.k.shape[0]), torch.float64)

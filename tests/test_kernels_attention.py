@@ -13,7 +13,7 @@ from torch import Tensor
 
 from hybridgen.kernels import ops, reference
 from hybridgen.kernels import triton_paged_decode as t_decode
-from hybridgen.kernels.exact_float import int8_float, int8_words_half
+from hybridgen.kernels.exact_float import int4_words_half, int8_float, int8_words_half
 from tests.kernel_helpers import DEVICE, FP32_TOL, LOW_TOL, randn, rel_err, tol
 
 # ----------------------------------------------------------------------------------------------
@@ -330,3 +330,22 @@ def test_int8_words_convert_to_halves_exactly() -> None:
     out = torch.empty(256, dtype=torch.float16, device=DEVICE)
     _convert[(1,)](codes.view(torch.int32), out, ASM=DEVICE == "cuda")
     assert torch.equal(out, codes.half())
+
+
+def test_u4_words_convert_to_halves_exactly() -> None:
+    # The folded int4 decode's codes: words of eight nibbles (channel c in bits 4c..4c+3) to
+    # fp16 in channel order, every nibble value in every position.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _convert(w_ptr, out_ptr, ASM: tl.constexpr):
+        i = tl.arange(0, 16)
+        h = tl.reshape(int4_words_half(tl.load(w_ptr + i), ASM), (16, 8))
+        tl.store(out_ptr + 8 * i[:, None] + tl.arange(0, 8)[None, :], h)
+
+    codes = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16  # [word, channel]
+    words = (codes << (4 * torch.arange(8))).sum(1).to(torch.uint32).view(torch.int32)
+    out = torch.empty(128, dtype=torch.float16, device=DEVICE)
+    _convert[(1,)](words.to(DEVICE), out, ASM=DEVICE == "cuda")
+    assert torch.equal(out.cpu(), codes.flatten().half())

@@ -49,6 +49,54 @@ def int8_words_half(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def int4_words_half(w, ASM: tl.constexpr):
+    # int32 words of eight u4 codes (channel c in bits 4c..4c+3: byte i holds channels 2i low
+    # and 2i + 1 high) -> [*w.shape, 2, 2, 2] fp16 whose last dims flatten to channels 0..7. On
+    # the device a word takes three shifts, four LOP3s and four HSUB2s: (w >> 4k) & 0x000F000F
+    # holds channels k and k + 4, and under 0x6400 each reads as the half 1024 + u.
+    if ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            """{ .reg .b32 s1, s2, s3, m;
+            mov.b32 m, 0x64006400;
+            shr.b32 s1, $4, 4;
+            shr.b32 s2, $4, 8;
+            shr.b32 s3, $4, 12;
+            lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, s1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $2, s2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $3, s3, 0x000F000F, 0x64006400, 0xEA;
+            sub.f16x2 $0, $0, m;
+            sub.f16x2 $1, $1, m;
+            sub.f16x2 $2, $2, m;
+            sub.f16x2 $3, $3, m; }""",
+            "=r,=r,=r,=r,r",
+            [w],
+            (tl.int32, tl.int32, tl.int32, tl.int32),
+            True,
+            1,
+        )
+        c0, c4 = _halves(p0)
+        c1, c5 = _halves(p1)
+        c2, c6 = _halves(p2)
+        c3, c7 = _halves(p3)
+    else:
+        c0, c1, c2, c3 = _nibble(w, 0), _nibble(w, 1), _nibble(w, 2), _nibble(w, 3)
+        c4, c5, c6, c7 = _nibble(w, 4), _nibble(w, 5), _nibble(w, 6), _nibble(w, 7)
+    # A join's new dim is the last (the fastest once flattened): the outer join takes channel
+    # bit 0, the next bit 1, the inner bit 2, so the three dims flatten to channels 0..7.
+    even = tl.join(tl.join(c0, c4), tl.join(c2, c6))
+    odd = tl.join(tl.join(c1, c5), tl.join(c3, c7))
+    return tl.join(even, odd)
+
+
+@triton.jit
+def _nibble(w, c: tl.constexpr):
+    # channel c of w (a u4 code) as fp16, by the bits the device's LOP3 builds.
+    bits = ((w >> (4 * c)) & 0xF) | 0x6400
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _halves(x):
     # int32 x -> its low and high 16 bits as fp16.
     lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)

@@ -15,9 +15,9 @@ Quantized caches (kv_quant.QuantKvCache, int8 or int4 per token and group of cha
 same kernel: each K/V tile is loaded as codes plus per-group scales (and zeros), dequantized in
 registers and rounded to q's dtype, so the kernel computes the same attention as the torch
 reference over the cache dequantized to the model dtype (kv_quant.dequantize_blocks). An int8
-cache with one group size (the Hot tier's) instead keeps the scales out of the codes
-(`_attend_int8_folded`): the codes enter fp16 dots as they are and the scales multiply the
-dots' results, a finer rounding than the dequantized cache's. Every
+or int4 cache with one group size for keys and values (the Hot tier's) instead keeps the
+scales and zeros out of the codes (`_attend_folded`): the codes enter fp16 dots as they are
+and the scales multiply the dots' results, a finer rounding than the dequantized cache's. Every
 byte is loaded once: scales as [BLOCK_N, D / g] and broadcast over their g channels, int4 codes
 as [BLOCK_N, D / 2] bytes split into nibbles, so the group size must be a power of two. Keys
 and values have a group each: the Warm pool's int4 records (KIVI) keep one key scale and zero
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hybridgen.kernels.exact_float import int8_float, int8_words_half
+from hybridgen.kernels.exact_float import int4_words_half, int8_float, int8_words_half
 from hybridgen.kernels.kv_quant import QuantKvCache
 
 _LOG2E = 1.4426950408889634
@@ -153,13 +153,15 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend_int8_folded(
+def _attend_folded(
     q_row_ptr,
     sq_h,
     kc_ptr,
     vc_ptr,
     ks_ptr,
+    kz_ptr,
     vs_ptr,
+    vz_ptr,
     bt_row_ptr,
     start,
     seq_len,
@@ -187,18 +189,23 @@ def _attend_int8_folded(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QGROUP: tl.constexpr,
+    QUANT: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    # An int8 cache's tiles with their scales kept out of the codes (-> acc [BLOCK_G, BLOCK_D],
-    # m, l [BLOCK_G] as the generic loop's). The dots' rows are (head h, group j) at h * NG + j:
+    # An int8 or int4 cache's tiles with their scales kept out of the codes (-> acc
+    # [BLOCK_G, BLOCK_D], m, l [BLOCK_G] as the generic loop's). The dots' rows are (head h,
+    # group j) at h * NG + j:
     # row (h, j) of the query holds head h's channels of group j (0 elsewhere), so a key's
     # score for head h is the sum over j of row (h, j)'s dot times the key's scale of group j,
     # and the values' dot takes row (h, j) = p_h times each key's value scale of group j,
-    # giving group j's channels of head h. The codes go to the dots as they are (exact in
-    # fp16): no multiply a code; they load as int32 words of four, which convert in the
-    # loaded layout (int8_words_half: five instructions a word) before the dot's layout, as
-    # a native cache's bf16 tiles go (Triton 3.9 for sm_90 offline: 754 instructions in the
-    # loop a 64-key tile against 1,454 dequantizing each code and native's 594).
+    # giving group j's channels of head h. int4's zeros add z_j times the sum of row (h, j)'s
+    # query to the scores, and p_h's sum against the keys' group-j value zeros to group j's
+    # channels. The codes go to the dots as they are (exact in fp16): no multiply a code;
+    # they load as int32 words (of four int8 or eight u4 codes) that convert in the loaded
+    # layout (exact_float: five instructions a word of int8, eleven of u4) before the dot's
+    # layout, as a native cache's bf16 tiles go (Triton 3.9 for sm_90 offline: 754
+    # instructions in the loop a 64-key int8 tile against 1,454 dequantizing each code, and
+    # native's 594).
     # fp16 keeps 11 bits: the queries are scaled to a max of 1024 and each tile's value
     # scales of a group to a max of 4096 (p <= 1), both undone after the dots in fp32.
     NG: tl.constexpr = BLOCK_D // QGROUP
@@ -212,7 +219,8 @@ def _attend_int8_folded(
     in_group = (d // QGROUP)[None, :] == rj[:, None]  # [R, BLOCK_D]
     gi = tl.arange(0, NG)
     gi_ok = gi < head_dim // QGROUP
-    dw = tl.arange(0, BLOCK_D // 4)  # the codes as int32 words of four (head_dim % 4 == 0)
+    PER_WORD: tl.constexpr = 4 if QUANT == 8 else 8  # codes an int32 word
+    dw = tl.arange(0, BLOCK_D // PER_WORD)  # head_dim % PER_WORD == 0
     kc_words = kc_ptr.to(tl.pointer_type(tl.int32))
     vc_words = vc_ptr.to(tl.pointer_type(tl.int32))
     qb = tl.load(
@@ -224,30 +232,40 @@ def _attend_int8_folded(
     q_up = tl.where(qmax > 0, 1024.0 / tl.maximum(qmax, 1e-30), 1.0)
     q_dot = (qb * q_up).to(dot_ty)
     score_scale = qk_scale / q_up
+    q_sums = tl.reshape(tl.sum(q_dot.to(tl.float32), axis=1), (BLOCK_G, NG))  # int4's zeros
 
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([R, BLOCK_D], dtype=tl.float32)
+    acc_zero = tl.zeros([R], dtype=tl.float32)  # int4: p against the value zeros
     for tile in range(t_lo, t_hi):
         j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = (j >= start) & (j < seq_len)
         phys = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = j % BLOCK_SIZE
-        word_ok = valid[:, None] & (dw < head_dim // 4)[None, :]
+        word_ok = valid[:, None] & (dw < head_dim // PER_WORD)[None, :]
         meta_ok = gi_ok[:, None] & valid[None, :]
         kc = tl.load(
             kc_words + ((phys * skc_n + off * skc_s + kvh * skc_h) // 4)[:, None] + dw[None, :],
             mask=word_ok,
             other=0,
         )
-        k = _int8_dot_operand(kc, HALF, BLOCK_N, BLOCK_D, ASM)
+        k = _codes_dot_operand(kc, QUANT, HALF, BLOCK_N, BLOCK_D, ASM)
         ks = tl.load(
             ks_ptr + (phys * ksm_n + off * ksm_s + kvh * ksm_h)[None, :] + gi[:, None],
             mask=meta_ok,
             other=0.0,
         ).to(tl.float32)  # [NG, BLOCK_N]
         s3 = tl.reshape(tl.dot(q_dot, tl.trans(k), input_precision="ieee"), (BLOCK_G, NG, BLOCK_N))
-        s = tl.sum(s3 * (ks * score_scale)[None, :, :], axis=1)  # [BLOCK_G, BLOCK_N]
+        s3 = s3 * (ks * score_scale)[None, :, :]
+        if QUANT == 4:
+            kz = tl.load(
+                kz_ptr + (phys * ksm_n + off * ksm_s + kvh * ksm_h)[None, :] + gi[:, None],
+                mask=meta_ok,
+                other=0.0,
+            ).to(tl.float32)
+            s3 += q_sums[:, :, None] * (kz * score_scale)[None, :, :]
+        s = tl.sum(s3, axis=1)  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -258,7 +276,7 @@ def _attend_int8_folded(
             mask=word_ok,
             other=0,
         )
-        v = _int8_dot_operand(vc, HALF, BLOCK_N, BLOCK_D, ASM)
+        v = _codes_dot_operand(vc, QUANT, HALF, BLOCK_N, BLOCK_D, ASM)
         vs = tl.load(
             vs_ptr + (phys * vsm_n + off * vsm_s + kvh * vsm_h)[None, :] + gi[:, None],
             mask=meta_ok,
@@ -271,18 +289,35 @@ def _attend_int8_folded(
         alpha_r = tl.reshape(tl.broadcast_to(alpha[:, None], (BLOCK_G, NG)), (R,))
         pv_v = tl.dot(pv, v, input_precision="ieee")
         acc = acc * alpha_r[:, None] + pv_v * v_down[:, None]
+        if QUANT == 4:
+            vz = tl.load(
+                vz_ptr + (phys * vsm_n + off * vsm_s + kvh * vsm_h)[None, :] + gi[:, None],
+                mask=meta_ok,
+                other=0.0,
+            ).to(tl.float32)
+            pz = tl.reshape(tl.sum(p[:, None, :] * vz[None, :, :], axis=2), (R,))
+            acc_zero = acc_zero * alpha_r + pz
         m_i = m_new
     # Row (h, j) holds group j's channels of head h (and sums of no use elsewhere).
-    acc = tl.where(in_group, acc, 0.0)
+    acc = tl.where(in_group, acc + acc_zero[:, None], 0.0)
     return tl.sum(tl.reshape(acc, (BLOCK_G, NG, BLOCK_D)), axis=1), m_i, l_i
 
 
 @triton.jit
-def _int8_dot_operand(
-    words, HALF: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, ASM: tl.constexpr
+def _codes_dot_operand(
+    words,
+    QUANT: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    # [ROWS, COLS / 4] int32 words of int8 codes -> [ROWS, COLS] fp16 (HALF) or fp32, exactly.
-    x = tl.reshape(int8_words_half(words, ASM), (ROWS, COLS))
+    # [ROWS, COLS / 4 or / 8] int32 words of int8 or u4 codes -> [ROWS, COLS] fp16 (HALF) or
+    # fp32, exactly.
+    if QUANT == 8:
+        x = tl.reshape(int8_words_half(words, ASM), (ROWS, COLS))
+    else:
+        x = tl.reshape(int4_words_half(words, ASM), (ROWS, COLS))
     return x if HALF else x.to(tl.float32)
 
 
@@ -356,13 +391,15 @@ def _decode_split_kernel(
     d_ok = d < head_dim
     heads = kvh * group + g
     if FOLD:  # int8 with one group size: the scales kept out of the codes
-        acc, m_i, l_i = _attend_int8_folded(
+        acc, m_i, l_i = _attend_folded(
             q_ptr + b * sq_b + kvh * group * sq_h,
             sq_h,
             kc_ptr,
             vc_ptr,
             ks_ptr,
+            kz_ptr,
             vs_ptr,
+            vz_ptr,
             bt_ptr + b * s_bt,
             start,
             seq_len,
@@ -390,6 +427,7 @@ def _decode_split_kernel(
             BLOCK_G,
             BLOCK_D,
             KGROUP,
+            QUANT,
             ASM,
         )
     else:
@@ -676,11 +714,12 @@ def _decode(
     assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = n_q_heads // n_kv_heads
-    # int8 with one group size for keys and values: the scales kept out of the codes, which
-    # load as int32 words (every row of codes 4-byte aligned)
+    # int8 or int4 with one group size for keys and values: the scales kept out of the codes,
+    # which load as int32 words (every row of codes 4-byte aligned, whole words a head)
     fold = (
-        kv.quant == 8
+        kv.quant in (8, 4)
         and kv.k_group == kv.v_group
+        and head_dim % (4 if kv.quant == 8 else 8) == 0
         and all(st % 4 == 0 for st in kv.cache_strides())
         and kv.k.data_ptr() % 4 == kv.v.data_ptr() % 4 == 0
     )
