@@ -318,6 +318,22 @@ def test_client_cancel_aborts_the_request(server: Server) -> None:
     assert replies[-1].usage.completion_tokens == 4
 
 
+def test_a_duplicate_request_id_leaves_the_running_request_alone(server: Server) -> None:
+    """A second call under a running call's request_id is refused, and the running call
+    goes on to its last token (the refusal aborted it: a client could end another's)."""
+    prompt = sample_prompts(server.model, 1, 8)[0]
+    n = MAX_MODEL_LEN - 8
+    call = server.stub.Generate(_greedy_request(prompt, n, request_id="dup"), timeout=60)
+    first = next(call)
+    with pytest.raises(grpc.RpcError) as refused:
+        _generate(server, _greedy_request(prompt, 4, request_id="dup"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already running" in (refused.value.details() or "")
+    replies = [first, *call]
+    assert sum(len(r.token_ids) for r in replies) == n
+    assert replies[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 @pytest.mark.slow
 def test_admission_queue_full_is_resource_exhausted(server: Server) -> None:
     """Of 8 simultaneous long requests at most 3 get in (2 sequences run, 1 may wait for its

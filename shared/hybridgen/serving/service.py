@@ -472,6 +472,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         stop-string prefix, is not sent); one without any ends with RequestTimedOut."""
         self._reserved -= 1
         outcome, last, tokens, prompt_tokens = "error", 0.0, 0, 0
+        refused = False  # the backend refused it before it ran: nothing of it to abort
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 while True:
@@ -495,11 +496,16 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                     if delta.finish_reason is not None:
                         outcome = delta.finish_reason.value
                     yield delta
+        except InvalidRequest:
+            # Before its first message (a request_id already running): the id is another
+            # call's, which an abort would end.
+            refused = last == 0.0
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"  # the client went away or its deadline passed
             raise
         finally:
-            if outcome in ("error", "cancelled", "time_limit"):
+            if outcome in ("error", "cancelled", "time_limit") and not refused:
                 await self.backend.abort(request_id)  # frees the KV now, not at GC
             self.metrics.requests.labels(finish_reason=outcome).inc()
             log.info("request_finished", finish_reason=outcome, completion_tokens=tokens)
