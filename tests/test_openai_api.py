@@ -263,14 +263,25 @@ def test_bad_json_and_unknown_paths_are_openai_errors() -> None:
                 post, "/v1/completions", rb'{"prompt": "a", "stop": ["\udc00"]}'
             ),
             await asyncio.to_thread(post, "/tokenize", rb'{"prompt": "\ud800"}'),
+            # An integer past Python's digit limit, and nesting past its recursion limit.
+            await asyncio.to_thread(
+                post, "/v1/completions", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"
+            ),
+            await asyncio.to_thread(
+                post,
+                "/v1/completions",
+                b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            ),
             await asyncio.to_thread(
                 post, "/v1/completions", rb'{"prompt": "fine", "max_tokens": 2}'
             ),
         ]
 
-    (s1, b1), (s2, b2), (s3, b3), (s4, b4), (s5, b5), (s6, b6), (s7, _) = run(
+    (s1, b1), (s2, b2), (s3, b3), (s4, b4), (s5, b5), (s6, b6), (s8, b8), (s9, b9), (s7, _) = run(
         ScriptedBackend(), scenario
     )
+    assert (s8, b8["error"]["param"], s9, b9["error"]["param"]) == (400, "body", 400, "body")
+    assert "nests" in b9["error"]["message"]
     assert (s1, b1["error"]["param"]) == (400, "body")
     assert (s2, b2["error"]["param"]) == (400, "body")
     assert s3 == 404 and "/v2/anything" in b3["error"]["message"]

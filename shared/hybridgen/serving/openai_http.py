@@ -559,13 +559,20 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 def _parse_json(raw: bytes) -> dict[str, Any]:
+    too_deep = InvalidRequest("body", "nests arrays or objects too deeply")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: JSONDecodeError, and an
+        # integer past Python's 4,300 digits
         raise InvalidRequest("body", f"is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise InvalidRequest("body", "must be a JSON object")
-    _check_unicode(body, "")
+    try:
+        _check_unicode(body, "")
+    except RecursionError:  # a depth json.loads took, with this walk's frames on top
+        raise too_deep from None
     return body
 
 
