@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
@@ -289,6 +290,32 @@ def test_bad_json_and_unknown_paths_are_openai_errors() -> None:
     assert "lone UTF-16 surrogate (U+D800 at character 0)" in b4["error"]["message"]
     assert (s5, b5["error"]["param"], s6, b6["error"]["param"]) == (400, "stop[0]", 400, "prompt")
     assert s7 == 200  # and the server answers the next request
+
+
+def test_a_client_gone_while_sending_its_body_is_cancelled_not_internal() -> None:
+    """A body cut short (Content-Length 1000, 10 bytes sent, then the socket closed) counts as
+    CANCELLED, not as a server error (it was logged and counted as INTERNAL)."""
+
+    async def scenario(port: int, service: GenerationService) -> Any:
+        def half_sent() -> None:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                sock.sendall(head.encode() + b'Content-Type: application/json\r\n\r\n{"prompt"')
+
+        await asyncio.to_thread(half_sent)
+        for _ in range(100):  # the server sees the close asynchronously
+            rejected = {
+                s.labels["code"]: s.value
+                for m in service.metrics.rejected.collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            }
+            if rejected:
+                return rejected
+            await asyncio.sleep(0.05)
+        return {}
+
+    assert run(ScriptedBackend(), scenario) == {"CANCELLED": 1.0}
 
 
 def test_a_client_gone_before_the_first_token_gives_back_every_place() -> None:

@@ -33,7 +33,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -77,6 +77,8 @@ _ERRORS: tuple[tuple[type[BaseException], int, str, str], ...] = (
     (QueueFull, 429, "rate_limit_exceeded", "RESOURCE_EXHAUSTED"),
     (BackendUnavailable, 503, "service_unavailable", "UNAVAILABLE"),
     (RequestTimedOut, 504, "timeout_error", "DEADLINE_EXCEEDED"),
+    # gone while sending its body: no one reads the answer, and it is no server error
+    (ClientDisconnect, 499, "client_closed_request", "CANCELLED"),
 )
 _STEP_ERRORS = {
     ErrorCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -643,7 +645,7 @@ def _grpc_name(status: int) -> str:
     INTERNAL (an alert on INTERNAL is an alert on the server)."""
     names = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND"}
     names |= {413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
-    names |= {504: "DEADLINE_EXCEEDED"}
+    names |= {499: "CANCELLED", 504: "DEADLINE_EXCEEDED"}
     return names.get(status, "INVALID_ARGUMENT" if 400 <= status < 500 else "INTERNAL")
 
 
