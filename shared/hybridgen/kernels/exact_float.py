@@ -23,9 +23,10 @@ def int8_float(c):
 
 @triton.jit
 def int8_words_half(w, ASM: tl.constexpr):
-    # int32 words of four int8 codes (byte k: code k) -> [*w.shape, 4] fp16, the codes' values
-    # in byte order. On the device a word takes an XOR, two PRMTs and two HSUB2s: c ^ 0x80 is
-    # c + 128 as a byte; under a 0x64 byte it reads as the half 1024 + c + 128, less 1152.
+    # int32 words of four int8 codes (byte k: code k) -> [*w.shape, 2, 2] fp16 whose last dims
+    # flatten to the codes in byte order. On the device a word takes an XOR, two PRMTs and two
+    # HSUB2s: c ^ 0x80 is c + 128 as a byte; under a 0x64 byte it reads as the half 1024 + c +
+    # 128, less 1152.
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             """{ .reg .b32 a, m;
