@@ -245,6 +245,9 @@ def _attend_folded(
         off = j % BLOCK_SIZE
         word_ok = valid[:, None] & (dw < head_dim // PER_WORD)[None, :]
         meta_ok = gi_ok[:, None] & valid[None, :]
+        # [NG, BLOCK_N]: each key's scale (and zero) of each group
+        k_meta = (phys * ksm_n + off * ksm_s + kvh * ksm_h)[None, :] + gi[:, None]
+        v_meta = (phys * vsm_n + off * vsm_s + kvh * vsm_h)[None, :] + gi[:, None]
         kc = tl.load(
             kc_words + ((phys * skc_n + off * skc_s + kvh * skc_h) // 4)[:, None] + dw[None, :],
             mask=word_ok,
@@ -252,7 +255,7 @@ def _attend_folded(
         )
         k = _codes_dot_operand(kc, QUANT, HALF, BLOCK_N, BLOCK_D, ASM)
         ks = tl.load(
-            ks_ptr + (phys * ksm_n + off * ksm_s + kvh * ksm_h)[None, :] + gi[:, None],
+            ks_ptr + k_meta,
             mask=meta_ok,
             other=0.0,
         ).to(tl.float32)  # [NG, BLOCK_N]
@@ -260,7 +263,7 @@ def _attend_folded(
         s3 = s3 * (ks * score_scale)[None, :, :]
         if QUANT == 4:
             kz = tl.load(
-                kz_ptr + (phys * ksm_n + off * ksm_s + kvh * ksm_h)[None, :] + gi[:, None],
+                kz_ptr + k_meta,
                 mask=meta_ok,
                 other=0.0,
             ).to(tl.float32)
@@ -278,7 +281,7 @@ def _attend_folded(
         )
         v = _codes_dot_operand(vc, QUANT, HALF, BLOCK_N, BLOCK_D, ASM)
         vs = tl.load(
-            vs_ptr + (phys * vsm_n + off * vsm_s + kvh * vsm_h)[None, :] + gi[:, None],
+            vs_ptr + v_meta,
             mask=meta_ok,
             other=0.0,
         ).to(tl.float32)  # [NG, BLOCK_N]
@@ -291,7 +294,7 @@ def _attend_folded(
         acc = acc * alpha_r[:, None] + pv_v * v_down[:, None]
         if QUANT == 4:
             vz = tl.load(
-                vz_ptr + (phys * vsm_n + off * vsm_s + kvh * vsm_h)[None, :] + gi[:, None],
+                vz_ptr + v_meta,
                 mask=meta_ok,
                 other=0.0,
             ).to(tl.float32)
